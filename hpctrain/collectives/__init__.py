@@ -1,0 +1,1 @@
+"""Collective algorithms on flat numpy buffers, independent of any backend."""

@@ -1,0 +1,1 @@
+"""Communicators: the interface (base) and its backends (mpi, horovod, local)."""

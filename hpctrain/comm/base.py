@@ -1,0 +1,479 @@
+"""The Communicator interface: one entry point per collective, each with an async form.
+
+A communicator validates a call, converts its input to a numpy buffer
+(:mod:`hpctrain.tensors`), checks that all ranks make the same call
+(:mod:`hpctrain.comm.signature`), runs the algorithm on numpy buffers and
+converts the result back to the input's type.  Backends (MPI, Horovod, local)
+implement only the small set of buffer primitives at the bottom of this
+class; everything above them is shared.
+
+Rules common to every collective:
+
+* the result has the input's type (numpy, torch or TensorFlow), dtype and, for
+  element-wise collectives, shape; the input is never modified;
+* each ``name(...)`` has a ``name_async(...)`` twin returning a :class:`Handle`;
+  calls run one at a time in the order they were made (see
+  :mod:`hpctrain.comm.runtime`);
+* with ``HPCTRAIN_CHECK`` on (the default) ranks first compare their calls, so
+  a mismatch in kind, dtype, shape, op, root or algorithm, or an invalid
+  argument on any rank, raises :class:`~hpctrain.errors.CollectiveMismatchError`
+  on every rank instead of hanging or corrupting memory.
+"""
+from __future__ import annotations
+
+import abc
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..collectives.ops import check_op, finish, segment_bounds, to_accumulator
+from ..collectives.ring import ring_allreduce, ring_reduce_scatter
+from ..errors import CollectiveMismatchError
+from ..tensors import to_numpy
+from .runtime import Runtime
+from .signature import Call
+
+__all__ = ["Communicator", "Handle", "Topology", "ALLREDUCE_ALGORITHMS", "done_handle"]
+
+ALLREDUCE_ALGORITHMS = ("auto", "native", "ring")
+
+Plan = Tuple[Call, Optional[Callable[[], Any]], Callable[[Any], Any]]
+
+
+def _same(x):
+    return x
+
+
+def done_handle(value: Any = None) -> "Handle":
+    """Return a handle that has already finished with ``value``."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return Handle(fut, _same)
+
+
+class Handle:
+    """A call in flight.  ``wait()`` returns its result (or raises its error); ``test()`` polls."""
+
+    def __init__(self, future: Future, restore: Callable[[Any], Any]):
+        self._future = future
+        self._restore = restore
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until the collective has finished and return its result in the input's type."""
+        return self._restore(self._future.result(timeout))
+
+    def test(self) -> bool:
+        """Return True when the collective has finished (``wait()`` will not block)."""
+        return self._future.done()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: its rank on its node and its node's index."""
+
+    local_rank: int = 0
+    local_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+
+
+class Communicator(abc.ABC):
+    """A group of ranks that run collectives together.
+
+    Args:
+        runtime: shared settings, engine and watchdog of the world.
+        rank: this process's rank in the group.
+        size: the number of ranks in the group.
+        name: a label for messages ("world", "world.split(1)").
+        world_ranks: the world rank of each member, in group order.
+        topology: node layout of this process.
+    """
+
+    backend = "abstract"
+
+    def __init__(self, runtime: Runtime, rank: int, size: int, name: str,
+                 world_ranks: Sequence[int], topology: Topology):
+        self._rt = runtime
+        self._rank = rank
+        self._size = size
+        self.name = name
+        self.world_ranks = tuple(world_ranks)
+        self.topology = topology
+        self._seq = 0
+
+    # -- identity -------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """The number of ranks in the communicator."""
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} rank {self._rank} of {self._size}>"
+
+    # -- collectives ------------------------------------------------------
+    def allreduce(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Any:
+        """Return the element-wise reduction of ``x`` over all ranks.
+
+        Formula: ``out = op(x_0, ..., x_{n-1})`` with op in sum, avg, min, max,
+        prod; float16/bfloat16 accumulate in float32.  ``algorithm``: "native"
+        (the backend's library call), "ring" (hpctrain's bandwidth-optimal ring,
+        ``2 (n-1)/n`` of the bytes sent per rank) or "auto".
+        """
+        return self._run(self._plan_allreduce(x, op, algorithm))
+
+    def allreduce_async(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Handle:
+        """Start :meth:`allreduce` and return a :class:`Handle`."""
+        return self._submit(self._plan_allreduce(x, op, algorithm))
+
+    def allgather(self, x: Any) -> Any:
+        """Return the concatenation along dim 0 of every rank's ``x`` (dim 0 may differ per rank).
+
+        Cost: each rank receives the sum of all inputs.
+        """
+        return self._run(self._plan_allgather(x))
+
+    def allgather_async(self, x: Any) -> Handle:
+        """Start :meth:`allgather` and return a :class:`Handle`."""
+        return self._submit(self._plan_allgather(x))
+
+    def broadcast(self, x: Any, root: int = 0) -> Any:
+        """Return ``root``'s ``x`` on every rank (all ranks pass a tensor of the same shape and dtype)."""
+        return self._run(self._plan_broadcast(x, root))
+
+    def broadcast_async(self, x: Any, root: int = 0) -> Handle:
+        """Start :meth:`broadcast` and return a :class:`Handle`."""
+        return self._submit(self._plan_broadcast(x, root))
+
+    def reduce_scatter(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Any:
+        """Reduce ``x`` over ranks and return this rank's block of rows.
+
+        Dim 0 is split as ``numpy.array_split`` does: the first ``len(x) % n``
+        ranks get one extra row.  Cost: ``(n-1)/n`` of the bytes sent per rank.
+        """
+        return self._run(self._plan_reduce_scatter(x, op, algorithm))
+
+    def reduce_scatter_async(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Handle:
+        """Start :meth:`reduce_scatter` and return a :class:`Handle`."""
+        return self._submit(self._plan_reduce_scatter(x, op, algorithm))
+
+    def alltoall(self, x: Any, splits: Optional[Sequence[int]] = None) -> Any:
+        """Send rows ``x[off_i : off_i + splits[i]]`` to rank i; return the received rows, in rank order.
+
+        Without ``splits`` dim 0 must divide evenly by the number of ranks.
+        """
+        return self._run(self._plan_alltoall(x, splits))
+
+    def alltoall_async(self, x: Any, splits: Optional[Sequence[int]] = None) -> Handle:
+        """Start :meth:`alltoall` and return a :class:`Handle`."""
+        return self._submit(self._plan_alltoall(x, splits))
+
+    def barrier(self) -> None:
+        """Return when every rank has entered the barrier."""
+        self._run(self._plan(Call("barrier", self._next_seq()), self._barrier))
+
+    def barrier_async(self) -> Handle:
+        """Start :meth:`barrier` and return a :class:`Handle`."""
+        return self._submit(self._plan(Call("barrier", self._next_seq()), self._barrier))
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Return ``root``'s picklable ``obj`` on every rank (for small Python objects, not tensors)."""
+        return self._run(self._plan_object("broadcast_object", obj, root))
+
+    def broadcast_object_async(self, obj: Any, root: int = 0) -> Handle:
+        """Start :meth:`broadcast_object` and return a :class:`Handle`."""
+        return self._submit(self._plan_object("broadcast_object", obj, root))
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        """Return the list of every rank's picklable ``obj``, in rank order."""
+        return self._run(self._plan_object("allgather_object", obj, None))
+
+    def allgather_object_async(self, obj: Any) -> Handle:
+        """Start :meth:`allgather_object` and return a :class:`Handle`."""
+        return self._submit(self._plan_object("allgather_object", obj, None))
+
+    def send(self, x: Any, dest: int, tag: int = 0) -> None:
+        """Send ``x`` to rank ``dest`` (its shape and dtype travel with it); return when it may be reused."""
+        self.send_async(x, dest, tag).wait()
+
+    def send_async(self, x: Any, dest: int, tag: int = 0) -> Handle:
+        """Start sending a copy of ``x`` to ``dest`` and return a :class:`Handle` (non-blocking, like MPI_Isend)."""
+        arr, _ = to_numpy(x)
+        self._check_peer(dest, "dest")
+        return self._isend(np.array(arr, copy=True, order="C"), int(dest), int(tag))
+
+    def recv(self, source: int, tag: int = 0, like: Any = None) -> Any:
+        """Receive what rank ``source`` sent with ``tag``; a numpy array, or ``like``'s type if given."""
+        return self.recv_async(source, tag, like).wait()
+
+    def recv_async(self, source: int, tag: int = 0, like: Any = None) -> Handle:
+        """Start :meth:`recv` and return a :class:`Handle`; receives complete in the order they were posted."""
+        restore = to_numpy(like)[1] if like is not None else _same
+        self._check_peer(source, "source")
+        text = f"recv from rank {source} (tag {tag}) on {self.name}"
+        fut = self._rt.receives.submit(lambda: self._recv(int(source), int(tag)), text)
+        return Handle(fut, restore)
+
+    def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
+        """Return the sub-communicator of the ranks that passed the same ``color``, ordered by ``key``.
+
+        A rank that passes ``color=None`` takes part but gets None.  Collective.
+        """
+        def build(seq):
+            if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
+                raise ValueError(f"split color must be a non-negative int or None, got {color!r}")
+            if not isinstance(key, (int, np.integer)):
+                raise ValueError(f"split key must be an int, got {key!r}")
+            return Call("split", seq), lambda: self._split(color, int(key)), _same
+        return self._run(self._build("split", build))
+
+    def free(self) -> None:
+        """Release the backend resources of this communicator (not of the world)."""
+        self._free()
+
+    # -- planning: validate, describe, bind the work ----------------------
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _plan(self, call: Call, work: Callable[[], Any], restore=_same) -> Plan:
+        return call, work, restore
+
+    def _build(self, kind: str, build: Callable[[int], Plan], **hints) -> Plan:
+        """Run ``build(seq)``; an invalid argument becomes part of the call so every rank hears of it."""
+        seq = self._next_seq()
+        try:
+            return build(seq)
+        except (TypeError, ValueError) as exc:
+            if not self._rt.config.check or self._size == 1:
+                raise
+            return Call(kind, seq, error=f"{type(exc).__name__}: {exc}", **hints), None, _same
+
+    def _run(self, plan: Plan) -> Any:
+        call, work, restore = plan
+        return restore(self._rt.run(self._task(call, work), f"{call.text()} #{call.seq} on {self.name}"))
+
+    def _submit(self, plan: Plan) -> Handle:
+        call, work, restore = plan
+        return Handle(self._rt.submit(self._task(call, work), f"{call.text()} #{call.seq} on {self.name}"), restore)
+
+    def _task(self, call: Call, work: Optional[Callable[[], Any]]) -> Callable[[], Any]:
+        def task():
+            if self._rt.config.check and self._size > 1:
+                verdict = self._exchange_calls(call)
+                if verdict:
+                    raise CollectiveMismatchError(verdict)
+                self._rt.note_waiting("all ranks joined; the data transfer has not finished")
+            return work()
+        return task
+
+    def _choose_allreduce(self, algorithm: str, arr: np.ndarray) -> str:
+        if algorithm not in self.allreduce_algorithms():
+            raise ValueError(f"unknown algorithm {algorithm!r} for the {self.backend} backend; "
+                             f"expected one of {', '.join(self.allreduce_algorithms())}")
+        return self._auto_allreduce(arr) if algorithm == "auto" else algorithm
+
+    def _plan_allreduce(self, x, op, algorithm) -> Plan:
+        def build(seq):
+            arr, restore = to_numpy(x)
+            check_op(op, arr.dtype)
+            alg = self._choose_allreduce(algorithm, arr)
+            call = Call("allreduce", seq, str(arr.dtype), arr.shape, op=op, algorithm=alg)
+            return call, lambda: self._do_allreduce(arr, op, alg), restore
+        return self._build("allreduce", build, op=op, algorithm=algorithm)
+
+    def _do_allreduce(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
+        acc = to_accumulator(arr)
+        if self._size > 1 and acc.size:
+            if alg == "ring":
+                ring_allreduce(acc, op, self._transport(), self._chunk_elems(acc))
+            else:
+                acc = self._allreduce_native(acc, op)
+        return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
+
+    def _plan_allgather(self, x) -> Plan:
+        def build(seq):
+            arr, restore = to_numpy(x)
+            if arr.ndim == 0:
+                raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
+            call = Call("allgather", seq, str(arr.dtype), arr.shape, free_dim0=True)
+            return call, lambda: self._do_allgather(arr), restore
+        return self._build("allgather", build)
+
+    def _do_allgather(self, arr: np.ndarray) -> np.ndarray:
+        rows = self._allgather_ints(arr.shape[0])
+        row_bytes = arr.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64))
+        raw = self._allgatherv(_bytes_of(arr), [r * row_bytes for r in rows])
+        return raw.view(arr.dtype).reshape((sum(rows),) + arr.shape[1:])
+
+    def _plan_broadcast(self, x, root) -> Plan:
+        def build(seq):
+            arr, restore = to_numpy(x)
+            self._check_root(root)
+            call = Call("broadcast", seq, str(arr.dtype), arr.shape, root=root)
+            return call, lambda: self._do_broadcast(arr, root), restore
+        return self._build("broadcast", build, root=root)
+
+    def _do_broadcast(self, arr: np.ndarray, root: int) -> np.ndarray:
+        out = np.array(arr, copy=True, order="C")
+        if self._size > 1 and out.size:
+            self._broadcast(_bytes_of(out), root)
+        return out
+
+    def _plan_reduce_scatter(self, x, op, algorithm) -> Plan:
+        def build(seq):
+            arr, restore = to_numpy(x)
+            if arr.ndim == 0:
+                raise ValueError("reduce_scatter needs a tensor with at least one dimension (it splits dim 0)")
+            check_op(op, arr.dtype)
+            alg = self._choose_allreduce(algorithm, arr)
+            call = Call("reduce_scatter", seq, str(arr.dtype), arr.shape, op=op, algorithm=alg)
+            return call, lambda: self._do_reduce_scatter(arr, op, alg), restore
+        return self._build("reduce_scatter", build, op=op, algorithm=algorithm)
+
+    def _do_reduce_scatter(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
+        n, r = self._size, self._rank
+        row = int(np.prod(arr.shape[1:], dtype=np.int64))
+        rows = segment_bounds(arr.shape[0], n)
+        bounds = rows * row
+        acc = to_accumulator(arr)
+        if n > 1 and acc.size:
+            if alg == "ring":
+                ring_reduce_scatter(acc, bounds, op, self._transport(), self._chunk_elems(acc))
+                acc = acc[bounds[r]:bounds[r + 1]]
+            else:
+                acc = self._reduce_scatter_native(acc, np.diff(bounds).tolist(), op)
+        else:
+            acc = acc[bounds[r]:bounds[r + 1]]
+        out = finish(acc, op, n, arr.dtype)
+        return out.reshape((int(rows[r + 1] - rows[r]),) + arr.shape[1:])
+
+    def _plan_alltoall(self, x, splits) -> Plan:
+        def build(seq):
+            arr, restore = to_numpy(x)
+            if arr.ndim == 0:
+                raise ValueError("alltoall needs a tensor with at least one dimension (it splits dim 0)")
+            send = self._check_splits(arr.shape[0], splits)
+            call = Call("alltoall", seq, str(arr.dtype), arr.shape, free_dim0=True)
+            return call, lambda: self._do_alltoall(arr, send), restore
+        return self._build("alltoall", build)
+
+    def _check_splits(self, rows: int, splits) -> List[int]:
+        n = self._size
+        if splits is None:
+            if rows % n:
+                raise ValueError(f"alltoall without splits needs dim 0 ({rows}) divisible by the {n} ranks")
+            return [rows // n] * n
+        splits = [int(s) for s in np.asarray(splits).reshape(-1)]
+        if len(splits) != n or min(splits) < 0 or sum(splits) != rows:
+            raise ValueError(f"alltoall splits {splits} must be {n} non-negative counts summing to dim 0 ({rows})")
+        return splits
+
+    def _do_alltoall(self, arr: np.ndarray, send: List[int]) -> np.ndarray:
+        recv = self._alltoall_ints(send)
+        row_bytes = arr.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64))
+        raw = self._alltoallv(_bytes_of(arr), [s * row_bytes for s in send], [s * row_bytes for s in recv])
+        return raw.view(arr.dtype).reshape((sum(recv),) + arr.shape[1:])
+
+    def _plan_object(self, kind: str, obj: Any, root: Optional[int]) -> Plan:
+        def build(seq):
+            if root is not None:
+                self._check_root(root)
+            if kind == "broadcast_object":
+                return Call(kind, seq, root=root), lambda: self._broadcast_object(obj, root), _same
+            return Call(kind, seq), lambda: self._allgather_object(obj), _same
+        return self._build(kind, build, root=root)
+
+    def _check_root(self, root) -> None:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self._size:
+            raise ValueError(f"root {root!r} is not a rank of {self.name} (size {self._size})")
+
+    def _check_peer(self, peer, what) -> None:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self._size:
+            raise ValueError(f"{what} {peer!r} is not a rank of {self.name} (size {self._size})")
+
+    def _chunk_elems(self, acc: np.ndarray) -> int:
+        return max(1, self._rt.config.ring_chunk_bytes // max(1, acc.itemsize))
+
+    # -- what a backend provides (numpy buffers only) ----------------------
+    def allreduce_algorithms(self) -> Tuple[str, ...]:
+        """Return the allreduce algorithms this backend can run."""
+        return ALLREDUCE_ALGORITHMS
+
+    def _auto_allreduce(self, arr: np.ndarray) -> str:
+        """Return the algorithm "auto" picks for ``arr``."""
+        return "native"
+
+    @abc.abstractmethod
+    def _exchange_calls(self, call: Call) -> str:
+        """Compare ``call`` across ranks; return "" if all agree, else the message for every rank."""
+
+    @abc.abstractmethod
+    def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
+        """Return the library's all-reduce of the flat buffer ``acc`` (may reuse ``acc``)."""
+
+    def _transport(self):
+        """Return the point-to-point transport the ring algorithms use."""
+        raise ValueError(f"the {self.backend} backend has no point-to-point messages for algorithm='ring'")
+
+    @abc.abstractmethod
+    def _allgather_ints(self, value: int) -> List[int]:
+        """Return every rank's ``value``."""
+
+    @abc.abstractmethod
+    def _alltoall_ints(self, values: List[int]) -> List[int]:
+        """Send ``values[i]`` to rank i; return what each rank sent here."""
+
+    @abc.abstractmethod
+    def _allgatherv(self, raw: np.ndarray, counts: List[int]) -> np.ndarray:
+        """Return the concatenation of every rank's bytes ``raw`` (rank i has ``counts[i]`` bytes)."""
+
+    @abc.abstractmethod
+    def _broadcast(self, raw: np.ndarray, root: int) -> None:
+        """Overwrite ``raw`` (bytes) with root's in place."""
+
+    @abc.abstractmethod
+    def _reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
+        """Return this rank's block (``counts[rank]`` elements) of the reduction of flat ``acc``."""
+
+    @abc.abstractmethod
+    def _alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
+        """Exchange byte blocks: ``send[i]`` bytes to rank i; return the ``recv`` blocks concatenated."""
+
+    @abc.abstractmethod
+    def _barrier(self) -> None:
+        """Synchronize the ranks."""
+
+    @abc.abstractmethod
+    def _broadcast_object(self, obj: Any, root: int) -> Any:
+        """Return root's object."""
+
+    @abc.abstractmethod
+    def _allgather_object(self, obj: Any) -> List[Any]:
+        """Return every rank's object."""
+
+    @abc.abstractmethod
+    def _isend(self, arr: np.ndarray, dest: int, tag: int) -> Handle:
+        """Start sending ``arr`` (owned by the call) with its dtype and shape; return a handle."""
+
+    @abc.abstractmethod
+    def _recv(self, source: int, tag: int) -> np.ndarray:
+        """Receive an array sent by :meth:`_send`."""
+
+    @abc.abstractmethod
+    def _split(self, color: Optional[int], key: int) -> Optional["Communicator"]:
+        """Return the sub-communicator for ``color`` (None for color None)."""
+
+    def _free(self) -> None:
+        """Release backend resources."""
+
+
+def _bytes_of(arr: np.ndarray) -> np.ndarray:
+    """Return a flat uint8 view of the C-contiguous array ``arr``."""
+    return arr.reshape(-1).view(np.uint8)

@@ -1,0 +1,159 @@
+"""The Horovod backend: collectives through Horovod's ops on CPU torch tensors.
+
+Numpy buffers are wrapped as torch tensors without a copy
+(``torch.from_numpy``) and handed to ``horovod.torch``; Horovod then runs them
+over its MPI or Gloo controller (``horovodrun --gloo`` needs no MPI
+launcher).  Horovod has no point-to-point messages, so ``send``/``recv`` and
+``algorithm="ring"`` are refused with a clear error on this backend.
+Sub-communicators are Horovod process sets (``hvd.init(process_sets="dynamic")``);
+as Horovod registers process sets with every process, only the world can be
+split.  Horovod's stall inspector is set from HPCTRAIN_STALL_WARNING_S /
+HPCTRAIN_STALL_TIMEOUT_S so its messages name the ranks that have not joined.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import BackendUnavailableError
+from .base import Communicator, Topology
+from .runtime import Config, Runtime
+from .signature import DESC_BYTES, Call, judge
+
+__all__ = ["HorovodCommunicator", "init_world"]
+
+
+class HorovodCommunicator(Communicator):
+    """A communicator over a Horovod process set."""
+
+    backend = "horovod"
+
+    def __init__(self, runtime: Runtime, hvd, process_set, name: str, world_ranks, topology: Topology,
+                 registry: Dict[Tuple[int, ...], Any]):
+        import torch
+
+        self._hvd, self._torch, self._ps = hvd, torch, process_set
+        self._registry = registry
+        rank = process_set.rank() if name != "world" else hvd.rank()
+        size = process_set.size() if name != "world" else hvd.size()
+        super().__init__(runtime, rank, size, name, world_ranks, topology)
+        self._ops = {"sum": hvd.Sum, "avg": hvd.Sum, "min": hvd.Min, "max": hvd.Max, "prod": hvd.Product}
+
+    def allreduce_algorithms(self):
+        """Return the allreduce algorithms of this backend (no ring: Horovod has no point-to-point)."""
+        return ("auto", "native")
+
+    def _t(self, arr: np.ndarray):
+        # torch refuses to wrap read-only memory without a warning; such inputs are small.
+        return self._torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+    def _exchange_calls(self, call: Call) -> str:
+        own = np.zeros((1, DESC_BYTES), dtype=np.uint8)
+        enc = np.frombuffer(call.encode(), dtype=np.uint8)
+        own[0, :enc.size] = enc
+        descs = self._hvd.allgather(self._t(own), process_set=self._ps).numpy()
+        return judge(list(descs), self.name, call.seq, None if self.name == "world" else self.world_ranks)
+
+    def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
+        return self._hvd.allreduce(self._t(acc), op=self._ops[op], process_set=self._ps).numpy()
+
+    def _allgather_ints(self, value: int) -> List[int]:
+        t = self._torch.tensor([value], dtype=self._torch.int64)
+        return self._hvd.allgather(t, process_set=self._ps).tolist()
+
+    def _alltoall_ints(self, values: List[int]) -> List[int]:
+        t = self._torch.tensor(values, dtype=self._torch.int64)
+        out = self._hvd.alltoall(t, process_set=self._ps)
+        return (out[0] if isinstance(out, tuple) else out).tolist()
+
+    def _allgatherv(self, raw: np.ndarray, counts: List[int]) -> np.ndarray:
+        return self._hvd.allgather(self._t(raw), process_set=self._ps).numpy()
+
+    def _broadcast(self, raw: np.ndarray, root: int) -> None:
+        out = self._hvd.broadcast(self._t(raw), self.world_ranks[root], process_set=self._ps)
+        raw[...] = out.numpy()
+
+    def _reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
+        # Horovod splits dim 0 itself; reduce the whole buffer and keep this rank's block so the
+        # split always follows hpctrain's (numpy.array_split) rule.
+        full = self._allreduce_native(acc, op)
+        start = sum(counts[:self._rank])
+        return full[start:start + counts[self._rank]]
+
+    def _alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
+        splits = self._torch.tensor(send, dtype=self._torch.int32)
+        out = self._hvd.alltoall(self._t(raw), splits=splits, process_set=self._ps)
+        return (out[0] if isinstance(out, tuple) else out).numpy()
+
+    def _barrier(self) -> None:
+        self._hvd.barrier(process_set=self._ps)
+
+    def _broadcast_object(self, obj: Any, root: int) -> Any:
+        return self._hvd.broadcast_object(obj, root_rank=self.world_ranks[root], process_set=self._ps)
+
+    def _allgather_object(self, obj: Any) -> List[Any]:
+        # hvd.allgather_object has no process_set argument: gather pickled bytes ourselves.
+        raw = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        sizes = self._allgather_ints(raw.size)
+        data = self._allgatherv(raw, sizes)
+        offs = np.concatenate(([0], np.cumsum(sizes)))
+        return [pickle.loads(data[offs[i]:offs[i + 1]].tobytes()) for i in range(self._size)]
+
+    def _isend(self, arr: np.ndarray, dest: int, tag: int):
+        raise ValueError("the horovod backend has no point-to-point messages (send/recv); "
+                         "use backend='mpi' (launch with mpirun or srun)")
+
+    def _recv(self, source: int, tag: int) -> np.ndarray:
+        return self._isend(np.empty(0), source, tag)
+
+    def _split(self, color: Optional[int], key: int) -> Optional[Communicator]:
+        if self.name != "world":
+            raise ValueError("the horovod backend can only split the world communicator "
+                             "(Horovod registers process sets with every process)")
+        entries = self._allgather_object((color, key, self._rank))
+        groups: Dict[int, list] = {}
+        for c, k, r in entries:
+            if c is not None:
+                groups.setdefault(c, []).append((k, r))
+        mine = None
+        for c in sorted(groups):
+            ranks = tuple(r for _, r in sorted(groups[c]))
+            if ranks not in self._registry:
+                self._registry[ranks] = ps = self._hvd.add_process_set(list(ranks))
+            if c == color:
+                mine = (ranks, self._registry[ranks])
+        if mine is None:
+            return None
+        ranks, ps = mine
+        if list(ranks) != sorted(ranks):
+            raise ValueError("the horovod backend orders sub-communicator ranks by world rank; "
+                             "use key values that keep that order")
+        return HorovodCommunicator(self._rt, self._hvd, ps, f"{self.name}.split({color})", ranks,
+                                   self.topology, self._registry)
+
+
+def init_world(config: Config) -> HorovodCommunicator:
+    """Initialise Horovod (PyTorch ops) and return the world communicator."""
+    os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(config.stall_warning_s)))
+    if config.stall_timeout_s:
+        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(config.stall_timeout_s)))
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the horovod backend needs Horovod built with PyTorch support ({exc}); "
+            f"run `make setup` (scripts/install_horovod.sh) or use backend='mpi'") from exc
+    hvd.init(process_sets="dynamic")
+
+    def abort(message: str) -> None:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    topo = Topology(hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())
+    runtime = Runtime(config, hvd.rank(), abort)
+    return HorovodCommunicator(runtime, hvd, hvd.global_process_set, "world", range(hvd.size()), topo, {})

@@ -1,0 +1,216 @@
+"""What a world communicator and its sub-communicators share: settings, the op engine, the watchdog.
+
+Collectives of one process run one at a time, in the order they were called,
+whether they were called synchronously or asynchronously.  Asynchronous calls
+go to a single background thread (one per process, as in Horovod); a
+synchronous call first waits for the asynchronous ones issued before it and
+then runs on the caller's thread, so a small blocking collective pays no
+thread hand-off.  Because every rank issues its calls in program order, the
+ranks meet in the same order.  Point-to-point receives have a lane of their
+own, and sends are non-blocking, so messages never wait behind collectives.
+
+The watchdog thread looks at the collective in flight: after
+``HPCTRAIN_STALL_WARNING_S`` seconds it logs which call is stuck and, where
+known, which ranks have not joined; after ``HPCTRAIN_STALL_TIMEOUT_S`` seconds
+(0 disables) it aborts the whole job with that message instead of hanging.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..env import env_flag, env_float
+
+__all__ = ["Config", "Runtime", "Lane", "InFlight"]
+
+log = logging.getLogger("hpctrain")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings read once at ``init()`` from the environment.
+
+    Attributes:
+        check: HPCTRAIN_CHECK (default on): compare every collective call
+            across ranks before running it.
+        stall_warning_s: HPCTRAIN_STALL_WARNING_S (default 60).
+        stall_timeout_s: HPCTRAIN_STALL_TIMEOUT_S (default 600; 0 = never abort).
+        ring_chunk_bytes: HPCTRAIN_RING_CHUNK_BYTES (default 1 MiB).
+    """
+
+    check: bool = True
+    stall_warning_s: float = 60.0
+    stall_timeout_s: float = 600.0
+    ring_chunk_bytes: int = 1 << 20
+
+    @classmethod
+    def from_env(cls) -> "Config":
+        """Return the settings given by the HPCTRAIN_* environment variables."""
+        cfg = cls(
+            check=env_flag("HPCTRAIN_CHECK", True),
+            stall_warning_s=env_float("HPCTRAIN_STALL_WARNING_S", 60.0),
+            stall_timeout_s=env_float("HPCTRAIN_STALL_TIMEOUT_S", 600.0),
+            ring_chunk_bytes=int(env_float("HPCTRAIN_RING_CHUNK_BYTES", float(1 << 20))),
+        )
+        if cfg.stall_warning_s <= 0 or cfg.stall_timeout_s < 0 or cfg.ring_chunk_bytes <= 0:
+            raise ValueError(f"invalid hpctrain settings: {cfg}")
+        return cfg
+
+
+@dataclass
+class InFlight:
+    """The collective being executed, as the watchdog sees it."""
+
+    text: str
+    start: float
+    waiting_on: str = ""
+    warned: bool = False
+
+
+class Lane:
+    """Calls that run one at a time in the order they were made, inline or on a background thread.
+
+    A synchronous call first waits for the asynchronous calls issued before it
+    and then runs on the caller's thread; asynchronous calls go to one worker
+    thread, started on first use.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._exec_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._pending = 0
+        self.inflight: Optional[InFlight] = None
+        self._closed = False
+        self._worker: Optional[threading.Thread] = None
+
+    def run(self, fn: Callable[[], object], text: str) -> object:
+        """Run ``fn`` now, after the asynchronous calls issued before it, and return its result."""
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
+        return self._execute(fn, text)
+
+    def submit(self, fn: Callable[[], object], text: str) -> Future:
+        """Queue ``fn`` for the worker thread and return a Future of its result."""
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("hpctrain was shut down; call hpctrain.init() again")
+            self._queue.append((fn, text, fut))
+            self._pending += 1
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name=f"hpctrain-{self.name}", daemon=True)
+                self._worker.start()
+            self._cv.notify_all()
+        return fut
+
+    def _execute(self, fn, text):
+        with self._exec_lock:
+            self.inflight = InFlight(text, time.monotonic())
+            try:
+                return fn()
+            finally:
+                self.inflight = None
+
+    def _work(self):
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                fn, text, fut = self._queue.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(self._execute(fn, text))
+                except BaseException as exc:  # delivered to the caller's wait()
+                    fut.set_exception(exc)
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
+
+    def close(self, drain: bool = True) -> None:
+        """Stop the worker, after the queued calls have run when ``drain``."""
+        with self._cv:
+            while drain and self._pending:
+                self._cv.wait()
+            self._closed = True
+            self._cv.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=5)
+
+
+class Runtime:
+    """Shared state of one initialized world: settings, the call lanes and the watchdog.
+
+    Collectives of every communicator share one lane (they must meet in the
+    same order on every rank).  Receives of point-to-point messages have their
+    own lane, so a receive never waits behind a collective or vice versa;
+    sends are non-blocking and need no lane.
+
+    Args:
+        config: the settings.
+        world_rank: this process's rank in the world (for messages).
+        abort: called with a message to end the whole job (never returns).
+    """
+
+    def __init__(self, config: Config, world_rank: int, abort: Callable[[str], None]):
+        self.config = config
+        self.world_rank = world_rank
+        self._abort = abort
+        self.collectives = Lane("collectives")
+        self.receives = Lane("receives")
+        self._closed = False
+        self._watchdog = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def run(self, fn: Callable[[], object], text: str) -> object:
+        """Run a collective now, after the asynchronous ones issued before it."""
+        return self.collectives.run(fn, text)
+
+    def submit(self, fn: Callable[[], object], text: str) -> Future:
+        """Queue a collective for the background thread and return a Future of its result."""
+        return self.collectives.submit(fn, text)
+
+    def note_waiting(self, waiting_on: str) -> None:
+        """Record who the collective in flight is waiting for (shown by the watchdog)."""
+        cur = self.collectives.inflight
+        if cur is not None:
+            cur.waiting_on = waiting_on
+
+    def close(self) -> None:
+        """Let queued collectives finish, then stop the background threads."""
+        self.collectives.close(drain=True)
+        self.receives.close(drain=False)
+        self._closed = True
+
+    def abort(self, message: str) -> None:
+        """End the whole job with ``message`` (never returns)."""
+        self._abort(message)
+
+    # -- watchdog ------------------------------------------------------
+    def _watch(self):
+        cfg = self.config
+        period = max(0.05, min(1.0, cfg.stall_warning_s / 4))
+        while not self._closed:
+            time.sleep(period)
+            for lane in (self.collectives, self.receives):
+                cur = lane.inflight
+                if cur is None:
+                    continue
+                elapsed = time.monotonic() - cur.start
+                detail = f"; {cur.waiting_on}" if cur.waiting_on else ""
+                if elapsed >= cfg.stall_warning_s and not cur.warned:
+                    cur.warned = True
+                    log.warning("hpctrain: rank %d: %s has not finished after %.0f s%s",
+                                self.world_rank, cur.text, elapsed, detail)
+                if cfg.stall_timeout_s and elapsed >= cfg.stall_timeout_s:
+                    self._abort(f"hpctrain: rank {self.world_rank}: {cur.text} stalled for {elapsed:.0f} s "
+                                f"(HPCTRAIN_STALL_TIMEOUT_S={cfg.stall_timeout_s:g}){detail}; aborting the job")

@@ -1,0 +1,99 @@
+"""Describe a collective call compactly so ranks can check that they agree before running it.
+
+Each rank encodes its call as ``key`` (what must be equal on every rank) and
+``text`` (what a person reads in the error).  One rank, or every rank, compares
+the keys (:func:`judge`); any difference, or an invalid argument on any rank,
+becomes one message that lists every rank's call, raised on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+__all__ = ["Call", "judge", "DESC_BYTES", "format_ranks"]
+
+DESC_BYTES = 512  # fixed size of an encoded call on the wire
+
+
+@dataclass(frozen=True)
+class Call:
+    """One rank's collective call.
+
+    ``free_dim0`` marks calls whose first dimension may differ per rank
+    (allgather, alltoall).  ``error`` holds this rank's validation error, if
+    its arguments were invalid.
+    """
+
+    kind: str
+    seq: int
+    dtype: str = ""
+    shape: Tuple[int, ...] = ()
+    op: Optional[str] = None
+    root: Optional[int] = None
+    algorithm: Optional[str] = None
+    free_dim0: bool = False
+    error: str = ""
+
+    def key(self) -> str:
+        """Return what must be identical on every rank."""
+        shape = self.shape[1:] if self.free_dim0 else self.shape
+        return f"{self.kind}|{self.dtype}|{shape}|{self.op}|{self.root}|{self.algorithm}|{bool(self.error)}"
+
+    def text(self) -> str:
+        """Return the call as a person would write it, e.g. ``allreduce(float32[4,3], op=sum)``."""
+        args = []
+        if self.dtype:
+            args.append(f"{self.dtype}[{','.join(str(d) for d in self.shape)}]")
+        for name in ("op", "root", "algorithm"):
+            value = getattr(self, name)
+            if value is not None:
+                args.append(f"{name}={value}")
+        text = f"{self.kind}({', '.join(args)})"
+        return f"{text}: INVALID: {self.error}" if self.error else text
+
+    def encode(self) -> bytes:
+        """Return ``key NUL text`` as at most DESC_BYTES bytes (the text is cut if needed)."""
+        raw = (self.key() + "\0" + self.text()).encode()
+        return raw[:DESC_BYTES]
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """Return ``"rank 3"`` or ``"ranks 0-2, 5"`` for a sorted list of ranks."""
+    ranks = sorted(ranks)
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def judge(descs: Sequence[bytes], where: str, seq: int, world_ranks: Optional[Sequence[int]] = None) -> str:
+    """Return "" when all encoded calls agree and are valid, else the error message listing every rank's call.
+
+    Args:
+        descs: the encoded call of each rank, in rank order.
+        where: the communicator's name, for the message.
+        seq: the call's sequence number on that communicator.
+        world_ranks: world rank of each rank, when ``where`` is a sub-communicator.
+    """
+    keys, texts = [], []
+    for d in descs:
+        key, _, text = bytes(d).rstrip(b"\0").decode(errors="replace").partition("\0")
+        keys.append(key)
+        texts.append(text)
+    if len(set(keys)) == 1 and not keys[0].endswith("|True"):
+        return ""
+    groups: dict = {}
+    for rank, text in enumerate(texts):
+        groups.setdefault(text, []).append(rank)
+    lines = [f"ranks of {where} disagree on collective call #{seq} "
+             f"(or one of them passed invalid arguments):"]
+    for text, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        label = format_ranks(ranks)
+        if world_ranks is not None:
+            label += f" (world {format_ranks([world_ranks[r] for r in ranks])})"
+        lines.append(f"  {label}: {text}")
+    return "\n".join(lines)

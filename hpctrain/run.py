@@ -1,0 +1,53 @@
+"""Run a Python script so that an uncaught exception on any rank ends the whole job.
+
+Usage: ``python -m hpctrain.run script.py [args...]`` (``hpctrain launch``
+adds it for ``.py`` scripts).  Like ``python -m mpi4py``: the script runs as
+``__main__``; if it raises, the traceback is printed with the rank and, when
+MPI is running, ``MPI_Abort`` ends every rank instead of leaving the others
+waiting in their next collective.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+
+__all__ = ["main", "abort_job"]
+
+
+def abort_job(message: str, code: int = 1) -> None:
+    """Print ``message`` and end the whole job: MPI_Abort if MPI runs, else exit with ``code``."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    mpi_mod = sys.modules.get("mpi4py.MPI")
+    if mpi_mod is not None and mpi_mod.Is_initialized() and not mpi_mod.Is_finalized():
+        mpi_mod.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+def main(argv=None) -> None:
+    """Run ``argv[0]`` as ``__main__`` with ``argv`` as its ``sys.argv``; abort the job if it raises."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        sys.stderr.write("usage: python -m hpctrain.run script.py [args...]\n")
+        sys.exit(2)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code != 0:
+            abort_job(f"hpctrain.run: {argv[0]} exited with status {code}; ending the job", code)
+        raise
+    except BaseException:
+        from .world import is_initialized, world
+
+        rank = world().rank if is_initialized() else os.environ.get("OMPI_COMM_WORLD_RANK", "?")
+        abort_job(f"hpctrain.run: rank {rank}: uncaught exception in {argv[0]}, aborting the job:\n"
+                  + traceback.format_exc())
+
+
+if __name__ == "__main__":
+    main()

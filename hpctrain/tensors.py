@@ -1,0 +1,136 @@
+"""Convert numpy arrays, torch tensors and TensorFlow tensors to numpy buffers and back.
+
+The core works on numpy buffers only.  This module is the one place that
+knows the frameworks: it recognises a tensor by the module of its type, so
+importing hpctrain never imports torch or TensorFlow.  CPU torch tensors are
+shared without a copy (``Tensor.numpy()``); CUDA tensors are staged through
+host memory explicitly (a GPU-direct path belongs in a NCCL backend, not
+here).  bfloat16 uses the ``ml_dtypes`` numpy dtype (shipped with TensorFlow
+and JAX); torch's bfloat16 is reinterpreted bit for bit through int16.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Tuple
+
+import numpy as np
+
+try:  # ml_dtypes gives numpy a bfloat16; it comes with TensorFlow.
+    import ml_dtypes as _ml_dtypes
+
+    BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the install
+    BFLOAT16 = None
+
+__all__ = ["BFLOAT16", "SUPPORTED_DTYPES", "to_numpy", "framework_of", "check_dtype", "dtype_from_name"]
+
+SUPPORTED_DTYPES = tuple(
+    np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_)
+) + ((BFLOAT16,) if BFLOAT16 is not None else ())
+
+Restore = Callable[[np.ndarray], Any]
+
+
+def framework_of(x: Any) -> str:
+    """Return "torch", "tensorflow" or "numpy" for a tensor-like object, by its type's module."""
+    module = type(x).__module__ or ""
+    if module.startswith("torch"):
+        return "torch"
+    if module.startswith(("tensorflow", "keras", "tf_keras")):
+        return "tensorflow"
+    return "numpy"
+
+
+def check_dtype(dtype: np.dtype) -> np.dtype:
+    """Return ``dtype`` if collectives support it, else raise TypeError listing what is supported."""
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
+        raise TypeError(f"dtype {dtype} is not supported by hpctrain collectives; supported: {names}")
+    return dtype
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """Return the supported dtype whose ``str()`` is ``name`` (e.g. "bfloat16", "float32")."""
+    for dtype in SUPPORTED_DTYPES:
+        if str(dtype) == name:
+            return dtype
+    raise TypeError(f"unknown dtype name {name!r}")
+
+
+def to_numpy(x: Any) -> Tuple[np.ndarray, Restore]:
+    """Return a C-contiguous numpy view (or copy) of ``x`` and a function that converts a result back.
+
+    The restore function turns a numpy result into the type of ``x``: a torch
+    tensor on the same device, a TensorFlow tensor, or a numpy array.
+
+    Cost: zero-copy for contiguous numpy arrays and CPU torch tensors; one
+    device-to-host copy for CUDA tensors; one copy for TensorFlow tensors.
+    """
+    kind = framework_of(x)
+    if kind == "torch":
+        return _torch_to_numpy(x)
+    if kind == "tensorflow":
+        return _tf_to_numpy(x)
+    arr = _c_array(x)
+    check_dtype(arr.dtype)
+    return arr, _identity
+
+
+def _c_array(x: Any) -> np.ndarray:
+    """Return ``x`` as a C-contiguous array without copying when it already is one (0-d stays 0-d)."""
+    arr = np.asarray(x)
+    return arr if arr.flags.c_contiguous else np.array(arr, order="C")
+
+
+def _identity(arr: np.ndarray) -> np.ndarray:
+    return arr
+
+
+def _torch_to_numpy(x: Any) -> Tuple[np.ndarray, Restore]:
+    import torch
+
+    if x.is_sparse:
+        raise TypeError("sparse torch tensors are not supported by collectives; call .to_dense() first")
+    device = x.device
+    t = x.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        if BFLOAT16 is None:
+            raise TypeError("bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
+        arr = t.view(torch.int16).numpy().view(BFLOAT16)
+    else:
+        try:
+            arr = t.numpy()
+        except TypeError as exc:
+            raise TypeError(f"torch dtype {t.dtype} is not supported by hpctrain collectives") from exc
+    check_dtype(arr.dtype)
+
+    def restore(result: np.ndarray) -> Any:
+        result = _c_array(result)
+        if BFLOAT16 is not None and result.dtype == BFLOAT16:
+            out = torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+        else:
+            out = torch.from_numpy(result)
+        return out if device.type == "cpu" else out.to(device, non_blocking=False)
+
+    return arr, restore
+
+
+def _tf_to_numpy(x: Any) -> Tuple[np.ndarray, Restore]:
+    import tensorflow as tf
+
+    if isinstance(x, tf.IndexedSlices):
+        raise TypeError("tf.IndexedSlices are not supported by collectives; "
+                        "use tf.convert_to_tensor() to densify, or allgather values and indices")
+    if not hasattr(x, "numpy"):
+        raise TypeError("TensorFlow graph tensors have no value here; call hpctrain collectives "
+                        "eagerly, or from tf.function through tf.py_function")
+    arr = _c_array(x.numpy())
+    check_dtype(arr.dtype)
+
+    def restore(result: np.ndarray) -> Any:
+        return tf.convert_to_tensor(result)
+
+    return arr, restore

@@ -1,0 +1,115 @@
+"""Start and stop hpctrain in this process: choose the backend, hold the world communicator.
+
+The world communicator is the one process-wide object (as ``MPI.COMM_WORLD``
+is); sub-communicators from ``split`` are ordinary objects passed where they
+are needed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from typing import Optional
+
+from .comm.base import Communicator
+from .comm.runtime import Config
+from .env import detect_launcher
+from .errors import NotInitializedError
+
+__all__ = ["init", "shutdown", "is_initialized", "world", "resolve_backend", "BACKENDS"]
+
+BACKENDS = ("auto", "mpi", "horovod", "local")
+
+_lock = threading.Lock()
+_world: Optional[Communicator] = None
+_saved_excepthook = None
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """Return the concrete backend for ``backend``.
+
+    ``"auto"`` honours HPCTRAIN_BACKEND, then picks "mpi" under an MPI launcher
+    (mpirun/mpiexec of OpenMPI or MPICH, srun), "horovod" under ``horovodrun
+    --gloo`` (no MPI launcher variables), and "local" without a launcher.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = os.environ.get("HPCTRAIN_BACKEND", "auto") or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"HPCTRAIN_BACKEND={backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    launch = detect_launcher()
+    if launch is None:
+        return "local"
+    return "horovod" if launch.launcher == "horovod-gloo" else "mpi"
+
+
+def init(backend: str = "auto") -> Communicator:
+    """Initialise hpctrain and return the world communicator (idempotent).
+
+    Args:
+        backend: "auto", "mpi", "horovod" or "local" (see :func:`resolve_backend`).
+
+    Once a job has more than one rank, an uncaught exception on any rank
+    aborts the whole job instead of leaving the others waiting.
+    """
+    global _world
+    with _lock:
+        chosen = resolve_backend(backend)
+        if _world is not None:
+            if chosen != _world.backend:
+                raise ValueError(f"hpctrain is already initialised with the {_world.backend} backend; "
+                                 f"call hpctrain.shutdown() before init(backend={chosen!r})")
+            return _world
+        config = Config.from_env()
+        if chosen == "mpi":
+            from .comm import mpi as impl
+        elif chosen == "horovod":
+            from .comm import horovod as impl
+        else:
+            from .comm import local as impl
+        _world = impl.init_world(config)
+        if _world.size > 1:
+            _install_excepthook(_world)
+        return _world
+
+
+def _install_excepthook(comm: Communicator) -> None:
+    """Make an uncaught exception print its traceback and abort every rank."""
+    global _saved_excepthook
+    _saved_excepthook = sys.excepthook
+    rt = comm._rt
+
+    def hook(kind, value, tb):
+        text = "".join(traceback.format_exception(kind, value, tb))
+        rt.abort(f"hpctrain: rank {comm.rank}: uncaught exception, aborting the job:\n{text}")
+
+    sys.excepthook = hook
+
+
+def shutdown() -> None:
+    """Finish queued collectives and release hpctrain; ``init()`` may be called again."""
+    global _world, _saved_excepthook
+    with _lock:
+        if _world is None:
+            return
+        _world._rt.close()
+        _world = None
+        if _saved_excepthook is not None:
+            sys.excepthook = _saved_excepthook
+            _saved_excepthook = None
+
+
+def is_initialized() -> bool:
+    """Return True between ``init()`` and ``shutdown()``."""
+    return _world is not None
+
+
+def world() -> Communicator:
+    """Return the world communicator; raise NotInitializedError before ``init()``."""
+    if _world is None:
+        raise NotInitializedError("hpctrain is not initialised: call hpctrain.init() first")
+    return _world

@@ -1,0 +1,347 @@
+"""Every collective, dtype, op and root on this launch's ranks, against a numpy reference.
+
+Each rank can compute every other rank's input (``data(rank, ...)`` is
+deterministic), so the reference is computed locally with numpy.  Inputs are
+small integers stored in each dtype: sums, products, minima and maxima of
+them are exact in every dtype and every summation order, so results must
+match the reference exactly, and the ``avg`` reference divides the exact sum
+the same way.  A separate test uses real-valued floats with a tolerance and
+checks that all ranks get bit-identical bits.
+"""
+import hashlib
+
+import numpy as np
+import pytest
+
+import hpctrain
+from hpctrain.collectives.ops import segment_bounds
+from hpctrain.tensors import BFLOAT16
+
+DTYPES = [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_]
+OPS = ["sum", "avg", "min", "max", "prod"]
+SIZES = ["0", "1", "n-1", "1000003"]
+BIG = 64 << 20  # 64 MiB
+
+
+
+def data(rank, count, dtype, op="sum", seed=0, shape=None):
+    """Return rank's deterministic input: small integers chosen so every reduction is exact."""
+    rng = np.random.default_rng([seed, rank, count])
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        v = rng.integers(0, 2, count).astype(bool)
+    elif op == "prod":
+        v = rng.choice(np.array([1, 2] if dtype.kind == "u" else [-2, -1, 1, 2]), count)
+    elif dtype.kind == "u":
+        v = rng.integers(0, 60, count)
+    else:
+        v = rng.integers(-30, 31, count)
+    v = np.asarray(v).astype(dtype)
+    return v.reshape(shape) if shape is not None else v
+
+
+def acc_dtype(dtype):
+    dtype = np.dtype(dtype)
+    if dtype in (np.dtype(np.float16), BFLOAT16):
+        return np.float32
+    return np.uint8 if dtype == np.bool_ else dtype
+
+
+def reference(inputs, op, n):
+    dtype = inputs[0].dtype
+    stack = np.stack([x.astype(acc_dtype(dtype)) for x in inputs])
+    if op in ("sum", "avg"):
+        out = stack.sum(axis=0, dtype=stack.dtype)
+    elif op == "prod":
+        out = stack.prod(axis=0, dtype=stack.dtype)
+    else:
+        out = stack.min(axis=0) if op == "min" else stack.max(axis=0)
+    if op == "avg":
+        out = out / out.dtype.type(n)
+    return out.astype(dtype)
+
+
+def valid(dtype, op):
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return op in ("min", "max")
+    return not (op == "avg" and dtype.kind in "iu")
+
+
+def same_on_all_ranks(comm, arr):
+    digest = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+    return len(set(comm.allgather_object(digest))) == 1
+
+
+def algorithms(comm):
+    return list(comm.allreduce_algorithms())
+
+
+def test_world_shape(comm):
+    assert hpctrain.size() == comm.size and hpctrain.rank() == comm.rank
+    ranks = comm.allgather_object(comm.rank)
+    assert ranks == list(range(comm.size))
+    topo = comm.allgather_object((hpctrain.local_rank(), hpctrain.local_size(), hpctrain.node_rank()))
+    assert sorted(t[0] for t in topo) == list(range(comm.size))  # one node here
+    assert all(t[1] == comm.size and t[2] == 0 for t in topo)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allreduce(comm, dtype, op, size):
+    n = comm.size
+    count = {"0": 0, "1": 1, "n-1": n - 1}.get(size) if size != "1000003" else 1_000_003
+    for alg in algorithms(comm):
+        x = data(comm.rank, count, dtype, op)
+        if not valid(dtype, op):
+            with pytest.raises((TypeError, ValueError)):
+                comm.allreduce(x, op=op, algorithm=alg)
+            continue
+        before = x.copy()
+        out = comm.allreduce(x, op=op, algorithm=alg)
+        expect = reference([data(r, count, dtype, op) for r in range(n)], op, n)
+        assert out.dtype == x.dtype and out.shape == x.shape
+        np.testing.assert_array_equal(out.astype(np.float64), expect.astype(np.float64), err_msg=alg)
+        assert np.array_equal(x, before), "the input was modified"
+        assert same_on_all_ranks(comm, out)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 0, 4), ()])
+def test_allreduce_keeps_shape(comm, shape):
+    for alg in algorithms(comm):
+        x = np.full(shape, comm.rank + 1, dtype=np.float32)
+        out = comm.allreduce(x, op="max", algorithm=alg)
+        assert out.shape == shape
+        np.testing.assert_array_equal(out, np.full(shape, comm.size, dtype=np.float32))
+
+
+def test_allreduce_real_floats_bit_identical(comm):
+    n = comm.size
+    for alg in algorithms(comm):
+        for dtype, rtol in ((np.float32, 1e-5), (np.float64, 1e-12), (np.float16, 2e-3), (BFLOAT16, 1e-2)):
+            xs = [np.random.default_rng([7, r]).standard_normal(100_003).astype(dtype) for r in range(n)]
+            out = comm.allreduce(xs[comm.rank], op="avg", algorithm=alg)
+            expect = np.mean([x.astype(np.float64) for x in xs], axis=0)
+            np.testing.assert_allclose(out.astype(np.float64), expect, rtol=rtol, atol=rtol)
+            assert same_on_all_ranks(comm, out)
+            again = comm.allreduce(xs[comm.rank], op="avg", algorithm=alg)
+            assert again.tobytes() == out.tobytes(), "the same inputs must give the same bits"
+
+
+def test_allreduce_64mib(comm):
+    count = BIG // 4
+    for alg in algorithms(comm):
+        x = np.full(count, comm.rank + 1, dtype=np.float32)
+        x[::4097] = -comm.rank
+        out = comm.allreduce(x, algorithm=alg)
+        expect = np.full(count, comm.size * (comm.size + 1) / 2, dtype=np.float32)
+        expect[::4097] = -sum(range(comm.size))
+        np.testing.assert_array_equal(out, expect)
+        del out
+
+
+def rows_of(rank, rows, dtype, width=3, seed=1):
+    return data(rank, rows * width, dtype, seed=seed, shape=(rows, width))
+
+
+@pytest.mark.parametrize("size", ["0", "1", "n-1", "1000003"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allgather(comm, dtype, size):
+    n = comm.size
+    base = {"0": 0, "1": 1, "n-1": n - 1}.get(size) if size != "1000003" else 1_000_003 // 3
+
+    def count(r):  # dim 0 differs per rank
+        return base + (r % 2 if base else 0)
+
+    out = comm.allgather(rows_of(comm.rank, count(comm.rank), dtype))
+    expect = np.concatenate([rows_of(r, count(r), dtype) for r in range(n)])
+    assert out.dtype == np.dtype(dtype) and out.shape == expect.shape
+    assert out.tobytes() == expect.tobytes()
+
+
+def test_allgather_64mib(comm):
+    per = (BIG // comm.size) // 8
+    out = comm.allgather(np.full(per, comm.rank, dtype=np.int64))
+    np.testing.assert_array_equal(out, np.repeat(np.arange(comm.size, dtype=np.int64), per))
+
+
+@pytest.mark.parametrize("size", ["0", "1", "n-1", "1000003"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast(comm, dtype, size):
+    n = comm.size
+    count = {"0": 0, "1": 1, "n-1": n - 1}.get(size) if size != "1000003" else 1_000_003
+    for root in range(n):
+        x = data(comm.rank, count, dtype, seed=root)
+        out = comm.broadcast(x, root=root)
+        assert out.tobytes() == data(root, count, dtype, seed=root).tobytes()
+        assert out.dtype == x.dtype and out.shape == x.shape
+
+
+def test_broadcast_64mib(comm):
+    for root in range(comm.size):
+        x = np.full(BIG // 4, comm.rank, dtype=np.float32)
+        out = comm.broadcast(x, root=root)
+        assert np.all(out == root) and np.all(x == comm.rank)
+
+
+@pytest.mark.parametrize("size", ["0", "1", "n-1", "1000003"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reduce_scatter(comm, dtype, op, size):
+    n, r = comm.size, comm.rank
+    rows = {"0": 0, "1": 1, "n-1": n - 1}.get(size) if size != "1000003" else 1_000_003 // 2
+    for alg in algorithms(comm):
+        x = data(r, rows * 2, dtype, op, shape=(rows, 2))
+        if not valid(dtype, op):
+            with pytest.raises((TypeError, ValueError)):
+                comm.reduce_scatter(x, op=op, algorithm=alg)
+            continue
+        out = comm.reduce_scatter(x, op=op, algorithm=alg)
+        full = reference([data(q, rows * 2, dtype, op, shape=(rows, 2)) for q in range(n)], op, n)
+        b = segment_bounds(rows, n)
+        assert out.shape == (b[r + 1] - b[r], 2) and out.dtype == x.dtype
+        np.testing.assert_array_equal(out.astype(np.float64), full[b[r]:b[r + 1]].astype(np.float64))
+
+
+def test_reduce_scatter_64mib(comm):
+    rows = BIG // 4
+    for alg in algorithms(comm):
+        out = comm.reduce_scatter(np.full(rows, comm.rank + 1, dtype=np.float32), algorithm=alg)
+        b = segment_bounds(rows, comm.size)
+        assert out.shape == (b[comm.rank + 1] - b[comm.rank],)
+        assert np.all(out == comm.size * (comm.size + 1) / 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_alltoall(comm, dtype):
+    n, r = comm.size, comm.rank
+    # equal splits
+    x = data(r, n * 2 * 3, dtype, seed=3, shape=(n * 2, 3))
+    out = comm.alltoall(x)
+    expect = np.concatenate([data(q, n * 2 * 3, dtype, seed=3, shape=(n * 2, 3))[2 * r:2 * r + 2] for q in range(n)])
+    assert out.tobytes() == expect.tobytes()
+
+    # uneven splits, including zero rows: rank q sends (q + i) % 3 rows to rank i
+    def splits(q):
+        return [(q + i) % 3 for i in range(n)]
+
+    def rows(q):
+        return data(q, sum(splits(q)) * 2, dtype, seed=4, shape=(sum(splits(q)), 2))
+
+    out = comm.alltoall(rows(r), splits=splits(r))
+    parts = []
+    for q in range(n):
+        off = sum(splits(q)[:r])
+        parts.append(rows(q)[off:off + splits(q)[r]])
+    assert out.tobytes() == np.concatenate(parts).tobytes()
+
+
+def test_alltoall_64mib(comm):
+    n = comm.size
+    per = (BIG // 4) // n
+    out = comm.alltoall(np.repeat(np.arange(n, dtype=np.float32) + 10 * comm.rank, per))
+    np.testing.assert_array_equal(out, np.repeat(10 * np.arange(n, dtype=np.float32) + comm.rank, per))
+
+
+def test_barrier_and_objects(comm):
+    comm.barrier()
+    for root in range(comm.size):
+        got = comm.broadcast_object({"from": comm.rank, "list": [comm.rank] * 3}, root=root)
+        assert got == {"from": root, "list": [root] * 3}
+    assert comm.allgather_object(("r", comm.rank)) == [("r", q) for q in range(comm.size)]
+
+
+def test_split(comm):
+    n, r = comm.size, comm.rank
+    sub = comm.split(color=r % 2, key=-r)  # reverse order inside each group
+    members = [q for q in range(n) if q % 2 == r % 2]
+    if comm.backend == "horovod":  # process sets keep world order
+        assert sub.world_ranks == tuple(members)
+    else:
+        assert sub.world_ranks == tuple(sorted(members, reverse=True))
+    assert sub.size == len(members) and sub.world_ranks[sub.rank] == r
+    out = sub.allreduce(np.array([r, 1], dtype=np.int64))
+    np.testing.assert_array_equal(out, [sum(members), len(members)])
+    assert sub.allgather(np.array([r])).tolist() == list(sub.world_ranks)
+    got = sub.broadcast(np.array([r]), root=sub.size - 1)
+    assert got[0] == sub.world_ranks[-1]
+    none = comm.split(color=None if r == 0 else 1)
+    assert (none is None) == (r == 0)
+    if none is not None:
+        assert none.size == n - 1
+        assert none.allreduce(np.ones(1))[0] == n - 1
+
+
+def test_async_handles(comm):
+    n = comm.size
+    xs = [np.full(50_000, i + comm.rank, dtype=np.float64) for i in range(6)]
+    handles = [comm.allreduce_async(x) for x in xs]
+    g = comm.allgather_async(np.array([comm.rank]))
+    b = comm.broadcast_async(np.array([comm.rank]), root=n - 1)
+    for i in reversed(range(6)):  # any wait order
+        np.testing.assert_array_equal(handles[i].wait(), np.full(50_000, n * i + n * (n - 1) / 2))
+        assert handles[i].test()
+    assert g.wait().tolist() == list(range(n))
+    assert b.wait()[0] == n - 1
+    # a synchronous call after asynchronous ones runs after them
+    h = comm.allreduce_async(np.ones(10))
+    out = comm.allreduce(np.full(10, 2.0))
+    assert h.test() and h.wait()[0] == n and out[0] == 2 * n
+    assert comm.barrier_async().wait() is None
+    assert comm.allgather_object_async(comm.rank).wait() == list(range(n))
+    assert comm.broadcast_object_async(comm.rank, root=0).wait() == 0
+    assert comm.reduce_scatter_async(np.ones(n)).wait().tolist() == [float(n)]
+    assert comm.alltoall_async(np.arange(n)).wait().tolist() == [comm.rank] * n
+
+
+def test_facade_functions(comm):
+    n = comm.size
+    assert hpctrain.allreduce(np.ones(3), op="avg").tolist() == [1.0] * 3
+    assert hpctrain.allgather(np.array([comm.rank])).tolist() == list(range(n))
+    assert hpctrain.broadcast(np.array([comm.rank]), root=0)[0] == 0
+    assert hpctrain.allreduce_async(np.ones(2)).wait().tolist() == [n, n]
+    hpctrain.barrier()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_send_recv(comm, dtype):
+    n, r = comm.size, comm.rank
+    if comm.backend == "horovod":
+        with pytest.raises(ValueError, match="point-to-point"):
+            comm.send(np.ones(1), dest=0)
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    x = data(r, 12, dtype, seed=5, shape=(3, 4))
+    h = comm.send_async(x, dest=right, tag=7)
+    got = comm.recv(source=left, tag=7)
+    h.wait()
+    assert got.dtype == np.dtype(dtype) and got.shape == (3, 4)
+    assert got.tobytes() == data(left, 12, dtype, seed=5, shape=(3, 4)).tobytes()
+    # tags keep messages apart, and big messages arrive whole
+    big = np.arange(1_000_003, dtype=np.float32) + r
+    h1 = comm.send_async(big, dest=right, tag=2)
+    h2 = comm.send_async(np.array([r]), dest=right, tag=1)
+    small = comm.recv(source=left, tag=1)
+    large = comm.recv(source=left, tag=2)
+    h1.wait(), h2.wait()
+    assert small.tolist() == [left]
+    np.testing.assert_array_equal(large, np.arange(1_000_003, dtype=np.float32) + left)
+
+
+def test_ring_unavailable_on_horovod(comm):
+    if comm.backend != "horovod":
+        assert "ring" in comm.allreduce_algorithms()
+        return
+    with pytest.raises(ValueError, match="algorithm"):
+        comm.allreduce(np.ones(3), algorithm="ring")
+
+
+def test_window_of_many_calls_in_flight(comm):
+    """Many async calls of changing sizes complete in order with correct results."""
+    n = comm.size
+    sizes = [0, 1, 7, 1000, 65_537, 3, 300_001]
+    handles = [(s, comm.allreduce_async(np.full(s, comm.rank + 1.0, dtype=np.float32))) for s in sizes * 3]
+    for s, h in handles:
+        out = h.wait()
+        assert out.shape == (s,) and np.all(out == n * (n + 1) / 2)
