@@ -53,7 +53,7 @@ def init(backend: str = "auto") -> Communicator:
     Args:
         backend: "auto", "mpi", "horovod" or "local" (see :func:`resolve_backend`).
 
-    Once a job has more than one rank, an uncaught exception on any rank
+    With the MPI and Horovod backends, an uncaught exception on any rank
     aborts the whole job instead of leaving the others waiting.
     """
     global _world
@@ -72,7 +72,7 @@ def init(backend: str = "auto") -> Communicator:
         else:
             from .comm import local as impl
         _world = impl.init_world(config)
-        if _world.size > 1:
+        if _world.backend != "local":
             _install_excepthook(_world)
         return _world
 

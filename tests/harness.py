@@ -57,7 +57,8 @@ def _clean_pass(log: str) -> bool:
     return bool(re.search(r"\d+ passed", last)) and not re.search(r"failed|error", last)
 
 
-def run_pytest_on_ranks(n: int, test_file: str, timeout: float = 900, launcher=None, **env) -> str:
+def run_pytest_on_ranks(n: int, test_file: str, timeout: float = 900, launcher=None, select: str = "",
+                        **env) -> str:
     """Run one test file under ``n`` ranks (all its tests inside one launch) and assert it passed everywhere.
 
     Each rank writes its pytest output to its own log; on failure the logs of
@@ -66,7 +67,7 @@ def run_pytest_on_ranks(n: int, test_file: str, timeout: float = 900, launcher=N
     with tempfile.TemporaryDirectory(prefix="hpctrain-ranks-") as logdir:
         inner = [sys.executable, str(REPO / "tests" / "rank_main.py"), logdir,
                  "-q", "-p", "no:cacheprovider", "--timeout=240", "--color=no", "--durations=5",
-                 str(REPO / "tests" / "ranks" / test_file)]
+                 str(REPO / "tests" / "ranks" / test_file)] + (["-k", select] if select else [])
         cmd = (launcher or mpirun_cmd)(n) + inner
         result = run(cmd, base_env(HPCTRAIN_INNER_PYTEST=1, **env), timeout)
         logs = {}

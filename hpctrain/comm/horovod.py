@@ -59,6 +59,9 @@ class HorovodCommunicator(Communicator):
         return judge(list(descs), self.name, call.seq, None if self.name == "world" else self.world_ranks)
 
     def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
+        if acc.dtype == np.uint8:  # Horovod does not reduce uint8: widen, reduce, wrap back as uint8 does
+            wide = self._hvd.allreduce(self._t(acc.astype(np.int32)), op=self._ops[op], process_set=self._ps)
+            return wide.numpy().astype(np.uint8)
         return self._hvd.allreduce(self._t(acc), op=self._ops[op], process_set=self._ps).numpy()
 
     def _allgather_ints(self, value: int) -> List[int]:
@@ -156,4 +159,5 @@ def init_world(config: Config) -> HorovodCommunicator:
 
     topo = Topology(hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())
     runtime = Runtime(config, hvd.rank(), abort)
-    return HorovodCommunicator(runtime, hvd, hvd.global_process_set, "world", range(hvd.size()), topo, {})
+    registry = {tuple(range(hvd.size())): hvd.global_process_set}  # Horovod refuses a duplicate
+    return HorovodCommunicator(runtime, hvd, hvd.global_process_set, "world", range(hvd.size()), topo, registry)

@@ -97,9 +97,8 @@ class MPICommunicator(Communicator):
         reqs = [self._ctrl.Irecv(self._descs[i], i, _TAG_CALL) for i in range(1, n)]
         missing = set(range(1, n))
         while missing:
-            rt.note_waiting(f"{format_ranks(sorted(missing))} of {self.name} "
-                            f"(world {format_ranks([self.world_ranks[i] for i in missing])}) "
-                            f"have not made this call")
+            rt.note_waiting(f"not yet joined by {format_ranks(sorted(missing))} of {self.name} "
+                            f"(world {format_ranks([self.world_ranks[i] for i in missing])})")
             for i in MPI.Request.Waitsome(reqs) or ():
                 missing.discard(i + 1)
         verdict = judge(list(self._descs), self.name, call.seq,

@@ -254,11 +254,15 @@ def test_barrier_and_objects(comm):
 
 def test_split(comm):
     n, r = comm.size, comm.rank
-    sub = comm.split(color=r % 2, key=-r)  # reverse order inside each group
     members = [q for q in range(n) if q % 2 == r % 2]
-    if comm.backend == "horovod":  # process sets keep world order
+    if comm.backend == "horovod":  # process sets keep world order; other orders are refused
+        if len(members) > 1:
+            with pytest.raises(ValueError, match="order"):
+                comm.split(color=r % 2, key=-r)
+        sub = comm.split(color=r % 2, key=r)
         assert sub.world_ranks == tuple(members)
     else:
+        sub = comm.split(color=r % 2, key=-r)  # reverse order inside each group
         assert sub.world_ranks == tuple(sorted(members, reverse=True))
     assert sub.size == len(members) and sub.world_ranks[sub.rank] == r
     out = sub.allreduce(np.array([r, 1], dtype=np.int64))

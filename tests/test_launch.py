@@ -1,0 +1,71 @@
+"""Launcher detection from each launcher's variables, the launch command, and real launches."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hpctrain.env import LaunchInfo, detect_launcher, env_flag
+from hpctrain.launch import build_command
+
+from harness import BIN, base_env, run
+
+
+@pytest.mark.parametrize("env, expect", [
+    ({}, None),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_RANK": "2"}, LaunchInfo("openmpi", 2, 4, 0, 2)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "3"},
+     LaunchInfo("mpich", 1, 3, 1, 3)),
+    ({"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
+      "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2"}, LaunchInfo("horovod-gloo", 3, 4, 1, 2, 1, 2)),
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+      "SLURM_STEP_NUM_NODES": "3", "SLURM_STEP_TASKS_PER_NODE": "2(x3)"}, LaunchInfo("slurm", 5, 6, 1, 2, 2, 3)),
+    # the batch script of an allocation is not a task of a step
+    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, None),
+])
+def test_detect_launcher(env, expect):
+    assert detect_launcher(env) == expect
+
+
+def test_env_flag_rejects_junk(monkeypatch):
+    monkeypatch.setenv("HPCTRAIN_X", "maybe")
+    with pytest.raises(ValueError, match="HPCTRAIN_X"):
+        env_flag("HPCTRAIN_X", True)
+
+
+def test_build_command_flags():
+    env = {}
+    cmd = build_command(3, ["python", "train.py", "--lr", "0.1"], env=env, cores=2)
+    assert cmd[0].endswith("mpirun") and cmd[1:3] == ["-n", "3"]
+    assert "--oversubscribe" in cmd and ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
+    assert cmd[-6:] == [sys.executable, "-m", "hpctrain.run", "train.py", "--lr", "0.1"]
+    assert "--oversubscribe" not in build_command(2, ["x.py"], env=env, cores=2)
+    with pytest.raises(ValueError):
+        build_command(0, ["x.py"], env=env)
+    with pytest.raises(ValueError):
+        build_command(2, [], env=env)
+
+
+def test_hpctrain_launch_prints_every_rank():
+    code = "import hpctrain as h; h.init(); print(h.rank())"
+    result = run([str(BIN / "hpctrain"), "launch", "-n", "3", "python", "-c", code], base_env(), 120)
+    assert result.returncode == 0, result.stdout
+    assert sorted(result.stdout.split()) == ["0", "1", "2"]
+
+
+def test_hpctrain_info_lists_versions_and_layout():
+    result = run([str(BIN / "hpctrain"), "launch", "-n", "2", "hpctrain", "info"], base_env(), 180)
+    assert result.returncode == 0, result.stdout
+    out = result.stdout
+    for word in ("Open MPI", "mpi4py", "numpy", "torch", "tensorflow", "horovod", "launcher   openmpi",
+                 "world size 2"):
+        assert word in out, f"{word!r} missing from:\n{out}"
+    assert "horovod  works" in out and "mpi      works" in out
+    assert out.count("hpctrain info") == 1, "only rank 0 prints"
+
+
+def test_hpctrain_launch_bad_arguments_fail_clearly():
+    out = subprocess.run([str(BIN / "hpctrain"), "launch", "-n", "0", "x.py"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "at least 1" in out.stderr
