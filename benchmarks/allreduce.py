@@ -1,0 +1,189 @@
+"""All-reduce bandwidth: hpctrain (ring, native) against mpi4py Allreduce, torch.distributed (gloo) and Horovod.
+
+Each peer runs in its own mpirun launch (Horovod's background thread busy-polls
+and would slow whatever shares its processes), peers alternate within each
+round so machine drift hits all alike, and the reported time is the median
+over rounds of each round's median.  Bus bandwidth as nccl-tests defines it:
+``busbw = bytes / time * 2 (n-1) / n``.  Writes JSON, a markdown table and a PNG.
+
+    python benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PEERS = ("hpctrain-ring", "hpctrain-native", "mpi4py", "torch-gloo", "horovod")
+MIB = 1 << 20
+
+
+def human(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // 1024} KiB"
+
+
+# ---------------------------------------------------------------- worker (one launch, one peer)
+def make_op(peer: str):
+    """Return (rank, size, barrier, allreduce(buffer)) for ``peer``."""
+    if peer.startswith("hpctrain"):
+        import hpctrain
+
+        comm = hpctrain.init("mpi")
+        alg = peer.split("-")[1]
+        return comm.rank, comm.size, comm.barrier, lambda x: comm.allreduce(x, algorithm=alg)
+    if peer == "mpi4py":
+        from mpi4py import MPI
+
+        c = MPI.COMM_WORLD
+
+        def op(x):
+            out = np.empty_like(x)
+            c.Allreduce(x, out, op=MPI.SUM)
+            return out
+        return c.rank, c.size, c.Barrier, op
+    if peer == "torch-gloo":
+        import torch
+        import torch.distributed as dist
+
+        rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}",
+                                rank=rank, world_size=size)
+
+        def op(x):
+            t = torch.from_numpy(x.copy())
+            dist.all_reduce(t)
+            return t
+        return rank, size, dist.barrier, op
+    if peer == "horovod":
+        import horovod.torch as hvd
+        import torch
+
+        hvd.init()
+        return hvd.rank(), hvd.size(), hvd.barrier, lambda x: hvd.allreduce(torch.from_numpy(x), op=hvd.Sum)
+    raise ValueError(peer)
+
+
+def worker(peer: str, sizes, seconds: float) -> None:
+    rank, size, barrier, op = make_op(peer)
+    results = {}
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, dtype=np.float32)
+        for _ in range(2):
+            op(x)
+        times = []
+        t_end = time.perf_counter() + seconds
+        while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 200):
+            barrier()
+            t0 = time.perf_counter()
+            op(x)
+            times.append(time.perf_counter() - t0)
+        results[nbytes] = statistics.median(times)
+    if rank == 0:
+        print("RESULT " + json.dumps({"peer": peer, "size": size, "times": results}), flush=True)
+
+
+# ---------------------------------------------------------------- driver
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(peer: str, n: int, sizes, seconds: float) -> dict:
+    bin_dir = Path(sys.executable).parent
+    cmd = [str(bin_dir / "mpirun"), "-n", str(n), "--bind-to", "none", "--mca", "osc", "^ucx"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if n > len(os.sched_getaffinity(0)):
+        cmd.append("--oversubscribe")
+    cmd += [sys.executable, __file__, "--worker", peer, "--seconds", str(seconds),
+            "--sizes", *map(str, sizes)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_PORT=str(free_port()), TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {int(k): v for k, v in json.loads(line[7:])["times"].items()}
+    raise RuntimeError(f"{peer} at {n} ranks failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2])
+    ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=1.0, help="time budget per size and launch")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds (the demo)")
+    ap.add_argument("--out", default="results/allreduce")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.sizes, args.seconds)
+        return
+    sizes = [4096 << (2 * i) for i in range(8)] + [256 * MIB]  # 4 KiB .. 64 MiB by x4, then 256 MiB
+    if args.quick:
+        sizes, args.rounds, args.seconds = [4096, 64 * 1024, MIB, 16 * MIB, 64 * MIB], 2, 0.5
+    rows = []
+    for n in args.ranks:
+        runs = {p: [] for p in args.peers}
+        for rnd in range(args.rounds):
+            order = args.peers if rnd % 2 == 0 else list(reversed(args.peers))
+            for peer in order:
+                print(f"[{n} ranks, round {rnd + 1}/{args.rounds}] {peer}", file=sys.stderr, flush=True)
+                runs[peer].append(launch(peer, n, sizes, args.seconds))
+        for peer in args.peers:
+            for nbytes in sizes:
+                t = statistics.median(r[nbytes] for r in runs[peer])
+                busbw = nbytes / t * 2 * (n - 1) / n / 1e9 if n > 1 else 0.0
+                rows.append({"ranks": n, "peer": peer, "bytes": nbytes, "time_s": t, "busbw_GBps": busbw})
+    write_outputs(rows, Path(args.out), args)
+
+
+def write_outputs(rows, out: Path, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "allreduce.json").write_text(json.dumps({"rows": rows, "rounds": args.rounds}, indent=1))
+    peers = list(dict.fromkeys(r["peer"] for r in rows))
+    lines = []
+    for n in sorted({r["ranks"] for r in rows}):
+        lines += [f"\n### {n} ranks{' (oversubscribed)' if n > len(os.sched_getaffinity(0)) else ''}: "
+                  f"bus bandwidth GB/s (median of {args.rounds} rounds); ratio = hpctrain-ring / mpi4py\n",
+                  "| size | " + " | ".join(peers) + " | ring/mpi4py |", "|---" * (len(peers) + 2) + "|"]
+        for nbytes in sorted({r["bytes"] for r in rows}):
+            cell = {r["peer"]: r for r in rows if r["ranks"] == n and r["bytes"] == nbytes}
+            ratio = (cell["hpctrain-ring"]["busbw_GBps"] / cell["mpi4py"]["busbw_GBps"]
+                     if "hpctrain-ring" in cell and "mpi4py" in cell and cell["mpi4py"]["busbw_GBps"] else float("nan"))
+            lines.append(f"| {human(nbytes)} | " + " | ".join(f"{cell[p]['busbw_GBps']:.2f}" for p in peers)
+                         + f" | {ratio:.2f} |")
+    table = "\n".join(lines)
+    (out / "allreduce.md").write_text(table + "\n")
+    print(table)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({r["ranks"] for r in rows})
+    fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks), 4), squeeze=False)
+    for ax, n in zip(axes[0], ranks):
+        for p in peers:
+            pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["ranks"] == n and r["peer"] == p)
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(f"all-reduce, {n} ranks")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "allreduce.png", dpi=100)
+
+
+if __name__ == "__main__":
+    main()
