@@ -79,8 +79,9 @@ def worker(peer: str, sizes, seconds: float) -> None:
         for _ in range(2):
             op(x)
         times = []
-        t_end = time.perf_counter() + seconds
-        while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 200):
+        # The same count on every rank (a count from a clock would differ and desynchronise them).
+        iters = max(5, min(200, int(seconds * 4e8 / nbytes)))
+        for _ in range(iters):
             barrier()
             t0 = time.perf_counter()
             op(x)
