@@ -16,6 +16,13 @@ def values(rank, count, width=2):
     return (np.arange(count * width).reshape(count, width) % 5 + rank) % 7
 
 
+def reference(tensors, op, wraps_at_256):
+    """Return the numpy reduction of every rank's tensor (uint8 sums wrap around as uint8 does)."""
+    stacked = np.stack([as_np(t) for t in tensors])
+    ref = {"sum": stacked.sum, "min": stacked.min, "max": stacked.max}[op](axis=0)
+    return ref % 256 if wraps_at_256 else ref
+
+
 def as_np(t):
     if isinstance(t, torch.Tensor):
         return (t.float() if t.dtype == torch.bfloat16 else t).numpy().astype(np.float64)
@@ -31,10 +38,7 @@ def test_torch_collectives(comm, dtype):
     red = [torch.from_numpy(values(q, rows)).to(dtype) for q in range(n)]
     out = comm.allreduce(x, op=op)
     assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == x.shape
-    ref = np.max([as_np(t) for t in red], 0) if op == "max" else np.sum([as_np(t) for t in red], 0)
-    if dtype == torch.uint8:
-        ref = ref % 256
-    np.testing.assert_array_equal(as_np(out), ref)
+    np.testing.assert_array_equal(as_np(out), reference(red, op, dtype == torch.uint8))
 
     g = comm.allgather(x[: r + 1])
     assert isinstance(g, torch.Tensor) and g.dtype == dtype
@@ -50,8 +54,8 @@ def test_torch_collectives(comm, dtype):
     if dtype != torch.bool:
         rs = comm.reduce_scatter(x, op="sum")
         assert rs.dtype == dtype and rs.shape == (2, 2)
-        full = np.sum([as_np(t) for t in red], 0)
-        np.testing.assert_array_equal(as_np(rs), (full % 256 if dtype == torch.uint8 else full)[2 * r:2 * r + 2])
+        full = reference(red, "sum", dtype == torch.uint8)
+        np.testing.assert_array_equal(as_np(rs), full[2 * r:2 * r + 2])
 
 
 def test_torch_views_grads_and_async(comm):
@@ -88,10 +92,7 @@ def test_tf_collectives(comm, dtype):
     red = [tf.cast(tf.constant(values(q, 2 * n)), dtype) for q in range(n)]
     out = comm.allreduce(x, op=op)
     assert isinstance(out, tf.Tensor) and out.dtype == dtype and out.shape == x.shape
-    ref = np.min([as_np(t) for t in red], 0) if op == "min" else np.sum([as_np(t) for t in red], 0)
-    if dtype == tf.uint8:
-        ref = ref % 256
-    np.testing.assert_array_equal(as_np(out), ref)
+    np.testing.assert_array_equal(as_np(out), reference(red, op, dtype == tf.uint8))
     g = comm.allgather(x[: r + 1])
     assert g.dtype == dtype
     np.testing.assert_array_equal(as_np(g), np.concatenate([as_np(t[: q + 1]) for q, t in enumerate(red)]))
