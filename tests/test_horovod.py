@@ -24,8 +24,7 @@ def test_horovod_is_installed_with_mpi_and_gloo():
 SMALL = "not 1000003 and not 64mib"
 
 
-# 3 and 4 oversubscribed Horovod ranks currently fail a collective test (see the closing note).
-@pytest.mark.parametrize("n", (1, 2))
+@pytest.mark.parametrize("n", RANK_COUNTS)
 def test_collectives_on_horovod_under_mpirun(n):
     run_pytest_on_ranks(n, "test_collectives.py", select="" if n <= 2 else SMALL,
                         HPCTRAIN_BACKEND="horovod", HPCTRAIN_EXPECT_BACKEND="horovod")
@@ -35,7 +34,7 @@ def horovodrun_gloo(n):
     return [str(BIN / "horovodrun"), "--gloo", "-np", str(n), "-H", f"localhost:{n}"]
 
 
-@pytest.mark.parametrize("n", (1, 2))
+@pytest.mark.parametrize("n", RANK_COUNTS)
 def test_collectives_under_horovodrun_gloo_pick_horovod(n):
     # No MPI launcher variables exist here, so backend "auto" must choose Horovod.
     run_pytest_on_ranks(n, "test_collectives.py", launcher=horovodrun_gloo, select="" if n <= 2 else SMALL,

@@ -47,6 +47,14 @@ class HorovodCommunicator(Communicator):
         """Return the allreduce algorithms of this backend (no ring: Horovod has no point-to-point)."""
         return ("auto", "native")
 
+    def _op_name(self, kind: str) -> str:
+        # Horovod matches an operation across ranks by name.  Its default names count operations
+        # per process, so they drift apart as soon as ranks run different process sets (a rank
+        # alone in a set makes different calls from the others).  hpctrain runs one Horovod
+        # operation at a time per process, so a fixed name per communicator and primitive is
+        # unique while in flight and lets Horovod's response cache hit on repeated calls.
+        return f"hpctrain.set{self._ps.process_set_id}.{kind}"
+
     def _t(self, arr: np.ndarray):
         # torch refuses to wrap read-only memory without a warning; such inputs are small.
         return self._torch.from_numpy(arr if arr.flags.writeable else arr.copy())
@@ -55,29 +63,32 @@ class HorovodCommunicator(Communicator):
         own = np.zeros((1, DESC_BYTES), dtype=np.uint8)
         enc = np.frombuffer(call.encode(), dtype=np.uint8)
         own[0, :enc.size] = enc
-        descs = self._hvd.allgather(self._t(own), process_set=self._ps).numpy()
+        descs = self._hvd.allgather(self._t(own), name=self._op_name("check"), process_set=self._ps).numpy()
         return judge(list(descs), self.name, call.seq, None if self.name == "world" else self.world_ranks)
 
     def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
         if acc.dtype == np.uint8:  # Horovod does not reduce uint8: widen, reduce, wrap back as uint8 does
-            wide = self._hvd.allreduce(self._t(acc.astype(np.int32)), op=self._ops[op], process_set=self._ps)
+            wide = self._hvd.allreduce(self._t(acc.astype(np.int32)), op=self._ops[op],
+                                       name=self._op_name("allreduce"), process_set=self._ps)
             return wide.numpy().astype(np.uint8)
-        return self._hvd.allreduce(self._t(acc), op=self._ops[op], process_set=self._ps).numpy()
+        return self._hvd.allreduce(self._t(acc), op=self._ops[op], name=self._op_name("allreduce"),
+                                   process_set=self._ps).numpy()
 
     def _allgather_ints(self, value: int) -> List[int]:
         t = self._torch.tensor([value], dtype=self._torch.int64)
-        return self._hvd.allgather(t, process_set=self._ps).tolist()
+        return self._hvd.allgather(t, name=self._op_name("allgather_ints"), process_set=self._ps).tolist()
 
     def _alltoall_ints(self, values: List[int]) -> List[int]:
         t = self._torch.tensor(values, dtype=self._torch.int64)
-        out = self._hvd.alltoall(t, process_set=self._ps)
+        out = self._hvd.alltoall(t, name=self._op_name("alltoall_ints"), process_set=self._ps)
         return (out[0] if isinstance(out, tuple) else out).tolist()
 
     def _allgatherv(self, raw: np.ndarray, counts: List[int]) -> np.ndarray:
-        return self._hvd.allgather(self._t(raw), process_set=self._ps).numpy()
+        return self._hvd.allgather(self._t(raw), name=self._op_name("allgather"), process_set=self._ps).numpy()
 
     def _broadcast(self, raw: np.ndarray, root: int) -> None:
-        out = self._hvd.broadcast(self._t(raw), self.world_ranks[root], process_set=self._ps)
+        out = self._hvd.broadcast(self._t(raw), self.world_ranks[root], name=self._op_name("broadcast"),
+                                  process_set=self._ps)
         raw[...] = out.numpy()
 
     def _reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
@@ -89,14 +100,15 @@ class HorovodCommunicator(Communicator):
 
     def _alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
         splits = self._torch.tensor(send, dtype=self._torch.int32)
-        out = self._hvd.alltoall(self._t(raw), splits=splits, process_set=self._ps)
+        out = self._hvd.alltoall(self._t(raw), splits=splits, name=self._op_name("alltoall"), process_set=self._ps)
         return (out[0] if isinstance(out, tuple) else out).numpy()
 
     def _barrier(self) -> None:
         self._hvd.barrier(process_set=self._ps)
 
     def _broadcast_object(self, obj: Any, root: int) -> Any:
-        return self._hvd.broadcast_object(obj, root_rank=self.world_ranks[root], process_set=self._ps)
+        return self._hvd.broadcast_object(obj, root_rank=self.world_ranks[root], name=self._op_name("broadcast_object"),
+                                          process_set=self._ps)
 
     def _allgather_object(self, obj: Any) -> List[Any]:
         # hvd.allgather_object has no process_set argument: gather pickled bytes ourselves.
@@ -122,19 +134,20 @@ class HorovodCommunicator(Communicator):
         for c, k, r in entries:
             if c is not None:
                 groups.setdefault(c, []).append((k, r))
-        mine = None
-        for c in sorted(groups):
-            ranks = tuple(r for _, r in sorted(groups[c]))
+        ordered = {c: tuple(r for _, r in sorted(groups[c])) for c in sorted(groups)}
+        # Decide on every rank, from the same gathered entries, before registering anything:
+        # Horovod process sets are collective and keep world order.
+        bad = {c: ranks for c, ranks in ordered.items() if list(ranks) != sorted(ranks)}
+        if bad:
+            raise ValueError("the horovod backend orders sub-communicator ranks by world rank; use key "
+                             f"values that keep that order (color -> ranks by key: {bad})")
+        for ranks in ordered.values():
             if ranks not in self._registry:
-                self._registry[ranks] = ps = self._hvd.add_process_set(list(ranks))
-            if c == color:
-                mine = (ranks, self._registry[ranks])
-        if mine is None:
+                self._registry[ranks] = self._hvd.add_process_set(list(ranks))
+        if color is None:
             return None
-        ranks, ps = mine
-        if list(ranks) != sorted(ranks):
-            raise ValueError("the horovod backend orders sub-communicator ranks by world rank; "
-                             "use key values that keep that order")
+        ranks = ordered[color]
+        ps = self._registry[ranks]
         return HorovodCommunicator(self._rt, self._hvd, ps, f"{self.name}.split({color})", ranks,
                                    self.topology, self._registry)
 

@@ -256,7 +256,7 @@ def test_split(comm):
     n, r = comm.size, comm.rank
     members = [q for q in range(n) if q % 2 == r % 2]
     if comm.backend == "horovod":  # process sets keep world order; other orders are refused
-        if len(members) > 1:
+        if n >= 3:  # some group has two members: every rank gets the error
             with pytest.raises(ValueError, match="order"):
                 comm.split(color=r % 2, key=-r)
         sub = comm.split(color=r % 2, key=r)
