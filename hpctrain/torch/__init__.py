@@ -1,0 +1,18 @@
+"""PyTorch adapter: data-parallel training on hpctrain's collectives.
+
+Four lines turn a single-process script into a data-parallel one::
+
+    import hpctrain, hpctrain.torch as ht
+    hpctrain.init()
+    optimizer = ht.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    ht.broadcast_parameters(model.state_dict(), root=0)
+
+and :class:`hpctrain.data.DistributedSampler` gives each rank its share of the data.
+"""
+from .broadcast import allreduce, average_metrics, broadcast_optimizer_state, broadcast_parameters
+from .join import Join
+from .optimizer import DistributedOptimizer
+from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "allreduce",
+           "average_metrics", "Join", "SyncBatchNorm", "convert_sync_batchnorm"]

@@ -1,0 +1,118 @@
+"""Make replicas equal (parameters, optimizer state) and average values across ranks."""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Mapping, Tuple, Union
+
+import numpy as np
+import torch
+
+from ..agreement import check_same
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "allreduce", "average_metrics"]
+
+
+def _world(comm):
+    if comm is None:
+        from .. import world
+        return world()
+    return comm
+
+
+def broadcast_tensors(tensors: List[torch.Tensor], root: int, comm) -> None:
+    """Overwrite every tensor in place with ``root``'s values: one broadcast per dtype.
+
+    Tensors may live on any device (CUDA ones are staged through host memory).
+    Cost: one copy into a flat host buffer per dtype, one broadcast of the
+    total bytes, one copy back.
+    """
+    groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    for dtype, ts in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).cpu() for t in ts])
+            wire = flat.view(torch.uint8) if dtype == torch.bool else flat
+            got = comm.broadcast(wire, root=root)
+            got = got.view(torch.bool) if dtype == torch.bool else got
+            off = 0
+            for t in ts:
+                t.copy_(got[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+
+def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]],
+                         root: int = 0, comm=None) -> None:
+    """Copy ``root``'s parameters (and buffers) into every rank's, in place.
+
+    Args:
+        params: ``model.state_dict()`` (parameters and buffers) or
+            ``model.named_parameters()``; the same names on every rank.
+        root: the rank whose values win.
+        comm: the communicator (default: the world).
+
+    Raises ValueError on every rank, naming the ranks, if the names, shapes or
+    dtypes differ between ranks.
+    """
+    comm = _world(comm)
+    items = sorted((params.items() if isinstance(params, Mapping) else list(params)), key=lambda kv: kv[0])
+    check_same(comm, "the tensors to broadcast (name, shape, dtype)",
+               [(n, tuple(t.shape), str(t.dtype)) for n, t in items], f"{len(items)} tensors")
+    broadcast_tensors([t for _, t in items], root, comm)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0, comm=None) -> None:
+    """Copy ``root``'s optimizer state (moments, step counts, hyper-parameters) to every rank.
+
+    Works when the other ranks have no state yet (a fresh optimizer): the
+    structure travels as a small object, the tensors by one broadcast per dtype.
+    """
+    comm = _world(comm)
+    sd = optimizer.state_dict() if comm.rank == root else None
+    tensors: List[torch.Tensor] = []
+    skeleton = _strip(sd, tensors) if sd is not None else None
+    skeleton = comm.broadcast_object(skeleton, root=root)
+    if comm.rank != root:
+        tensors = []
+        sd = _fill(skeleton, tensors)
+    broadcast_tensors(tensors, root, comm)
+    if comm.rank != root:
+        optimizer.load_state_dict(sd)
+
+
+def _strip(obj: Any, out: List[torch.Tensor]) -> Any:
+    """Replace each tensor in a nested structure by a placeholder; collect the tensors in order."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return ("__tensor__", tuple(obj.shape), str(obj.dtype).replace("torch.", ""))
+    if isinstance(obj, dict):
+        return {k: _strip(v, out) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_strip(v, out) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, out: List[torch.Tensor]) -> Any:
+    """Inverse of :func:`_strip`: allocate a tensor for each placeholder, in the same order."""
+    if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == "__tensor__":
+        t = torch.empty(obj[1], dtype=getattr(torch, obj[2]))
+        out.append(t)
+        return t
+    if isinstance(obj, dict):
+        return {k: _fill(v, out) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, out) for v in obj)
+    return obj
+
+
+def allreduce(tensor: torch.Tensor, op: str = "avg", comm=None) -> torch.Tensor:
+    """Return ``tensor`` reduced over ranks (default: averaged); see :meth:`Communicator.allreduce`."""
+    return _world(comm).allreduce(tensor, op=op)
+
+
+def average_metrics(metrics: Dict[str, Any], comm=None) -> Dict[str, float]:
+    """Return ``{name: value averaged over ranks}`` for scalars (floats, ints, 0-d tensors), in one all-reduce."""
+    names = sorted(metrics)
+    vals = np.array([float(metrics[k].item() if hasattr(metrics[k], "item") else metrics[k]) for k in names],
+                    dtype=np.float64)
+    avg = _world(comm).allreduce(vals, op="avg")
+    return {k: float(v) for k, v in zip(names, avg)}
