@@ -3,19 +3,23 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RANKS ?= 2
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo allreduce-demo test bench clean
 
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) benchmarks/allreduce.py --ranks $(RANKS) --quick --out results/demo
+	$(VENV)/bin/hpctrain launch -n $(RANKS) python examples/torch_digits.py --out results/demo.json
+
+allreduce-demo: setup
+	$(PY) benchmarks/allreduce.py --ranks $(RANKS) --quick --out results/allreduce-demo
 
 test: setup
 	$(PY) -m pytest tests
 
 bench: setup
 	$(PY) benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
+	$(PY) benchmarks/scaling.py --ranks 1 2 4 --out results/scaling
 
 clean:
 	rm -rf results .pytest_cache

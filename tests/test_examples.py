@@ -1,0 +1,18 @@
+"""The examples train for real: >= 97% test accuracy at 1, 2, 3 and 4 ranks, replicas identical."""
+import json
+
+import pytest
+
+from harness import REPO, RANK_COUNTS, base_env, mpirun_cmd, run, BIN
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_torch_digits_reaches_97_percent(n, tmp_path):
+    out = tmp_path / "summary.json"
+    cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / "torch_digits.py"),
+                           "--min-accuracy", "0.97", "--out", str(out)]
+    result = run(cmd, base_env(), timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    summary = json.loads(out.read_text())
+    assert summary["ranks"] == n and summary["replicas_identical"]
+    assert summary["test_accuracy"] >= 0.97
