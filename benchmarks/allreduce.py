@@ -13,14 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import launch_worker, oversubscribed  # noqa: E402
 
 PEERS = ("hpctrain-ring", "hpctrain-native", "mpi4py", "torch-gloo", "horovod")
 MIB = 1 << 20
@@ -92,27 +93,9 @@ def worker(peer: str, sizes, seconds: float) -> None:
 
 
 # ---------------------------------------------------------------- driver
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(peer: str, n: int, sizes, seconds: float) -> dict:
-    bin_dir = Path(sys.executable).parent
-    cmd = [str(bin_dir / "mpirun"), "-n", str(n), "--bind-to", "none", "--mca", "osc", "^ucx"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    if n > len(os.sched_getaffinity(0)):
-        cmd.append("--oversubscribe")
-    cmd += [sys.executable, __file__, "--worker", peer, "--seconds", str(seconds),
-            "--sizes", *map(str, sizes)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_PORT=str(free_port()), TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {int(k): v for k, v in json.loads(line[7:])["times"].items()}
-    raise RuntimeError(f"{peer} at {n} ranks failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    res = launch_worker(n, [__file__, "--worker", peer, "--seconds", str(seconds), "--sizes", *map(str, sizes)])
+    return {int(k): v for k, v in res["times"].items()}
 
 
 def main() -> None:
@@ -154,7 +137,7 @@ def write_outputs(rows, out: Path, args) -> None:
     peers = list(dict.fromkeys(r["peer"] for r in rows))
     lines = []
     for n in sorted({r["ranks"] for r in rows}):
-        lines += [f"\n### {n} ranks{' (oversubscribed)' if n > len(os.sched_getaffinity(0)) else ''}: "
+        lines += [f"\n### {n} ranks{oversubscribed(n)}: "
                   f"bus bandwidth GB/s (median of {args.rounds} rounds); ratio = hpctrain-ring / mpi4py\n",
                   "| size | " + " | ".join(peers) + " | ring/mpi4py |", "|---" * (len(peers) + 2) + "|"]
         for nbytes in sorted({r["bytes"] for r in rows}):

@@ -28,10 +28,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..collectives.ops import check_op, finish, segment_bounds, to_accumulator
+from ..collectives.ops import accumulation_dtype, check_op, finish, segment_bounds, to_accumulator
 from ..collectives.ring import ring_allreduce, ring_reduce_scatter
 from ..errors import CollectiveMismatchError
-from ..tensors import to_numpy
+from ..tensors import framework_of, to_numpy
 from .runtime import Runtime
 from .signature import Call
 
@@ -44,6 +44,30 @@ Plan = Tuple[Call, Optional[Callable[[], Any]], Callable[[Any], Any]]
 
 def _same(x):
     return x
+
+
+def _copy_back_into(x: Any, arr: np.ndarray, restore: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Return a restore function that leaves the result in ``x`` (``arr`` is x's numpy form) and returns ``x``.
+
+    Raises ValueError (at planning time, so every rank hears of it) when ``x``
+    cannot be written: TensorFlow tensors, read-only or non-contiguous arrays.
+    """
+    kind = framework_of(x)
+    if kind == "tensorflow":
+        raise ValueError("allreduce(inplace=True) cannot write into a TensorFlow tensor (they are immutable)")
+    if kind == "numpy" and not (isinstance(x, np.ndarray) and x.flags.writeable and np.may_share_memory(arr, x)):
+        raise ValueError("allreduce(inplace=True) needs a writable C-contiguous numpy array")
+
+    view = kind == "numpy" or (x.device.type == "cpu" and x.is_contiguous())  # is ``arr`` x's memory?
+
+    def into(result: np.ndarray) -> Any:
+        if not (view and np.may_share_memory(result, arr)):
+            if kind == "numpy":
+                np.copyto(x, result.reshape(x.shape))
+            else:
+                x.copy_(restore(result).view(x.shape))   # torch on CUDA, or a widened dtype
+        return x
+    return into
 
 
 def done_handle(value: Any = None) -> "Handle":
@@ -118,19 +142,24 @@ class Communicator(abc.ABC):
         return f"<{type(self).__name__} {self.name} rank {self._rank} of {self._size}>"
 
     # -- collectives ------------------------------------------------------
-    def allreduce(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Any:
+    def allreduce(self, x: Any, op: str = "sum", algorithm: str = "auto", inplace: bool = False) -> Any:
         """Return the element-wise reduction of ``x`` over all ranks.
 
         Formula: ``out = op(x_0, ..., x_{n-1})`` with op in sum, avg, min, max,
         prod; float16/bfloat16 accumulate in float32.  ``algorithm``: "native"
         (the backend's library call), "ring" (hpctrain's bandwidth-optimal ring,
         ``2 (n-1)/n`` of the bytes sent per rank) or "auto".
-        """
-        return self._run(self._plan_allreduce(x, op, algorithm))
 
-    def allreduce_async(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Handle:
+        ``inplace=True`` writes the result into ``x`` and returns ``x`` (a
+        writable numpy array or torch tensor); for float32/float64/integer CPU
+        buffers the reduction then runs in ``x``'s own memory, saving a copy and
+        an allocation of the buffer's size.  Do not touch ``x`` until it is done.
+        """
+        return self._run(self._plan_allreduce(x, op, algorithm, inplace))
+
+    def allreduce_async(self, x: Any, op: str = "sum", algorithm: str = "auto", inplace: bool = False) -> Handle:
         """Start :meth:`allreduce` and return a :class:`Handle`."""
-        return self._submit(self._plan_allreduce(x, op, algorithm))
+        return self._submit(self._plan_allreduce(x, op, algorithm, inplace))
 
     def allgather(self, x: Any) -> Any:
         """Return the concatenation along dim 0 of every rank's ``x`` (dim 0 may differ per rank).
@@ -279,17 +308,20 @@ class Communicator(abc.ABC):
                              f"expected one of {', '.join(self.allreduce_algorithms())}")
         return self._auto_allreduce(arr) if algorithm == "auto" else algorithm
 
-    def _plan_allreduce(self, x, op, algorithm) -> Plan:
+    def _plan_allreduce(self, x, op, algorithm, inplace=False) -> Plan:
         def build(seq):
             arr, restore = to_numpy(x)
             check_op(op, arr.dtype)
             alg = self._choose_allreduce(algorithm, arr)
             call = Call("allreduce", seq, str(arr.dtype), arr.shape, op=op, algorithm=alg)
-            return call, lambda: self._do_allreduce(arr, op, alg), restore
+            if inplace:
+                restore = _copy_back_into(x, arr, restore)
+            return call, lambda: self._do_allreduce(arr, op, alg, inplace), restore
         return self._build("allreduce", build, op=op, algorithm=algorithm)
 
-    def _do_allreduce(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
-        acc = to_accumulator(arr)
+    def _do_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool = False) -> np.ndarray:
+        same = inplace and accumulation_dtype(arr.dtype) == arr.dtype
+        acc = arr.reshape(-1) if same else to_accumulator(arr)
         if self._size > 1 and acc.size:
             if alg == "ring":
                 ring_allreduce(acc, op, self._transport(), self._chunk_elems(acc))

@@ -239,7 +239,7 @@ class _GradientSync:
                 flat[:bucket.numel].div_(self.passes)
         if b == 0 and self.join_flag:
             self.flag_handle = self.comm.allreduce_async(np.ones(1, dtype=np.int64))
-        self.handles[b] = self.comm.allreduce_async(flat, op=self.op)
+        self.handles[b] = self.comm.allreduce_async(flat, op=self.op, inplace=True)
         self.launched = b + 1
 
     def synchronize(self) -> None:
@@ -271,7 +271,7 @@ class _GradientSync:
         """Take part in one step with zero gradients (a rank that has run out of data)."""
         for flat in self.flat:
             flat.zero_()
-        handles = [self.comm.allreduce_async(flat, op=self.op) for flat in self.flat]
+        handles = [self.comm.allreduce_async(flat, op=self.op, inplace=True) for flat in self.flat]
         for b, h in enumerate(handles):
             self.apply(b, h.wait())
 

@@ -349,3 +349,25 @@ def test_window_of_many_calls_in_flight(comm):
     for s, h in handles:
         out = h.wait()
         assert out.shape == (s,) and np.all(out == n * (n + 1) / 2)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_allreduce_inplace_writes_into_the_input(comm, algorithm):
+    import torch
+
+    if algorithm not in comm.allreduce_algorithms():
+        pytest.skip(f"the {comm.backend} backend has no {algorithm} algorithm")
+    n, r = comm.size, comm.rank
+    a = np.arange(1001, dtype=np.float32) + r
+    out = comm.allreduce(a, inplace=True, algorithm=algorithm)
+    assert out is a
+    np.testing.assert_array_equal(a, n * np.arange(1001, dtype=np.float32) + n * (n - 1) / 2)
+    t = torch.full((4, 3), float(r + 1)).t()               # not contiguous: written back by copy
+    assert comm.allreduce_async(t, op="avg", inplace=True, algorithm=algorithm).wait() is t
+    assert torch.all(t == (n + 1) / 2)
+    h = torch.full((5,), float(r + 1), dtype=torch.float16)  # accumulated in float32, copied back
+    comm.allreduce(h, inplace=True, algorithm=algorithm)
+    assert torch.all(h == n * (n + 1) / 2)
+    if n > 1:
+        with pytest.raises(hpctrain.CollectiveMismatchError, match="writable C-contiguous"):
+            comm.allreduce(np.ones(6)[::2], inplace=True)

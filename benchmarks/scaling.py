@@ -1,0 +1,212 @@
+"""Weak scaling of data-parallel PyTorch training: hpctrain against torch DDP (gloo) and Horovod.
+
+Every rank trains the same model on its own fixed-size batch of synthetic data
+(weak scaling), one thread per rank.  Peers, each in its own mpirun launch:
+
+* ``torch``    plain single-process training loop (1 rank only: the baseline);
+* ``hpctrain`` ``hpctrain.torch.DistributedOptimizer`` (MPI backend);
+* ``ddp``      ``torch.nn.parallel.DistributedDataParallel`` over gloo;
+* ``horovod``  ``horovod.torch.DistributedOptimizer`` (Horovod's MPI controller).
+
+Throughput is samples per second over all ranks; efficiency =
+throughput(N) / (N x throughput(1) of the same peer), and ``vs torch`` is
+hpctrain's 1-rank throughput over the plain loop's (its overhead).  Each launch
+times several windows of steps after a warm-up; the reported figure is the
+median over windows and rounds, peers alternating order per round.
+
+    python benchmarks/scaling.py --ranks 1 2 4 --out results/scaling
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import CORES, launch_worker, oversubscribed  # noqa: E402
+
+PEERS = ("torch", "hpctrain", "ddp", "horovod")
+MODELS = {"resnet18": 32, "mlp": 128}   # model -> per-rank batch
+
+
+# ---------------------------------------------------------------- models
+def build(model: str):
+    """Return (module, input shape, number of classes)."""
+    import torch.nn as nn
+
+    if model == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                             nn.Linear(2048, 10)), (1024,), 10
+    return _resnet18(num_classes=100), (3, 64, 64), 100
+
+
+def _resnet18(num_classes: int):
+    """ResNet-18 (He et al. 2016): 7x7 stem, four stages of two basic blocks, 11.2 M parameters."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                                      nn.ReLU(inplace=True), nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+                                      nn.BatchNorm2d(cout))
+            self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+        def forward(self, x):
+            return (self.body(x) + self.skip(x)).relu()
+
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------- worker (one launch, one peer)
+def worker(peer: str, model_name: str, batch: int, steps: int, windows: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    torch.manual_seed(0)
+    model, shape, classes = build(model_name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if peer == "hpctrain":
+        import hpctrain
+        import hpctrain.torch as ht
+
+        hpctrain.init("mpi")
+        optimizer = ht.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        ht.broadcast_parameters(model.state_dict())
+    elif peer == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}",
+                                rank=rank, world_size=size)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif peer == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    elif size != 1:
+        raise SystemExit("the plain torch loop runs on one rank only")
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, *shape, generator=g)
+    y = torch.randint(0, classes, (batch,), generator=g)
+
+    def step():
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(3):   # warm-up: allocator, buckets, Horovod's response cache
+        step()
+    times = []
+    for _ in range(windows):
+        world.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        world.Barrier()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        print("RESULT " + json.dumps({"throughput": [size * batch * steps / t for t in times]}), flush=True)
+
+
+# ---------------------------------------------------------------- driver
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=3, help="timed windows per launch")
+    ap.add_argument("--steps", type=int, default=6, help="steps per timed window")
+    ap.add_argument("--out", default="results/scaling")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.model, MODELS[args.model], args.steps, args.windows)
+        return
+    if 1 not in args.ranks:
+        ap.error("--ranks must include 1 (efficiency is relative to one rank)")
+    rows = []
+    for model in args.models:
+        for n in sorted(args.ranks):
+            peers = [p for p in args.peers if p != "torch" or n == 1]
+            samples = {p: [] for p in peers}
+            for rnd in range(args.rounds):
+                for peer in (peers if rnd % 2 == 0 else peers[::-1]):
+                    print(f"[{model}, {n} ranks, round {rnd + 1}/{args.rounds}] {peer}", file=sys.stderr, flush=True)
+                    res = launch_worker(n, [__file__, "--worker", peer, "--model", model, "--steps", str(args.steps),
+                                            "--windows", str(args.windows)])
+                    samples[peer] += res["throughput"]
+            for peer in peers:
+                rows.append({"model": model, "ranks": n, "peer": peer, "batch_per_rank": MODELS[model],
+                             "throughput": statistics.median(samples[peer]), "samples": samples[peer]})
+    for row in rows:
+        one = next(r for r in rows if r["model"] == row["model"] and r["ranks"] == 1 and r["peer"] == row["peer"])
+        row["efficiency"] = row["throughput"] / (row["ranks"] * one["throughput"])
+    write_outputs(rows, Path(args.out), args)
+
+
+def write_outputs(rows, out: Path, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"cores": CORES, "rounds": args.rounds, "windows": args.windows, "steps": args.steps,
+            "threads_per_rank": 1}
+    (out / "scaling.json").write_text(json.dumps({"rows": rows, **meta}, indent=1))
+    peers = [p for p in PEERS if any(r["peer"] == p for r in rows)]
+    lines = [f"Weak scaling, one thread per rank, {CORES} cores; samples/s (efficiency = thr(N) / (N thr(1)) "
+             f"of the same peer); median of {args.rounds} rounds x {args.windows} windows x {args.steps} steps.\n"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        torch1 = next((r["throughput"] for r in rows if r["model"] == model and r["peer"] == "torch"), None)
+        hpc1 = next((r["throughput"] for r in rows if r["model"] == model and r["peer"] == "hpctrain"
+                     and r["ranks"] == 1), None)
+        overhead = f"; hpctrain at 1 rank = {hpc1 / torch1:.3f} x plain torch" if torch1 and hpc1 else ""
+        lines += [f"\n### {model} (batch {MODELS[model]} per rank){overhead}\n",
+                  "| ranks | " + " | ".join(peers) + " |", "|---" * (len(peers) + 1) + "|"]
+        for n in sorted({r["ranks"] for r in rows if r["model"] == model}):
+            cells = []
+            for p in peers:
+                r = next((r for r in rows if r["model"] == model and r["ranks"] == n and r["peer"] == p), None)
+                cells.append(f"{r['throughput']:.1f} ({r['efficiency']:.0%})" if r else "")
+            lines.append(f"| {n}{oversubscribed(n)} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    (out / "scaling.md").write_text(table + "\n")
+    print(table)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for p in peers:
+            pts = sorted((r["ranks"], r["efficiency"]) for r in rows if r["model"] == model and r["peer"] == p)
+            ax.plot([n for n, _ in pts], [e for _, e in pts], marker="o", label=p)
+        ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel(f"ranks ({CORES} cores; more are oversubscribed)")
+        ax.set_ylabel("weak-scaling efficiency")
+        ax.set_ylim(0, 1.1)
+        ax.set_title(model)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "scaling.png", dpi=100)
+
+
+if __name__ == "__main__":
+    main()
