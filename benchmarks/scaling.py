@@ -9,10 +9,14 @@ Every rank trains the same model on its own fixed-size batch of synthetic data
 * ``horovod``  ``horovod.torch.DistributedOptimizer`` (Horovod's MPI controller).
 
 Throughput is samples per second over all ranks; efficiency =
-throughput(N) / (N x throughput(1) of the same peer), and ``vs torch`` is
-hpctrain's 1-rank throughput over the plain loop's (its overhead).  Each launch
-times several windows of steps after a warm-up; the reported figure is the
-median over windows and rounds, peers alternating order per round.
+throughput(N) / (N x throughput(1) of the same peer).  Each launch times
+several windows of steps after a warm-up; the reported figure is the median
+over windows and rounds, peers alternating order per round.
+
+hpctrain's overhead at one rank is measured apart, in one process, because
+launches differ by several percent on a shared machine: two identical models,
+one trained by a plain loop and one through ``DistributedOptimizer``, alternate
+window by window; the figure is the median of the per-pair throughput ratios.
 
     python benchmarks/scaling.py --ranks 1 2 4 --out results/scaling
 """
@@ -125,6 +129,44 @@ def worker(peer: str, model_name: str, batch: int, steps: int, windows: int) -> 
         print("RESULT " + json.dumps({"throughput": [size * batch * steps / t for t in times]}), flush=True)
 
 
+def overhead_worker(model_name: str, batch: int, steps: int, windows: int) -> None:
+    """One rank: alternate timed windows of a plain loop and of DistributedOptimizer; print both."""
+    import torch
+    import torch.nn.functional as F
+
+    import hpctrain
+    import hpctrain.torch as ht
+
+    torch.set_num_threads(1)
+    hpctrain.init("mpi")
+    runs = {}
+    for peer in ("torch", "hpctrain"):
+        torch.manual_seed(0)
+        model, shape, classes = build(model_name)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if peer == "hpctrain":
+            opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        x, y = torch.randn(batch, *shape), torch.randint(0, classes, (batch,))
+        runs[peer] = (model, opt, x, y)
+
+    def window(peer: str, n: int) -> float:
+        model, opt, x, y = runs[peer]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return batch * n / (time.perf_counter() - t0)
+
+    for peer in runs:
+        window(peer, 3)
+    out = {"torch": [], "hpctrain": []}
+    for w in range(windows):
+        for peer in (("torch", "hpctrain") if w % 2 == 0 else ("hpctrain", "torch")):
+            out[peer].append(window(peer, steps))
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 # ---------------------------------------------------------------- driver
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,9 +177,14 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=3, help="timed windows per launch")
     ap.add_argument("--steps", type=int, default=6, help="steps per timed window")
     ap.add_argument("--out", default="results/scaling")
+    ap.add_argument("--overhead-windows", type=int, default=12,
+                    help="paired windows for the 1-rank overhead (0 skips it)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker == "overhead":
+        overhead_worker(args.model, MODELS[args.model], args.steps, args.windows)
+        return
     if args.worker:
         worker(args.worker, args.model, MODELS[args.model], args.steps, args.windows)
         return
@@ -157,26 +204,35 @@ def main() -> None:
             for peer in peers:
                 rows.append({"model": model, "ranks": n, "peer": peer, "batch_per_rank": MODELS[model],
                              "throughput": statistics.median(samples[peer]), "samples": samples[peer]})
+    overhead = {}
+    for model in args.models:
+        if args.overhead_windows and "hpctrain" in args.peers:
+            print(f"[{model}, 1 rank] plain loop vs hpctrain, paired windows", file=sys.stderr, flush=True)
+            res = launch_worker(1, [__file__, "--worker", "overhead", "--model", model, "--steps", str(args.steps),
+                                    "--windows", str(args.overhead_windows)])
+            ratios = [h / t for h, t in zip(res["hpctrain"], res["torch"])]
+            overhead[model] = {"ratio": statistics.median(ratios), "ratios": ratios, **res}
     for row in rows:
         one = next(r for r in rows if r["model"] == row["model"] and r["ranks"] == 1 and r["peer"] == row["peer"])
         row["efficiency"] = row["throughput"] / (row["ranks"] * one["throughput"])
-    write_outputs(rows, Path(args.out), args)
+    write_outputs(rows, overhead, Path(args.out), args)
 
 
-def write_outputs(rows, out: Path, args) -> None:
+def write_outputs(rows, overhead, out: Path, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"cores": CORES, "rounds": args.rounds, "windows": args.windows, "steps": args.steps,
             "threads_per_rank": 1}
-    (out / "scaling.json").write_text(json.dumps({"rows": rows, **meta}, indent=1))
+    (out / "scaling.json").write_text(json.dumps({"rows": rows, "overhead_1rank": overhead, **meta}, indent=1))
     peers = [p for p in PEERS if any(r["peer"] == p for r in rows)]
     lines = [f"Weak scaling, one thread per rank, {CORES} cores; samples/s (efficiency = thr(N) / (N thr(1)) "
              f"of the same peer); median of {args.rounds} rounds x {args.windows} windows x {args.steps} steps.\n"]
     for model in dict.fromkeys(r["model"] for r in rows):
-        torch1 = next((r["throughput"] for r in rows if r["model"] == model and r["peer"] == "torch"), None)
-        hpc1 = next((r["throughput"] for r in rows if r["model"] == model and r["peer"] == "hpctrain"
-                     and r["ranks"] == 1), None)
-        overhead = f"; hpctrain at 1 rank = {hpc1 / torch1:.3f} x plain torch" if torch1 and hpc1 else ""
-        lines += [f"\n### {model} (batch {MODELS[model]} per rank){overhead}\n",
+        extra = ""
+        if model in overhead:
+            o = overhead[model]
+            extra = (f"; hpctrain at 1 rank = {o['ratio']:.3f} x the plain loop (median of {len(o['ratios'])} "
+                     f"paired windows in one process)")
+        lines += [f"\n### {model} (batch {MODELS[model]} per rank){extra}\n",
                   "| ranks | " + " | ".join(peers) + " |", "|---" * (len(peers) + 1) + "|"]
         for n in sorted({r["ranks"] for r in rows if r["model"] == model}):
             cells = []

@@ -22,6 +22,8 @@ process would, and every rank applies the same update.
 Cost per step: one copy of every gradient into its bucket and one back, plus
 one all-reduce per bucket (2 (N-1)/N x bytes on the wire for ring-like
 algorithms).  Memory: one flat buffer per bucket (the size of the gradients).
+On one rank nothing is copied or sent: gradients are only averaged over the
+accumulated passes (and sparse ones densified) in place.
 """
 from __future__ import annotations
 
@@ -156,7 +158,7 @@ class _GradientSync:
             for m in b.members:
                 self.bucket_of[m] = b.index
         self.flat = [torch.zeros(b.numel + len(b.members), dtype=b.kind[0], device=b.kind[1])
-                     for b in self.buckets]
+                     for b in self.buckets] if comm.size > 1 else []   # one rank sends nothing
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         self.skip = self.no_sync = False
         self.join_flag = False          # set by hpctrain.torch.Join
@@ -225,7 +227,29 @@ class _GradientSync:
             self._launch(self.launched)
 
     def _launch(self, b: int) -> None:
-        bucket, flat = self.buckets[b], self.flat[b]
+        bucket = self.buckets[b]
+        if self.comm.size == 1:
+            self._local(bucket)
+        else:
+            self._pack(bucket, self.flat[b])
+        if b == 0 and self.join_flag:
+            self.flag_handle = self.comm.allreduce_async(np.ones(1, dtype=np.int64))
+        if self.comm.size > 1:
+            self.handles[b] = self.comm.allreduce_async(self.flat[b], op=self.op, inplace=True)
+        self.launched = b + 1
+
+    def _local(self, bucket) -> None:
+        """One rank: the reduction is the identity, so only densify and average over the passes, in place."""
+        with torch.no_grad():
+            for i in bucket.members:
+                p = self.params[i]
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
+                if p.grad is not None and self.op == "avg" and self.passes > 1:
+                    p.grad.div_(self.passes)
+
+    def _pack(self, bucket, flat) -> None:
+        """Copy the bucket's gradients (and one has-gradient flag per parameter) into its flat buffer."""
         with torch.no_grad():
             for j, (i, off, n) in enumerate(zip(bucket.members, bucket.offsets, bucket.numels)):
                 g = self.params[i].grad
@@ -237,10 +261,6 @@ class _GradientSync:
                     flat[bucket.numel + j] = 1
             if self.op == "avg" and self.passes > 1:
                 flat[:bucket.numel].div_(self.passes)
-        if b == 0 and self.join_flag:
-            self.flag_handle = self.comm.allreduce_async(np.ones(1, dtype=np.int64))
-        self.handles[b] = self.comm.allreduce_async(flat, op=self.op, inplace=True)
-        self.launched = b + 1
 
     def synchronize(self) -> None:
         """Launch what is left, wait for every bucket and write the reduced gradients back."""
@@ -250,7 +270,8 @@ class _GradientSync:
         if self.flag_handle is not None:
             self.flag_handle.wait()
         for b, h in enumerate(self.handles):
-            self.apply(b, h.wait())
+            if h is not None:       # None: one rank, nothing was sent
+                self.apply(b, h.wait())
         self.synchronized = True
 
     def apply(self, b: int, reduced: torch.Tensor) -> None:
