@@ -91,6 +91,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
                          int(bucket_mb * 2 ** 20))
     optimizer.__class__ = cls
     optimizer._hpctrain = sync
+    patched = optimizer.__dict__.get("step")
+    if patched is not None:
+        # Something (an LR scheduler created before this call) replaced step on the instance with a
+        # wrapper of the original class's step, which would bypass the class swap: synchronize first.
+        def step(closure=None):
+            optimizer._before_step()
+            return patched(closure)
+
+        step.__dict__.update(getattr(patched, "__dict__", {}))   # keep the scheduler's markers
+        optimizer.step = step
     return optimizer
 
 
@@ -123,11 +133,14 @@ class _DistributedMixin:
 
     def step(self, closure=None):
         """Wait for the averaged gradients (unless already synchronized or skipped), then step."""
+        self._before_step()
+        return super().step(closure)
+
+    def _before_step(self) -> None:
         sync = self._hpctrain
         if not sync.skip and not sync.synchronized:
             sync.synchronize()
         sync.reset()
-        return super().step(closure)
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the optimizer then no longer communicates)."""

@@ -62,15 +62,21 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("scheduler_first", [False, True])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_matches_single_process_with_n_times_the_batch(comm, name):
+def test_matches_single_process_with_n_times_the_batch(comm, name, scheduler_first):
     n, r = comm.size, comm.rank
     model, ref = make_model(seed=r), make_model()          # replicas start different: broadcast fixes it
-    opt = ht.DistributedOptimizer(OPTIMIZERS[name](model), named_parameters=model.named_parameters(),
+    opt = OPTIMIZERS[name](model)
+    if scheduler_first:    # the scheduler wraps opt.step before DistributedOptimizer sees it
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                   bucket_mb=0.001)        # tiny buckets: several in flight during backward
+    if not scheduler_first:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     ht.broadcast_parameters(model.state_dict(), root=0)
     ref_opt = OPTIMIZERS[name](ref)
-    sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (opt, ref_opt))
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5)
     assert len(opt._hpctrain.buckets) > 1
     for step in range(STEPS):
         parts = batches(step, n)
