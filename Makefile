@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(VENV)/bin/hpctrain launch -n $(RANKS) python examples/torch_digits.py --out results/demo.json
+	$(VENV)/bin/hpctrain launch -n $(RANKS) python examples/torch_digits.py --out results/demo.json --checkpoint-dir results/demo-ckpt
 
 allreduce-demo: setup
 	$(PY) benchmarks/allreduce.py --ranks $(RANKS) --quick --out results/allreduce-demo
@@ -20,6 +20,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
 	$(PY) benchmarks/scaling.py --ranks 1 2 4 --out results/scaling
+	$(PY) benchmarks/checkpoint.py --out results/checkpoint
 
 clean:
 	rm -rf results .pytest_cache

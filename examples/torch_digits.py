@@ -3,6 +3,7 @@
     python examples/torch_digits.py                       # one process
     hpctrain launch -n 4 python examples/torch_digits.py  # four ranks (mpirun, or srun under Slurm)
     mpirun -n 4 python examples/torch_digits.py           # the same, by hand
+    ... --checkpoint-dir ckpt                             # checkpoint every epoch; rerun to resume
 
 The data (1797 real 8x8 images of hand-written digits) ships inside
 scikit-learn; nothing is downloaded.  The global batch is fixed
@@ -10,6 +11,11 @@ scikit-learn; nothing is downloaded.  The global batch is fixed
 per step and the run converges the same way at any rank count.  Only rank 0
 prints (a tqdm bar and the summary).  The lines marked ``# hpctrain`` are all
 that data parallelism adds to a plain PyTorch script.
+
+With ``--checkpoint-dir`` the whole training state (model, optimizer, LR
+schedule, sampler position, RNG states) is checkpointed every epoch and on
+SIGUSR2/SIGTERM (then the job exits with status 75); running the same command
+again resumes from the newest valid checkpoint, at any rank count.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from tqdm import tqdm
 
 import hpctrain                                  # hpctrain
 import hpctrain.torch as ht                      # hpctrain
+from hpctrain.checkpoint import CheckpointManager, RNGState, Sharded, on_preemption  # hpctrain
 from hpctrain.data import DistributedSampler     # hpctrain
 
 
@@ -72,6 +79,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-accuracy", type=float, default=0.0, help="exit with an error below this test accuracy")
     ap.add_argument("--out", help="write a JSON summary here (rank 0)")
+    ap.add_argument("--checkpoint-dir", help="checkpoint here every epoch (and on SIGUSR2/SIGTERM); resume from it")
+    ap.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: one epoch)")
     args = ap.parse_args()
 
     comm = hpctrain.init()                                                     # hpctrain
@@ -90,24 +99,44 @@ def main() -> None:
     sampler = DistributedSampler(len(y_train), seed=args.seed)                                # hpctrain
     per_rank = args.global_batch // n
 
+    steps_per_epoch = -(-len(sampler) // per_rank)
+    total_steps = args.epochs * steps_per_epoch
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler,
+             "rng": Sharded(RNGState(), missing="skip")}
+    manager, step = None, 0
+    if args.checkpoint_dir:
+        manager = CheckpointManager(args.checkpoint_dir, keep=2,                              # hpctrain
+                                    every_steps=args.checkpoint_every or steps_per_epoch)
+        on_preemption(manager)                                                                # hpctrain
+        step = manager.restore(state) or 0                                                    # hpctrain
+        if rank == 0 and step:
+            print(f"resumed from the checkpoint of step {step} in {args.checkpoint_dir}", flush=True)
+
     start = time.perf_counter()
-    bar = tqdm(total=args.epochs * -(-len(sampler) // per_rank), disable=rank != 0, desc=f"{n} rank(s)",
-               unit="step")
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        order = sampler.indices()
-        losses = []
+    bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc=f"{n} rank(s)", unit="step")
+    losses = []
+    while step < total_steps:
+        order = sampler.indices()          # what is left of this epoch (all of it unless resumed mid-epoch)
         for i in range(0, len(order), per_rank):
             batch = order[i:i + per_rank]
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x_train[batch]), y_train[batch])
             loss.backward()
             optimizer.step()
+            sampler.advance(len(batch))
             losses.append(loss.item())
+            step += 1
             bar.update()
-        scheduler.step()
-        stats = ht.average_metrics({"loss": float(np.mean(losses))})                          # hpctrain
-        bar.set_postfix(epoch=epoch, loss=f"{stats['loss']:.4f}")
+            if i + per_rank >= len(order):   # end of the epoch
+                scheduler.step()
+                stats = ht.average_metrics({"loss": float(np.mean(losses))})                  # hpctrain
+                bar.set_postfix(epoch=sampler.epoch, loss=f"{stats['loss']:.4f}")
+                sampler.set_epoch(sampler.epoch + 1)
+                losses = []
+            if manager:
+                manager.save(step, state)                                                     # hpctrain
+    if manager:
+        manager.close()                                                                       # hpctrain
     bar.close()
     elapsed = time.perf_counter() - start
 
@@ -117,7 +146,7 @@ def main() -> None:
     identical = len(set(comm.allgather_object(digest))) == 1
     summary = {"ranks": n, "epochs": args.epochs, "global_batch": args.global_batch,
                "test_accuracy": accuracy, "replicas_identical": identical, "train_seconds": elapsed,
-               "samples_per_second": args.epochs * len(y_train) / elapsed}
+               "steps": step}
     if rank == 0:
         print(f"test accuracy {accuracy:.4f} on {len(y_test)} images after {args.epochs} epochs "
               f"on {n} rank(s) in {elapsed:.1f} s; replicas identical: {identical}")

@@ -59,10 +59,11 @@ class DistributedSampler:
         self.epoch = 0
         self._start = 0          # samples of the epoch's global order consumed before this run
         self._yielded = 0        # indices this rank handed out since the (re)start
+        self._trained: Optional[int] = None   # samples this rank reported with advance()
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (changes the shuffle; call it before iterating, on every rank)."""
-        self.epoch, self._start, self._yielded = int(epoch), 0, 0
+        self.epoch, self._start, self._yielded, self._trained = int(epoch), 0, 0, None
 
     def _global_order(self) -> np.ndarray:
         n, N = self.num_samples, self.num_replicas
@@ -91,15 +92,31 @@ class DistributedSampler:
         rest = max(len(self._global_order()) - self._start, 0)
         return -(-rest // self.num_replicas)
 
+    def advance(self, samples: int) -> None:
+        """Record that this rank has trained on ``samples`` more samples of the epoch.
+
+        Once called, :meth:`state_dict` counts these instead of the indices the
+        iterator handed out, which run ahead of training when a loader
+        prefetches: call it after every step and a checkpoint resumes exactly
+        at the first sample not yet trained on.
+        """
+        if samples < 0:
+            raise ValueError(f"samples must be >= 0, got {samples}")
+        self._trained = (self._trained or 0) + int(samples)
+
     def state_dict(self, samples_seen: Optional[int] = None) -> Dict[str, int]:
         """Return the position in the epoch as plain ints (JSON-safe).
 
         Args:
             samples_seen: samples this rank has trained on since the epoch
                 (re)started; default: how many indices the iterator handed out.
-                Pass it when a loader prefetches ahead of training.
+                Pass it (or call :meth:`advance` every step) when a loader
+                prefetches ahead of training.
         """
-        seen = self._yielded if samples_seen is None else int(samples_seen)
+        if samples_seen is not None:
+            seen = int(samples_seen)
+        else:
+            seen = self._yielded if self._trained is None else self._trained
         return {"epoch": self.epoch, "seed": self.seed, "num_samples": self.num_samples,
                 "consumed": self._start + seen * self.num_replicas}
 
@@ -108,7 +125,7 @@ class DistributedSampler:
         if int(state["num_samples"]) != self.num_samples or int(state["seed"]) != self.seed:
             raise ValueError(f"sampler state is for num_samples={state['num_samples']} seed={state['seed']}, "
                              f"this sampler has num_samples={self.num_samples} seed={self.seed}")
-        self.epoch, self._yielded = int(state["epoch"]), 0
+        self.epoch, self._yielded, self._trained = int(state["epoch"]), 0, None
         self._start = min(int(state["consumed"]), len(self._global_order()))
 
 

@@ -67,3 +67,18 @@ def test_bad_state_is_refused():
         s.load_state_dict({"epoch": 0, "seed": 1, "num_samples": 11, "consumed": 0})
     with pytest.raises(ValueError, match="rank"):
         DistributedSampler(10, num_replicas=2, rank=2)
+
+def test_advance_counts_trained_samples_not_prefetched_ones():
+    s = DistributedSampler(40, num_replicas=2, rank=0, seed=2)
+    it = iter(s)
+    first = [next(it) for _ in range(12)]          # a loader prefetched 12 indices ...
+    s.advance(4)                                    # ... but only 4 were trained on
+    state = s.state_dict()
+    assert state["consumed"] == 8
+    resumed = DistributedSampler(40, num_replicas=2, rank=0, seed=2)
+    resumed.load_state_dict(state)
+    assert resumed.indices()[:8] == first[4:12]
+    with pytest.raises(ValueError, match=">= 0"):
+        s.advance(-1)
+    s.set_epoch(1)
+    assert s.state_dict()["consumed"] == 0

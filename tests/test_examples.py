@@ -1,5 +1,10 @@
-"""The examples train for real: >= 97% test accuracy at 1, 2, 3 and 4 ranks, replicas identical."""
+"""The examples train for real: >= 97% test accuracy at 1, 2, 3 and 4 ranks, replicas identical.
+
+They run with checkpointing on; a second run of the same command resumes from
+the final checkpoint instead of training again and reports the same model.
+"""
 import json
+import re
 
 import pytest
 
@@ -10,9 +15,13 @@ from harness import REPO, RANK_COUNTS, base_env, mpirun_cmd, run, BIN
 def test_torch_digits_reaches_97_percent(n, tmp_path):
     out = tmp_path / "summary.json"
     cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / "torch_digits.py"),
-                           "--min-accuracy", "0.97", "--out", str(out)]
+                           "--min-accuracy", "0.97", "--out", str(out), "--checkpoint-dir", str(tmp_path / "ckpt")]
     result = run(cmd, base_env(), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     summary = json.loads(out.read_text())
     assert summary["ranks"] == n and summary["replicas_identical"]
     assert summary["test_accuracy"] >= 0.97
+    again = run(cmd, base_env(), timeout=300)
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert re.search(rf"resumed from the checkpoint of step {summary['steps']}\b", again.stdout), again.stdout[-3000:]
+    assert json.loads(out.read_text())["test_accuracy"] == summary["test_accuracy"]

@@ -3,7 +3,8 @@ import pytest
 
 from harness import RANK_COUNTS, run_pytest_on_ranks
 
-FILES = ["test_collectives.py", "test_safety.py", "test_frameworks.py", "test_torch_training.py"]
+FILES = ["test_collectives.py", "test_safety.py", "test_frameworks.py", "test_torch_training.py",
+         "test_checkpoint.py"]
 
 
 @pytest.mark.parametrize("n", RANK_COUNTS)

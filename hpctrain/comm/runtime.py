@@ -167,6 +167,7 @@ class Runtime:
         self._abort = abort
         self.collectives = Lane("collectives")
         self.receives = Lane("receives")
+        self.before_close: list = []   # callables run by close() first (checkpoint managers flush)
         self._closed = False
         self._watchdog = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._watchdog.start()
@@ -186,7 +187,10 @@ class Runtime:
             cur.waiting_on = waiting_on
 
     def close(self) -> None:
-        """Let queued collectives finish, then stop the background threads."""
+        """Run the ``before_close`` callables, let queued collectives finish, then stop the threads."""
+        callbacks, self.before_close = self.before_close, []
+        for cb in callbacks:
+            cb()
         self.collectives.close(drain=True)
         self.receives.close(drain=False)
         self._closed = True

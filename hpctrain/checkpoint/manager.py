@@ -1,0 +1,542 @@
+"""CheckpointManager: coordinated, atomic, verified, optionally asynchronous checkpoints.
+
+Protocol of one save, as named steps (every rank takes part in each):
+
+1. **plan** (collective): the ranks agree on the step and the entry names, and
+   on who writes what.  Replicated entries (the default: pure data parallel)
+   are written once, by rank 0; entries wrapped in :class:`Sharded` are
+   written by the lowest rank holding each shard id.  Rank 0 creates
+   ``step-<N>.partial/``.
+2. **snapshot** (local, at the step boundary): the state is encoded into
+   arrays plus a JSON tree; with ``async_save`` every array is copied to host
+   memory first, so training may change the live state at once.
+3. **write** (local; a background thread with ``async_save``): each writer
+   streams its safetensors file into the partial directory, with a CRC-32 of
+   every byte, and fsyncs it.
+4. **commit** (collective, at the first ``save()``/``wait()`` after every rank
+   has finished writing): the ranks exchange their results.  Any error on any
+   rank is raised on every rank, and rank 0 removes the partial directory.
+   Otherwise rank 0 writes ``manifest.json`` (file list, sizes, checksums,
+   step, layout, versions) under a temporary name, fsyncs, renames it, renames
+   the directory to ``step-<N>``, fsyncs the parent, and only then deletes
+   checkpoints beyond ``keep``.
+
+A checkpoint exists only once its directory has its final name and holds a
+manifest; ``restore`` reads the newest one, checks every file's size and
+CRC-32 against the manifest, and falls back to the previous one (saying why)
+when anything does not match.  Nothing is unpickled: tensors are safetensors,
+everything else JSON.  The directory must be visible to every rank (a shared
+file system on several nodes).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import threading
+import time
+import weakref
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..agreement import check_same
+from ..comm.signature import format_ranks
+from ..errors import HpctrainError
+from .state import decode, encode, load_entry
+from .tensorfile import CorruptFileError, read_tensors, write_tensors
+
+__all__ = ["CheckpointManager", "Sharded", "CheckpointError", "EXIT_PREEMPTED"]
+
+log = logging.getLogger("hpctrain")
+
+FORMAT = "hpctrain-checkpoint/1"
+EXIT_PREEMPTED = 75   # EX_TEMPFAIL: the job stopped early on purpose and may be run again to resume
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(HpctrainError):
+    """A checkpoint could not be saved or restored; raised on every rank."""
+
+
+class Sharded:
+    """Mark a state entry as rank-specific: each shard is written by its owner and restored by its rank.
+
+    Args:
+        obj: the entry (anything a state entry may be).
+        shard: the shard id (default: the rank in the manager's communicator).
+            Ranks passing the same id must hold the same data (pipeline-stage
+            replicas, say); the lowest such rank writes it.
+        missing: what ``restore`` does when the checkpoint has no shard with
+            this id (it was written with another layout): ``"error"``
+            (default) or ``"skip"`` (keep the live value; right for RNG states).
+    """
+
+    def __init__(self, obj: Any, shard: Optional[int] = None, missing: str = "error"):
+        if missing not in ("error", "skip"):
+            raise ValueError(f"missing must be 'error' or 'skip', got {missing!r}")
+        if shard is not None and (not isinstance(shard, int) or shard < 0):
+            raise ValueError(f"shard must be a non-negative int, got {shard!r}")
+        self.obj, self.shard, self.missing = obj, shard, missing
+
+
+class _Pending:
+    """A save between snapshot and commit."""
+
+    def __init__(self, step: int, partial: str, future: Future):
+        self.step, self.partial, self.future = step, partial, future
+
+
+class CheckpointManager:
+    """Save and restore the training state of every rank together; keep the newest ``keep`` checkpoints.
+
+    Typical loop (the same on every rank)::
+
+        manager = CheckpointManager("ckpt", every_steps=100)
+        state = {"model": model, "optimizer": optimizer, "sampler": sampler,
+                 "rng": Sharded(RNGState(), missing="skip")}
+        start = manager.restore(state) or 0
+        for step in range(start, total_steps):
+            train_one_step()
+            manager.save(step + 1, state)      # saves only when due; cheap otherwise
+        manager.wait()
+
+    Args:
+        directory: where checkpoints live (shared by all ranks); created if needed.
+        keep: how many committed checkpoints to keep (>= 1).
+        async_save: copy the state to host memory at the step boundary and
+            write it on a background thread while training continues.
+        every_steps: with this or ``every_seconds``, ``save()`` saves only when
+            ``step % every_steps == 0`` or ``every_seconds`` have passed on
+            rank 0 since the last save (or on preemption); with neither, every
+            ``save()`` saves.
+        every_seconds: see ``every_steps``.
+        verify_replicas: ``"warn"`` (default), ``"error"`` or ``"off"``: compare a
+            checksum of every replicated entry across ranks when saving (each
+            rank computes it on its snapshot, off the critical path).  Entries
+            that differ (BatchNorm statistics without SyncBatchNorm, a
+            rank-specific RNG) are saved from rank 0; mark such state
+            :class:`Sharded` instead.
+        comm: the communicator (default: the world).
+
+    Cost of a save: one pass over the state bytes to encode (a copy into
+    reused host buffers with ``async_save``, so that memory stays allocated
+    between saves), one write with CRC-32 and fsync, a few small collectives.
+    ``save()`` calls that do not save cost nothing, or one 3-integer all-reduce
+    per call while a write is in flight, ``every_seconds`` is set or preemption
+    handling is on.
+    """
+
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True, every_steps: Optional[int] = None,
+                 every_seconds: Optional[float] = None, verify_replicas: str = "warn", comm=None):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+            raise ValueError(f"every_steps must be a positive int or None, got {every_steps!r}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be positive or None, got {every_seconds!r}")
+        if verify_replicas not in ("warn", "error", "off"):
+            raise ValueError(f"verify_replicas must be 'warn', 'error' or 'off', got {verify_replicas!r}")
+        if comm is None:
+            from .. import world
+            comm = world()
+        self.comm = comm
+        self.directory = os.path.abspath(directory)
+        self.keep, self.async_save = keep, async_save
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.verify_replicas = verify_replicas
+        self._pending: Optional[_Pending] = None
+        self._staging: Dict[str, Dict[str, np.ndarray]] = {"replicated": {}, "sharded": {}}   # host copies, reused
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint")
+        self._last_save_time = time.monotonic()
+        self._last_step: Optional[int] = None
+        self.signal_received: Optional[int] = None   # set by on_preemption's handler
+        self.preemption_armed = False
+        self.preempted = False
+        self.on_preempted = None                      # called after the preemption save (see on_preemption)
+        err = None
+        if comm.rank == 0:
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                for name in os.listdir(self.directory):   # left by a crash in the middle of a save
+                    if name.startswith("step-") and name.endswith(".partial"):
+                        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            except OSError as exc:
+                err = f"cannot use checkpoint directory {self.directory}: {exc}"
+        err = comm.broadcast_object(err)
+        if err:
+            raise CheckpointError(err)
+        rt = getattr(comm, "_rt", None)
+        if rt is not None and hasattr(rt, "before_close"):
+            ref = weakref.ref(self)
+            rt.before_close.append(lambda: ref() is not None and ref().wait())
+
+    # -- public API -------------------------------------------------------
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, kind, value, tb) -> bool:
+        if kind is None:
+            self.wait()
+        return False
+
+    def all_steps(self) -> List[int]:
+        """Return the steps of the committed checkpoints, oldest first (not verified)."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for name in names:
+            m = _STEP_DIR.match(name)
+            if m and os.path.exists(os.path.join(self.directory, name, "manifest.json")):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> Optional[int]:
+        """Return the step of the newest committed checkpoint, or None (its files are checked by ``restore``)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> str:
+        """Return the directory of the checkpoint of ``step``."""
+        return os.path.join(self.directory, f"step-{step:09d}")
+
+    def save(self, step: int, state: Mapping[str, Any], force: bool = False) -> bool:
+        """Save ``state`` as the checkpoint of ``step`` if one is due; return whether a save started.
+
+        Collective: call it on every rank with the same step and entry names.
+        Also commits a finished asynchronous save and acts on preemption
+        signals (see :func:`hpctrain.checkpoint.on_preemption`).
+        """
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
+        preempt = due_by_time = False
+        if self.preemption_armed or self.every_seconds is not None or self._pending is not None:
+            busy = self._pending is not None and not self._pending.future.done()
+            timed = (self.comm.rank == 0 and self.every_seconds is not None
+                     and time.monotonic() - self._last_save_time >= self.every_seconds)
+            flags = self.comm.allreduce(np.array([self.signal_received is not None, timed, busy], dtype=np.int64),
+                                        op="max")
+            preempt, due_by_time, someone_busy = (bool(f) for f in flags)
+            if self._pending is not None and not someone_busy:
+                self._commit()
+        periodic = self.every_steps is not None or self.every_seconds is not None
+        due = (force or preempt or due_by_time or not periodic
+               or (self.every_steps is not None and step % self.every_steps == 0))
+        if due and step != self._last_step:
+            self._finish_pending()
+            self._start(step, state)
+        if preempt:
+            self.wait()
+            self.preempted = True
+            if self.on_preempted is not None:
+                self.on_preempted(self)
+        return due
+
+    def wait(self) -> None:
+        """Finish and commit the save in flight (collective); raise its error on every rank."""
+        self._finish_pending()
+
+    def close(self) -> None:
+        """Wait for the save in flight and stop the writer thread."""
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+    def restore(self, state: Mapping[str, Any], step: Optional[int] = None) -> Optional[int]:
+        """Load the newest valid checkpoint (or that of ``step``) into ``state``; return its step or None.
+
+        Collective.  Checkpoints whose files do not match their manifest are
+        skipped with a warning.  Replicated entries restore into any world
+        size; :class:`Sharded` entries need their shard id in the checkpoint.
+        Objects are loaded in place (``load_state_dict``, array copies);
+        plain values replace the entries of ``state``.
+        """
+        self.wait()
+        candidates = self.comm.broadcast_object(
+            [s for s in reversed(self.all_steps()) if step is None or s == step] if self.comm.rank == 0 else None)
+        if step is not None and not candidates:
+            raise CheckpointError(f"no committed checkpoint of step {step} in {self.directory}")
+        for cand in candidates:
+            loaded, err, mismatch = None, None, None
+            try:
+                loaded = self._read(cand, state)
+            except _Mismatch as exc:
+                mismatch = str(exc)
+            except (CorruptFileError, OSError, ValueError, KeyError, TypeError) as exc:
+                err = f"{type(exc).__name__}: {exc}"
+            errors = self.comm.allgather_object((err, mismatch))
+            wrong = [(r, m) for r, (_, m) in enumerate(errors) if m]
+            if wrong:
+                raise CheckpointError(f"checkpoint {self.step_dir(cand)} does not fit this state or layout:\n"
+                                      f"{_by_rank(wrong)}")
+            bad = [(r, e) for r, (e, _) in enumerate(errors) if e]
+            if bad:
+                if self.comm.rank == 0:
+                    log.warning("hpctrain: checkpoint %s is not usable, trying an older one:\n%s",
+                                self.step_dir(cand), _by_rank(bad))
+                continue
+            try:
+                for key, (kind, value) in loaded.items():
+                    target = state[key]
+                    if isinstance(target, Sharded):
+                        load_entry({key: target.obj}, key, kind, value)
+                    else:
+                        load_entry(state, key, kind, value)
+                err = None
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                err = f"{type(exc).__name__}: {exc}"
+            errors = self.comm.allgather_object(err)
+            bad = [(r, e) for r, e in enumerate(errors) if e]
+            if bad:
+                raise CheckpointError(f"loading checkpoint {self.step_dir(cand)} into the state failed "
+                                      f"(does the state match what was saved?):\n{_by_rank(bad)}")
+            self._last_step = cand
+            return cand
+        if candidates and self.comm.rank == 0:
+            log.warning("hpctrain: no usable checkpoint in %s; starting from scratch", self.directory)
+        return None
+
+    # -- save steps -----------------------------------------------------------
+    def _start(self, step: int, state: Mapping[str, Any]) -> None:
+        """Plan, snapshot and write (inline, or handed to the writer thread)."""
+        comm = self.comm
+        if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+            raise TypeError("state must be a dict with str keys")
+        replicated = {k: v for k, v in state.items() if not isinstance(v, Sharded)}
+        sharded = {k: v.obj for k, v in state.items() if isinstance(v, Sharded)}
+        # plan
+        check_same(comm, "the checkpoint step and entries", (step, sorted(replicated), sorted(sharded)),
+                   f"step {step}, replicated {sorted(replicated)}, sharded {sorted(sharded)}")
+        shard_ids = {v.shard if v.shard is not None else comm.rank for v in state.values() if isinstance(v, Sharded)}
+        my_shard = min(shard_ids) if shard_ids else None
+        partial = self.step_dir(step) + ".partial"
+        err = None
+        if len(shard_ids) > 1:
+            err = f"all Sharded entries of one rank must use the same shard id, got {sorted(shard_ids)}"
+        elif comm.rank == 0:
+            try:
+                shutil.rmtree(partial, ignore_errors=True)
+                if os.path.exists(self.step_dir(step)):
+                    raise FileExistsError(f"{self.step_dir(step)} exists already")
+                os.makedirs(partial)
+            except OSError as exc:
+                err = f"cannot create {partial}: {exc}"
+        plan = comm.allgather_object((my_shard, err))
+        self._raise_any(step, partial, [e for _, e in plan])
+        shard_of_rank = [s for s, _ in plan]
+        writes_shard = my_shard is not None and shard_of_rank.index(my_shard) == comm.rank
+        verify = self.verify_replicas != "off" and comm.size > 1
+        # snapshot (errors such as an entry that is not data are raised on every rank)
+        jobs, err = [], None
+        try:
+            if comm.rank == 0 or verify:
+                tensors, tree = encode(replicated, copy=self.async_save, staging=self._staging["replicated"])
+                jobs.append(("replicated.safetensors", tensors, tree, comm.rank == 0))
+            if writes_shard:
+                tensors, tree = encode(sharded, copy=self.async_save, staging=self._staging["sharded"])
+                jobs.append((f"shard-{my_shard}.safetensors", tensors, tree, True))
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            err = f"{type(exc).__name__}: {exc}"
+        self._raise_any(step, partial, comm.allgather_object(err))
+        meta = {"step": step, "shard_of_rank": shard_of_rank, "replicated": sorted(replicated),
+                "sharded": sorted(sharded)}
+        self._last_step = step
+        self._last_save_time = time.monotonic()
+        if self.async_save:
+            self._pending = _Pending(step, partial, self._pool.submit(_write_files, partial, jobs, meta))
+        else:
+            fut: Future = Future()
+            try:
+                fut.set_result(_write_files(partial, jobs, meta))
+            except BaseException as exc:  # noqa: BLE001 - delivered at commit
+                fut.set_exception(exc)
+            self._pending = _Pending(step, partial, fut)
+            self._commit()
+
+    def _raise_any(self, step: int, partial: str, errors: List[Optional[str]]) -> None:
+        """Raise CheckpointError on every rank if any rank reported an error (rank 0 removes ``partial``)."""
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            if self.comm.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(f"checkpoint of step {step} failed; nothing was committed:\n{_by_rank(bad)}")
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.future.exception()   # wait for this rank's write
+            self._commit()
+
+    def _commit(self) -> None:
+        """Exchange the write results; rank 0 writes the manifest and renames; errors raise everywhere."""
+        pending, self._pending = self._pending, None
+        comm = self.comm
+        try:
+            result, err = pending.future.result(), None
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            result, err = None, f"{type(exc).__name__}: {exc}"
+        results = comm.allgather_object((result, err))
+        errors = [e for _, e in results]
+        replica_msg = _compare_replicas([res for res, _ in results])
+        if replica_msg and self.verify_replicas == "error":
+            errors[0] = errors[0] or replica_msg
+        self._raise_any(pending.step, pending.partial, errors)
+        if replica_msg and comm.rank == 0:
+            log.warning("hpctrain: checkpoint of step %d: %s", pending.step, replica_msg)
+        err = None
+        if comm.rank == 0:
+            try:
+                self._write_manifest(pending, [res for res, _ in results])
+                self._prune()
+            except Exception as exc:  # noqa: BLE001 - reported on every rank
+                err = f"{type(exc).__name__}: {exc}"
+                shutil.rmtree(pending.partial, ignore_errors=True)
+        err = comm.broadcast_object(err)
+        if err:
+            raise CheckpointError(f"committing the checkpoint of step {pending.step} failed: {err}")
+
+    def _write_manifest(self, pending: _Pending, results: List[dict]) -> None:
+        files: Dict[str, dict] = {}
+        for res in results:
+            files.update(res["files"])
+        meta = results[0]["meta"]
+        manifest = {
+            "format": FORMAT, "step": pending.step,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "world_size": self.comm.size, "shard_of_rank": meta["shard_of_rank"],
+            "replicated": meta["replicated"], "sharded": meta["sharded"], "checksum": "crc32",
+            "files": files, "versions": _versions(),
+        }
+        tmp = os.path.join(pending.partial, "manifest.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(pending.partial, "manifest.json"))
+        _fsync_dir(pending.partial)
+        os.rename(pending.partial, self.step_dir(pending.step))
+        _fsync_dir(self.directory)
+
+    def _prune(self) -> None:
+        for old in self.all_steps()[:-self.keep]:
+            shutil.rmtree(self.step_dir(old), ignore_errors=True)
+
+    # -- restore ----------------------------------------------------------------
+    def _read(self, step: int, state: Mapping[str, Any]) -> Dict[str, Tuple[str, Any]]:
+        """Read and verify what this rank needs from checkpoint ``step``; return {key: (kind, value)}."""
+        path = self.step_dir(step)
+        try:
+            with open(os.path.join(path, "manifest.json")) as f:
+                manifest = json.load(f)
+        except ValueError as exc:
+            raise CorruptFileError(f"{path}/manifest.json is not valid JSON ({exc})") from None
+        if manifest.get("format") != FORMAT or manifest.get("step") != step:
+            raise CorruptFileError(f"{path}/manifest.json: unknown format {manifest.get('format')!r} "
+                                   f"or step {manifest.get('step')!r}")
+        files = manifest["files"]
+        wanted_rep = [k for k, v in state.items() if not isinstance(v, Sharded)]
+        wanted_sh = [k for k, v in state.items() if isinstance(v, Sharded)]
+        out: Dict[str, Tuple[str, Any]] = {}
+
+        def load(fname, keys):
+            info = files[fname]
+            tensors, metadata = read_tensors(os.path.join(path, fname), info["size"], info["crc32"])
+            tree = json.loads(metadata["hpctrain.tree"])
+            for k in keys:
+                if k not in tree:
+                    raise _Mismatch(f"checkpoint {path} has no entry {k!r} (it has {sorted(tree)})")
+                out[k] = (tree[k]["kind"], decode(tree[k]["value"], tensors))
+
+        if wanted_rep:
+            load("replicated.safetensors", wanted_rep)
+        if wanted_sh:
+            ids = {state[k].shard if state[k].shard is not None else self.comm.rank for k in wanted_sh}
+            (shard,) = ids
+            fname = f"shard-{shard}.safetensors"
+            if fname in files:
+                load(fname, wanted_sh)
+            elif any(state[k].missing == "error" for k in wanted_sh):
+                raise _Mismatch(f"checkpoint {path} has no shard {shard} (it was written with "
+                                            f"shards {sorted(set(s for s in manifest['shard_of_rank'] if s is not None))}"
+                                            f" by {manifest['world_size']} ranks)")
+        return out
+
+
+class _Mismatch(Exception):
+    """The checkpoint is intact but does not fit the state or layout being restored."""
+
+
+def _write_files(partial: str, jobs, meta: dict) -> dict:
+    """Write this rank's files (the write step); return their sizes and checksums."""
+    files, replica_crcs = {}, {}
+    for fname, tensors, tree, write in jobs:
+        if fname == "replicated.safetensors":
+            replica_crcs = _entry_crcs(tensors, tree)
+        if write:
+            size, crc = write_tensors(os.path.join(partial, fname), tensors,
+                                      {"hpctrain.tree": json.dumps(tree, separators=(",", ":"))})
+            files[fname] = {"size": size, "crc32": crc}
+    return {"files": files, "replica_crcs": replica_crcs, "meta": meta}
+
+
+def _entry_crcs(tensors, tree) -> Dict[str, int]:
+    """CRC-32 of every replicated entry (its JSON tree and the bytes of its tensors)."""
+    out = {}
+    for key, node in tree.items():
+        text = json.dumps(node, separators=(",", ":"))
+        crc = zlib.crc32(text.encode())
+        for name in re.findall(r'"\$tensor":"(t\d+)"', text):
+            crc = zlib.crc32(memoryview(np.ascontiguousarray(tensors[name][0]).reshape(-1).view(np.uint8)), crc)
+        out[key] = crc
+    return out
+
+
+def _compare_replicas(results: List[Optional[dict]]) -> str:
+    """Describe the replicated entries whose checksums differ between ranks ("" if none)."""
+    crcs = [(r, res["replica_crcs"]) for r, res in enumerate(results) if res and res["replica_crcs"]]
+    lines = []
+    for key in (crcs[0][1] if crcs else {}):
+        groups: Dict[int, List[int]] = {}
+        for r, c in crcs:
+            groups.setdefault(c.get(key), []).append(r)
+        if len(groups) > 1:
+            lines.append(f"  entry {key!r} differs between " +
+                         " / ".join(format_ranks(g) for g in groups.values()))
+    if not lines:
+        return ""
+    return ("replicated entries differ between ranks; rank 0's copy is saved (mark rank-specific state "
+            "with hpctrain.checkpoint.Sharded; BatchNorm statistics differ per rank without SyncBatchNorm):\n"
+            + "\n".join(lines))
+
+
+def _by_rank(bad: List[Tuple[int, str]]) -> str:
+    groups: Dict[str, List[int]] = {}
+    for r, e in bad:
+        groups.setdefault(e, []).append(r)
+    return "\n".join(f"  {format_ranks(rs)}: {e}" for e, rs in groups.items())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _versions() -> Dict[str, str]:
+    import sys
+
+    from .. import __version__ as hpctrain_version
+    out = {"hpctrain": hpctrain_version, "python": platform.python_version(), "numpy": np.__version__}
+    for mod in ("torch", "tensorflow", "keras"):
+        if mod in sys.modules:
+            out[mod] = getattr(sys.modules[mod], "__version__", "?")
+    return out

@@ -1,0 +1,265 @@
+"""CheckpointManager on every rank of a launch: round trips, layout on disk, errors, corruption, pruning.
+
+References are independent of the code under test: deep copies of the state
+taken before saving, and the files read back with the ``safetensors`` package.
+"""
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from hpctrain.checkpoint import CheckpointError, CheckpointManager, RNGState, Sharded
+from hpctrain.data import DistributedSampler
+
+
+@pytest.fixture
+def ckdir(comm):
+    """A fresh directory shared by all ranks (rank 0 creates and removes it)."""
+    path = comm.broadcast_object(tempfile.mkdtemp(prefix="hpctrain-ckpt-") if comm.rank == 0 else None)
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _trained(seed=0, steps=3):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.ReLU(),
+                                torch.nn.Linear(5, 2))
+    opt = torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": 3e-3}],
+                           lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def _flat(sd):
+    """Every tensor and number of a nested state dict, as a sorted list of (path, value)."""
+    out = []
+
+    def walk(x, path):
+        if isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(x[k], f"{path}/{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]")
+        elif isinstance(x, torch.Tensor):
+            out.append((path, x.detach().clone()))
+        else:
+            out.append((path, x))
+    walk(sd, "")
+    return out
+
+
+def _assert_same(a, b):
+    fa, fb = _flat(a), _flat(b)
+    assert [p for p, _ in fa] == [p for p, _ in fb]
+    for (p, x), (_, y) in zip(fa, fb):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), p
+        elif isinstance(x, np.ndarray):
+            assert np.array_equal(x, y), p
+        else:
+            assert x == y, p
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_round_trip_restores_every_kind_of_state_bit_for_bit(comm, ckdir, async_save):
+    model, opt, sched = _trained()
+    sampler = DistributedSampler(50, seed=3)
+    sampler.set_epoch(2)
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4) + comm.rank * 0   # replicated
+    half = torch.linspace(0, 1, 7, dtype=torch.bfloat16)
+    mine = np.full(3, comm.rank, dtype=np.int64)                           # rank-specific
+    state = {"model": model, "opt": opt, "sched": sched, "sampler": sampler, "arr": arr, "half": half,
+             "epoch": 4, "meta": {"name": "run", "sizes": (1, 2), 7: None},
+             "rng": Sharded(RNGState()), "mine": Sharded(mine)}
+    torch.manual_seed(100 + comm.rank)
+    np.random.seed(100 + comm.rank)
+    expect = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+              "sched": copy.deepcopy(sched.state_dict()), "sampler": sampler.state_dict(),
+              "arr": arr.copy(), "half": half.clone(), "mine": mine.copy()}
+    manager = CheckpointManager(ckdir, async_save=async_save)
+    assert manager.save(7, state)
+    # Training goes on at once: the checkpoint must hold the values at save time.
+    for p in model.parameters():
+        p.data.add_(1.0)
+    arr += 1
+    mine += 1
+    half.add_(1)
+    expected_draws = (torch.rand(3), np.random.rand(3))
+    manager.wait()
+    assert manager.latest_step() == 7
+    opt.zero_grad()
+    model(torch.randn(8, 6)).sum().backward()
+    opt.step()
+    sched.step()
+    sampler.set_epoch(9)
+    state["epoch"], state["meta"] = 0, None
+
+    assert manager.restore(state) == 7
+    _assert_same(model.state_dict(), expect["model"])
+    _assert_same(opt.state_dict(), expect["opt"])
+    _assert_same(sched.state_dict(), expect["sched"])
+    assert sampler.state_dict() == expect["sampler"]
+    assert np.array_equal(arr, expect["arr"]) and np.array_equal(mine, expect["mine"])
+    assert torch.equal(half, expect["half"]) and half.dtype == torch.bfloat16
+    assert state["epoch"] == 4 and state["meta"] == {"name": "run", "sizes": (1, 2), 7: None}
+    draws = (torch.rand(3), np.random.rand(3))
+    assert torch.equal(draws[0], expected_draws[0]) and np.array_equal(draws[1], expected_draws[1])
+
+
+def test_replicated_state_is_written_once_and_shards_by_their_owner(comm, ckdir):
+    model, _, _ = _trained()
+    shard = comm.rank // 2     # ranks 2k and 2k+1 hold the same shard, as pipeline-stage replicas would
+    stage = np.full(4, shard, dtype=np.float64)
+    manager = CheckpointManager(ckdir, async_save=False)
+    manager.save(1, {"model": model, "stage": Sharded(stage, shard=shard)})
+    comm.barrier()
+    step_dir = manager.step_dir(1)
+    shards = sorted({r // 2 for r in range(comm.size)})
+    files = sorted(os.listdir(step_dir))
+    assert files == sorted(["manifest.json", "replicated.safetensors"]
+                           + [f"shard-{s}.safetensors" for s in shards])
+    manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
+    assert manifest["step"] == 1 and manifest["world_size"] == comm.size
+    assert manifest["shard_of_rank"] == [r // 2 for r in range(comm.size)]
+    for fname, info in manifest["files"].items():
+        assert os.path.getsize(os.path.join(step_dir, fname)) == info["size"]
+    # The files are plain safetensors: the reference library reads them.
+    rep = load_file(os.path.join(step_dir, "replicated.safetensors"))
+    weights = sorted(v.tobytes() for v in rep.values())
+    assert all(p.detach().numpy().tobytes() in weights for p in model.state_dict().values())
+    for s in shards:
+        (only,) = load_file(os.path.join(step_dir, f"shard-{s}.safetensors")).values()
+        assert np.array_equal(only, np.full(4, s, dtype=np.float64))
+    stage[:] = -1
+    assert manager.restore({"model": model, "stage": Sharded(stage, shard=shard)}) == 1
+    assert np.array_equal(stage, np.full(4, shard, dtype=np.float64))
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank_and_nothing_is_committed(comm, ckdir):
+    manager = CheckpointManager(ckdir, async_save=True)
+    manager.save(1, {"x": np.ones(3)})
+    bad = comm.size - 1
+    value = (lambda: 0) if comm.rank == bad else np.ones(3)
+    with pytest.raises(CheckpointError) as err:
+        manager.save(2, {"x": Sharded(value)})
+        manager.wait()
+    assert f"rank {bad}" in str(err.value) and "not data" in str(err.value)
+    comm.barrier()
+    assert manager.all_steps() == [1]
+    assert not any(n.endswith(".partial") for n in os.listdir(ckdir))
+
+
+def test_ranks_saving_different_steps_get_an_error_naming_them(comm, ckdir):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    manager = CheckpointManager(ckdir)
+    with pytest.raises(ValueError, match=r"ranks 1-|rank 1:"):
+        manager.save(5 if comm.rank == 0 else 6, {"x": np.ones(2)})
+    assert manager.all_steps() == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "manifest"])
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(comm, ckdir, damage, caplog):
+    x = np.zeros(1000)
+    manager = CheckpointManager(ckdir, keep=5)
+    for step in (1, 2):
+        x[:] = step
+        manager.save(step, {"x": x})
+    manager.wait()
+    if comm.rank == 0:
+        path = os.path.join(manager.step_dir(2), "replicated.safetensors")
+        if damage == "flip":
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) - 100)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x10]))
+        elif damage == "truncate":
+            os.truncate(path, os.path.getsize(path) - 8)
+        else:
+            with open(os.path.join(manager.step_dir(2), "manifest.json"), "w") as f:
+                f.write('{"format": ')
+        os.makedirs(manager.step_dir(3) + ".partial")   # a save that died half-way is never a candidate
+    comm.barrier()
+    x[:] = -1
+    with caplog.at_level(logging.WARNING, logger="hpctrain"):
+        assert manager.restore({"x": x}) == 1
+    assert np.all(x == 1)
+    if comm.rank == 0:
+        assert "step-000000002" in caplog.text and "not usable" in caplog.text
+
+
+def test_keep_prunes_old_checkpoints_after_the_new_one_commits(comm, ckdir):
+    manager = CheckpointManager(ckdir, keep=2, every_steps=3)
+    saved = [s for s in range(1, 11) if manager.save(s, {"x": np.full(2, s)})]
+    manager.wait()
+    assert saved == [3, 6, 9]
+    assert manager.all_steps() == [6, 9]
+    x = np.zeros(2)
+    assert manager.restore({"x": x}) == 9 and np.all(x == 9)
+    assert manager.restore({"x": x}, step=6) == 6 and np.all(x == 6)
+
+
+def test_restore_without_checkpoints_returns_none_and_wrong_state_is_refused(comm, ckdir):
+    manager = CheckpointManager(ckdir)
+    x = np.zeros(3)
+    assert manager.restore({"x": x}) is None
+    manager.save(1, {"x": x})
+    manager.wait()
+    with pytest.raises(CheckpointError, match="has no entry 'y'"):
+        manager.restore({"y": x})
+    with pytest.raises(CheckpointError, match="shape"):
+        manager.restore({"x": np.zeros(4)})
+
+
+def test_replicas_that_differ_are_reported_with_their_ranks(comm, ckdir, caplog):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to differ")
+    differs = np.full(2, comm.rank % 2)
+    manager = CheckpointManager(ckdir, verify_replicas="warn")
+    with caplog.at_level(logging.WARNING, logger="hpctrain"):
+        manager.save(1, {"same": np.ones(2), "differs": differs})
+        manager.wait()
+    if comm.rank == 0:
+        assert "entry 'differs' differs between" in caplog.text and "'same'" not in caplog.text
+    strict = CheckpointManager(ckdir, verify_replicas="error")
+    with pytest.raises(CheckpointError, match="entry 'differs' differs"):
+        strict.save(2, {"differs": differs})
+        strict.wait()
+    assert strict.all_steps() == [1]
+
+
+def test_keras_model_and_optimizer_round_trip(comm, ckdir):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    opt = keras.optimizers.Adam(1e-2)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = np.random.default_rng(0).normal(size=(16, 4)), np.ones((16, 1))
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    expect_model = [v.numpy().copy() for v in model.variables]
+    expect_opt = [v.numpy().copy() for v in opt.variables]
+    manager = CheckpointManager(ckdir)
+    manager.save(2, {"model": model, "opt": opt})
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    manager.wait()
+    assert manager.restore({"model": model, "opt": opt}) == 2
+    assert all(np.array_equal(v.numpy(), e) for v, e in zip(model.variables, expect_model))
+    assert all(np.array_equal(v.numpy(), e) for v, e in zip(opt.variables, expect_opt))
