@@ -20,6 +20,7 @@ import json
 import os
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -65,12 +66,11 @@ def write_tensors(path: str, tensors: Mapping[str, Tuple[np.ndarray, str]],
         offset += arr.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    crc = 0
-    size = 0
+    size, running = 0, _Checksum()
     with open(path, "wb") as f:
         for piece in (struct.pack("<Q", len(blob)), blob):
             f.write(piece)
-            crc = zlib.crc32(piece, crc)
+            running.add(piece)
             size += len(piece)
         for arr, _ in tensors.values():
             flat = np.ascontiguousarray(arr).reshape(-1)
@@ -80,11 +80,54 @@ def write_tensors(path: str, tensors: Mapping[str, Tuple[np.ndarray, str]],
             for start in range(0, len(raw), _CHUNK):
                 piece = raw[start:start + _CHUNK]
                 f.write(piece)
-                crc = zlib.crc32(piece, crc)
+                running.add(piece)
             size += len(raw)
         f.flush()
+        crc = running.value()
         os.fsync(f.fileno())
     return size, crc
+
+
+class _Checksum:
+    """A running CRC-32 whose large pieces are hashed on a helper thread, overlapping the file I/O.
+
+    zlib releases the GIL while it hashes, so hashing chunk k runs while the
+    caller writes (or reads) chunk k+1; pieces are hashed in order.  The
+    caller must not modify a piece until :meth:`value` has returned.
+    """
+
+    _BIG = 1 << 20
+
+    def __init__(self):
+        self._crc = 0
+        self._pool = None
+        self._last = None
+
+    def add(self, piece) -> None:
+        if len(piece) < self._BIG:
+            if self._last is not None:
+                self._crc = self._last.result()
+                self._last = None
+            self._crc = zlib.crc32(piece, self._crc)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-crc")
+        prev = self._last
+
+        def crc(prev=prev, base=None):
+            start = prev.result() if prev is not None else self._crc
+            return zlib.crc32(piece, start)
+
+        self._last = self._pool.submit(crc)
+
+    def value(self) -> int:
+        if self._last is not None:
+            self._crc = self._last.result()
+            self._last = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        return self._crc
 
 
 def read_tensors(path: str, size: Optional[int] = None, crc: Optional[int] = None
@@ -95,11 +138,21 @@ def read_tensors(path: str, size: Optional[int] = None, crc: Optional[int] = Non
     :class:`CorruptFileError` for any mismatch or malformed header.
     """
     with open(path, "rb") as f:
-        data = bytearray(f.read())
-    if size is not None and len(data) != size:
-        raise CorruptFileError(f"{path}: {len(data)} bytes, the manifest says {size}")
-    if crc is not None and zlib.crc32(data) != crc:
-        raise CorruptFileError(f"{path}: CRC-32 {zlib.crc32(data):08x} does not match the manifest's {crc:08x}")
+        actual = os.fstat(f.fileno()).st_size
+        if size is not None and actual != size:
+            raise CorruptFileError(f"{path}: {actual} bytes, the manifest says {size}")
+        data = np.empty(actual, dtype=np.uint8)     # read straight into it: no second copy
+        view = memoryview(data)
+        got, running = 0, _Checksum()
+        while got < actual:
+            n = f.readinto(view[got:got + _CHUNK])
+            if not n:
+                raise CorruptFileError(f"{path}: file shrank while being read")
+            running.add(view[got:got + n])
+            got += n
+    if crc is not None and running.value() != crc:
+        raise CorruptFileError(f"{path}: CRC-32 {running.value():08x} does not match the manifest's {crc:08x}")
+    data = memoryview(data)
     if len(data) < 8:
         raise CorruptFileError(f"{path}: too short for a safetensors header")
     (hlen,) = struct.unpack_from("<Q", data)
