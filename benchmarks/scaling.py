@@ -6,7 +6,10 @@ Every rank trains the same model on its own fixed-size batch of synthetic data
 * ``torch``    plain single-process training loop (1 rank only: the baseline);
 * ``hpctrain`` ``hpctrain.torch.DistributedOptimizer`` (MPI backend);
 * ``ddp``      ``torch.nn.parallel.DistributedDataParallel`` over gloo;
-* ``horovod``  ``horovod.torch.DistributedOptimizer`` (Horovod's MPI controller).
+* ``horovod``  ``horovod.torch.DistributedOptimizer`` (Horovod's MPI controller);
+* ``independent`` every rank trains alone, no communication at all: the
+  ceiling this machine allows (cores, memory bandwidth, clocks shared by the
+  ranks), against which the peers' efficiencies should be read.
 
 Throughput is samples per second over all ranks; efficiency =
 throughput(N) / (N x throughput(1) of the same peer).  Each launch times
@@ -33,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import CORES, launch_worker, oversubscribed  # noqa: E402
 
-PEERS = ("torch", "hpctrain", "ddp", "horovod")
+PEERS = ("torch", "independent", "hpctrain", "ddp", "horovod")
 MODELS = {"resnet18": 32, "mlp": 128}   # model -> per-rank batch
 
 
@@ -104,7 +107,7 @@ def worker(peer: str, model_name: str, batch: int, steps: int, windows: int) -> 
         hvd.init()
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    elif size != 1:
+    elif peer == "torch" and size != 1:
         raise SystemExit("the plain torch loop runs on one rank only")
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, *shape, generator=g)

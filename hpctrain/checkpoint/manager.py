@@ -237,6 +237,7 @@ class CheckpointManager:
         if preempt:
             self.wait()
             self.preempted = True
+            self.signal_received = None       # handled: later steps do not save again
             if self.on_preempted is not None:
                 self.on_preempted(self)
         return due
@@ -287,7 +288,9 @@ class CheckpointManager:
                 for key, (kind, value) in loaded.items():
                     target = state[key]
                     if isinstance(target, Sharded):
-                        load_entry({key: target.obj}, key, kind, value)
+                        holder = {key: target.obj}
+                        load_entry(holder, key, kind, value)
+                        target.obj = holder[key]      # plain values are replaced, not loaded in place
                     else:
                         load_entry(state, key, kind, value)
                 err = None

@@ -44,9 +44,11 @@ def on_preemption(manager: CheckpointManager, signals: Iterable[int] = (signal.S
     if not signals:
         raise ValueError("on_preemption needs at least one signal")
 
+    received = {}
+
     def handler(signum, frame):
         if manager.signal_received is None:
-            manager.signal_received = signum
+            manager.signal_received = received["signal"] = signum
 
     for sig in signals:
         signal.signal(sig, handler)
@@ -55,7 +57,8 @@ def on_preemption(manager: CheckpointManager, signals: Iterable[int] = (signal.S
     def stop(mgr: CheckpointManager) -> None:
         step = mgr.latest_step()
         if mgr.comm.rank == 0:
-            name = signal.Signals(mgr.signal_received).name if mgr.signal_received else "a signal on another rank"
+            got = received.get("signal")
+            name = signal.Signals(got).name if got else "a signal on another rank"
             print(f"hpctrain: preempted ({name}); checkpoint of step {step} committed", file=sys.stderr, flush=True)
             job = os.environ.get("SLURM_JOB_ID")
             if requeue and job:

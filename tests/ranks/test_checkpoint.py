@@ -263,3 +263,30 @@ def test_keras_model_and_optimizer_round_trip(comm, ckdir):
     assert manager.restore({"model": model, "opt": opt}) == 2
     assert all(np.array_equal(v.numpy(), e) for v, e in zip(model.variables, expect_model))
     assert all(np.array_equal(v.numpy(), e) for v, e in zip(opt.variables, expect_opt))
+
+
+def test_a_signal_on_one_rank_makes_every_rank_save_the_same_step(comm, ckdir):
+    import signal
+
+    from hpctrain.checkpoint import on_preemption
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        manager = CheckpointManager(ckdir, every_steps=100)
+        on_preemption(manager, exit=False)
+        mine = Sharded(comm.rank * 10)       # a plain per-rank value
+        saved = []
+        for step in range(1, 8):
+            if step == 4 and comm.rank == comm.size - 1:
+                os.kill(os.getpid(), signal.SIGUSR2)
+            if manager.save(step, {"x": np.full(2, step), "mine": mine}):
+                saved.append(step)
+            if step == 4:
+                assert manager.preempted
+        assert saved == [4] and manager.all_steps() == [4]     # saved once, at the step of the signal
+        x, mine = np.zeros(2), Sharded(None)
+        assert manager.restore({"x": x, "mine": mine}) == 4
+        assert np.all(x == 4) and mine.obj == comm.rank * 10
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
