@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from typing import List
 
 CORES = len(os.sched_getaffinity(0))
@@ -20,18 +19,16 @@ def free_port() -> int:
 
 
 def launch_worker(n: int, argv: List[str], timeout: float = 1800) -> dict:
-    """Run ``python <argv>`` on ``n`` ranks under the venv's mpirun; return the JSON rank 0 printed as ``RESULT {...}``.
+    """Run ``python <argv>`` on ``n`` ranks; return the JSON rank 0 printed as ``RESULT {...}``.
 
-    One thread per rank (OMP_NUM_THREADS=1), oversubscription when ``n``
-    exceeds the cores, a fresh rendezvous port in BENCH_PORT.
+    The command is ``hpctrain launch``'s: the venv's mpirun (oversubscribed
+    when ``n`` exceeds the cores), or srun inside a Slurm allocation.  One
+    thread per rank (OMP_NUM_THREADS=1), a fresh rendezvous port in BENCH_PORT.
     """
-    cmd = [str(Path(sys.executable).parent / "mpirun"), "-n", str(n), "--bind-to", "none", "--mca", "osc", "^ucx"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    if n > CORES:
-        cmd.append("--oversubscribe")
-    cmd += [sys.executable, *argv]
+    from hpctrain.launch import build_command
+
     env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_PORT=str(free_port()), TF_CPP_MIN_LOG_LEVEL="3")
+    cmd = build_command(n, [sys.executable, *argv], env=env)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):

@@ -15,6 +15,8 @@ import traceback
 
 __all__ = ["main", "abort_job"]
 
+_EXIT_PREEMPTED = 75   # hpctrain.checkpoint.EXIT_PREEMPTED (not imported: this module stays light)
+
 
 def abort_job(message: str, code: int = 1) -> None:
     """Print ``message`` and end the whole job: MPI_Abort if MPI runs, else exit with ``code``."""
@@ -38,7 +40,7 @@ def main(argv=None) -> None:
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if code != 0:
+        if code not in (0, _EXIT_PREEMPTED):   # 75: every rank stops together after a checkpoint
             abort_job(f"hpctrain.run: {argv[0]} exited with status {code}; ending the job", code)
         raise
     except BaseException:

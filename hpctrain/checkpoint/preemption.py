@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Iterable
+from typing import Iterable, Optional
 
 from .manager import EXIT_PREEMPTED, CheckpointManager
 
@@ -17,7 +17,7 @@ log = logging.getLogger("hpctrain")
 
 
 def on_preemption(manager: CheckpointManager, signals: Iterable[int] = (signal.SIGUSR2, signal.SIGTERM),
-                  requeue: bool = False, exit: bool = True) -> None:
+                  requeue: Optional[bool] = None, exit: bool = True) -> None:
     """Make ``signals`` on any rank end the job cleanly with a checkpoint at the next step boundary.
 
     The handler only records the signal.  At the next ``manager.save(step, state)``
@@ -26,7 +26,8 @@ def on_preemption(manager: CheckpointManager, signals: Iterable[int] = (signal.S
     synchronously, commit it, and then:
 
     * with ``requeue`` and under Slurm (``SLURM_JOB_ID`` set), rank 0 runs
-      ``scontrol requeue $SLURM_JOB_ID`` so the job comes back by itself;
+      ``scontrol requeue $SLURM_JOB_ID`` so the job comes back by itself
+      (default: on when ``HPCTRAIN_REQUEUE=1``, which ``slurm/preemptible.sbatch`` sets);
     * with ``exit`` (default) every rank exits with status
       :data:`~hpctrain.checkpoint.EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: run again
       to resume); otherwise ``manager.preempted`` becomes True and the training
@@ -40,6 +41,8 @@ def on_preemption(manager: CheckpointManager, signals: Iterable[int] = (signal.S
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("on_preemption must be called from the main thread (Python delivers signals there)")
+    if requeue is None:
+        requeue = os.environ.get("HPCTRAIN_REQUEUE", "") == "1"
     signals = tuple(signals)
     if not signals:
         raise ValueError("on_preemption needs at least one signal")

@@ -13,6 +13,7 @@ position, RNG states and all).  At the end rank 0 writes the parameters to
 import argparse
 import os
 import signal
+import time
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ def main():
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--global-batch", type=int, default=24)
     ap.add_argument("--dropout", type=float, default=0.2)
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slow runs)")
     ap.add_argument("--sync", action="store_true", help="synchronous saves")
     ap.add_argument("--kill")
     ap.add_argument("--signal")
@@ -83,6 +85,9 @@ def main():
         sched.step()
         sampler.advance(per_rank)
         step += 1
+        if rank == 0 and args.step_sleep:
+            print(f"step {step}", flush=True)
+        time.sleep(args.step_sleep)
         if kill and kill == [rank, step]:
             os.kill(os.getpid(), signal.SIGKILL)
         if sig and sig == [rank, step]:
