@@ -31,7 +31,7 @@ def slurm(tmp_path_factory):
 
 
 def job_env(**extra):
-    return base_env(HPCTRAIN_HOME=str(REPO), HPCTRAIN_VENV=str(VENV), **extra)
+    return base_env(**{"HPCTRAIN_HOME": str(REPO), "HPCTRAIN_VENV": str(VENV), **extra})
 
 
 def sbatch(slurm, tmp_path, n, script, args, timeout=300, **env):
@@ -100,7 +100,7 @@ def reference(n, tmp_path):
 def wait_for_line(path, pattern, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and re.search(pattern, path.read_text(errors="replace")):
+        if path.exists() and re.search(pattern, path.read_text(errors="replace"), re.M):
             return
         time.sleep(0.25)
     raise AssertionError(f"{pattern!r} never appeared in {path}:\n"
