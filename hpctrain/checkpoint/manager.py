@@ -231,7 +231,8 @@ class CheckpointManager:
         periodic = self.every_steps is not None or self.every_seconds is not None
         due = (force or preempt or due_by_time or not periodic
                or (self.every_steps is not None and step % self.every_steps == 0))
-        if due and step != self._last_step:
+        started = due and step != self._last_step     # never the same step twice
+        if started:
             self._finish_pending()
             self._start(step, state)
         if preempt:
@@ -240,7 +241,7 @@ class CheckpointManager:
             self.signal_received = None       # handled: later steps do not save again
             if self.on_preempted is not None:
                 self.on_preempted(self)
-        return due
+        return started
 
     def wait(self) -> None:
         """Finish and commit the save in flight (collective); raise its error on every rank."""
