@@ -86,7 +86,7 @@ class LocalSlurm:
                 raise SlurmUnavailable(f"{daemon} did not start: {res.stdout}{res.stderr}\n{self._logs()}")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            state = _run(["sinfo", "-h", "-o", "%T"], env=self.env).stdout.strip()
+            state = self.node_state()
             if state == "idle":
                 return self
             time.sleep(0.5)
@@ -189,6 +189,10 @@ class LocalSlurm:
             time.sleep(0.5)
         _run(["scancel", job_id], env=self.env)
         raise AssertionError(f"job {job_id} did not finish in {timeout} s: {info}\n{self._logs()}")
+
+    def node_state(self) -> str:
+        """The node's state as ``sinfo`` prints it: idle, mixed, allocated, completing, ..."""
+        return _run(["sinfo", "-h", "-N", "-o", "%T"], env=self.env).stdout.strip()
 
     def scontrol(self, *args: str) -> subprocess.CompletedProcess:
         return _run(["scontrol", *args], env=self.env)

@@ -124,11 +124,15 @@ def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted
     else:
         res = slurm.scontrol("requeue", job)
     assert res.returncode == 0, res.stderr
-    # Once requeued, start it again at once instead of after the scheduler's requeue delay.
+    # Once requeued, start it again at once instead of after the scheduler's requeue delay. The job
+    # shows PENDING while its first run may still be ending on the node: release it only when the
+    # node is idle, else the first run's batch step can finish after the rerun started and its exit
+    # status is taken for the rerun's (which the requeue delay prevents on a real cluster).
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         info = slurm.job(job)
-        if info.get("Restarts", "0") != "0" and info.get("JobState") == "PENDING":
+        if (info.get("Restarts", "0") != "0" and info.get("JobState") == "PENDING"
+                and slurm.node_state() == "idle"):
             slurm.scontrol("update", f"JobId={job}", "StartTime=now")
             break
         if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
@@ -136,7 +140,7 @@ def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted
         time.sleep(0.25)
     info = slurm.wait(job, 240)
     text = log.read_text(errors="replace")
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-5000:]}"
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-5000:]}\n{slurm._logs()}"
     starts = [int(s) for s in re.findall(r"^starting at step (\d+)$", text, re.M)]
     assert starts[0] == 0 and len(starts) == 2 and starts[1] >= 4, text[-5000:]   # appended across restarts
     if interrupt == "usr2":
