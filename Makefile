@@ -19,6 +19,7 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
+	$(PY) benchmarks/fusion.py --ranks 2 4 --out results/fusion
 	$(PY) benchmarks/scaling.py --ranks 1 2 4 --out results/scaling
 	$(PY) benchmarks/checkpoint.py --out results/checkpoint
 

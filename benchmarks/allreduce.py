@@ -1,10 +1,14 @@
-"""All-reduce bandwidth: hpctrain (ring, native) against mpi4py Allreduce, torch.distributed (gloo) and Horovod.
+"""All-reduce bandwidth: hpctrain (auto, shm, ring, native) against mpi4py Allreduce, torch.distributed (gloo) and Horovod.
 
 Each peer runs in its own mpirun launch (Horovod's background thread busy-polls
 and would slow whatever shares its processes), peers alternate within each
 round so machine drift hits all alike, and the reported time is the median
 over rounds of each round's median.  Bus bandwidth as nccl-tests defines it:
-``busbw = bytes / time * 2 (n-1) / n``.  Writes JSON, a markdown table and a PNG.
+``busbw = bytes / time * 2 (n-1) / n``.  Every result is a new array on every
+peer (the input is left alone), so allocation costs are alike.  The table also
+gives hpctrain auto's bandwidth over mpi4py's and Horovod's, and its time over
+a single-process memcpy of the same bytes into a preallocated buffer (the
+floor).  Writes JSON, a markdown table and a PNG.
 
     python benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
 """
@@ -23,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import launch_worker, oversubscribed  # noqa: E402
 
-PEERS = ("hpctrain-ring", "hpctrain-native", "mpi4py", "torch-gloo", "horovod")
+PEERS = ("hpctrain-auto", "hpctrain-shm", "hpctrain-ring", "hpctrain-native", "mpi4py", "torch-gloo", "horovod")
 MIB = 1 << 20
 
 
@@ -98,6 +102,21 @@ def launch(peer: str, n: int, sizes, seconds: float) -> dict:
     return {int(k): v for k, v in res["times"].items()}
 
 
+def memcpy_times(sizes, seconds: float) -> dict:
+    """Return the median time of a single-process memcpy of each size into a preallocated buffer."""
+    out = {}
+    for nbytes in sizes:
+        src, dst = np.ones(nbytes // 4, dtype=np.float32), np.empty(nbytes // 4, dtype=np.float32)
+        iters = max(5, min(400, int(seconds * 4e8 / nbytes)))
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - t0)
+        out[nbytes] = statistics.median(times)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2])
@@ -117,16 +136,17 @@ def main() -> None:
         sizes, args.rounds, args.seconds = [4096, 64 * 1024, MIB, 16 * MIB, 64 * MIB], 2, 0.5
     rows = []
     for n in args.ranks:
-        runs = {p: [] for p in args.peers}
+        runs = {p: [] for p in args.peers + ["memcpy"]}
         for rnd in range(args.rounds):
             order = args.peers if rnd % 2 == 0 else list(reversed(args.peers))
             for peer in order:
                 print(f"[{n} ranks, round {rnd + 1}/{args.rounds}] {peer}", file=sys.stderr, flush=True)
                 runs[peer].append(launch(peer, n, sizes, args.seconds))
-        for peer in args.peers:
+            runs["memcpy"].append(memcpy_times(sizes, args.seconds))
+        for peer in args.peers + ["memcpy"]:
             for nbytes in sizes:
                 t = statistics.median(r[nbytes] for r in runs[peer])
-                busbw = nbytes / t * 2 * (n - 1) / n / 1e9 if n > 1 else 0.0
+                busbw = nbytes / t * 2 * (n - 1) / n / 1e9 if n > 1 and peer != "memcpy" else 0.0
                 rows.append({"ranks": n, "peer": peer, "bytes": nbytes, "time_s": t, "busbw_GBps": busbw})
     write_outputs(rows, Path(args.out), args)
 
@@ -134,18 +154,31 @@ def main() -> None:
 def write_outputs(rows, out: Path, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "allreduce.json").write_text(json.dumps({"rows": rows, "rounds": args.rounds}, indent=1))
-    peers = list(dict.fromkeys(r["peer"] for r in rows))
+    peers = [p for p in dict.fromkeys(r["peer"] for r in rows) if p != "memcpy"]
     lines = []
+
+    def ratio(a, b):
+        return a / b if a and b else float("nan")
+
     for n in sorted({r["ranks"] for r in rows}):
-        lines += [f"\n### {n} ranks{oversubscribed(n)}: "
-                  f"bus bandwidth GB/s (median of {args.rounds} rounds); ratio = hpctrain-ring / mpi4py\n",
-                  "| size | " + " | ".join(peers) + " | ring/mpi4py |", "|---" * (len(peers) + 2) + "|"]
+        lines += [f"\n### {n} ranks{oversubscribed(n)}: bus bandwidth GB/s (median of {args.rounds} rounds)\n",
+                  "auto/mpi4py and auto/horovod: hpctrain auto's bus bandwidth over theirs (higher is better); "
+                  "auto time/memcpy: its time over a single-process memcpy of the same bytes (lower is better)\n",
+                  "| size | " + " | ".join(peers) + " | auto/mpi4py | auto/horovod | auto time/memcpy |",
+                  "|---" * (len(peers) + 4) + "|"]
         for nbytes in sorted({r["bytes"] for r in rows}):
             cell = {r["peer"]: r for r in rows if r["ranks"] == n and r["bytes"] == nbytes}
-            ratio = (cell["hpctrain-ring"]["busbw_GBps"] / cell["mpi4py"]["busbw_GBps"]
-                     if "hpctrain-ring" in cell and "mpi4py" in cell and cell["mpi4py"]["busbw_GBps"] else float("nan"))
+            auto, mpi, hvd = (cell.get(k, {}).get("busbw_GBps") for k in ("hpctrain-auto", "mpi4py", "horovod"))
+            t_auto, t_copy = (cell.get(k, {}).get("time_s") for k in ("hpctrain-auto", "memcpy"))
             lines.append(f"| {human(nbytes)} | " + " | ".join(f"{cell[p]['busbw_GBps']:.2f}" for p in peers)
-                         + f" | {ratio:.2f} |")
+                         + f" | {ratio(auto, mpi):.2f} | {ratio(auto, hvd):.2f} | {ratio(t_auto, t_copy):.2f} |")
+        lines += ["", f"latency in microseconds ({n} ranks)\n", "| size | " + " | ".join(peers)
+                  + " | auto/mpi4py time |", "|---" * (len(peers) + 2) + "|"]
+        for nbytes in sorted({r["bytes"] for r in rows if r["bytes"] <= 64 * 1024}):
+            cell = {r["peer"]: r for r in rows if r["ranks"] == n and r["bytes"] == nbytes}
+            t_auto, t_mpi = (cell.get(k, {}).get("time_s") for k in ("hpctrain-auto", "mpi4py"))
+            lines.append(f"| {human(nbytes)} | " + " | ".join(f"{cell[p]['time_s'] * 1e6:.1f}" for p in peers)
+                         + f" | {ratio(t_auto, t_mpi):.2f} |")
     table = "\n".join(lines)
     (out / "allreduce.md").write_text(table + "\n")
     print(table)

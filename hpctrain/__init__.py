@@ -24,7 +24,7 @@ from .world import init, is_initialized, shutdown, world
 __version__ = "0.1.0"
 
 _COLLECTIVES = (
-    "allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier",
     "send", "recv", "broadcast_object", "allgather_object",
 )
 

@@ -1,4 +1,4 @@
-"""The ``hpctrain`` command: ``launch`` ranks, print ``info``."""
+"""The ``hpctrain`` command: ``launch`` ranks, print ``info``, ``tune`` the all-reduce thresholds."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,16 @@ def _info(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from .tune import run_tune
+
+    data = run_tune(args.n, args.out, args.rounds)
+    for name, value in data["thresholds"].items():
+        print(f"{name} = {value} bytes")
+    print(f"written to {data['path']} (read by hpctrain.init(); HPCTRAIN_* environment variables still win)")
+    return 0
+
+
 def main(argv=None) -> int:
     """Run the hpctrain command line and return its exit status."""
     parser = argparse.ArgumentParser(prog="hpctrain", description="hpctrain: distributed training tools")
@@ -41,10 +51,15 @@ def main(argv=None) -> int:
     p.set_defaults(func=_launch)
     p = sub.add_parser("info", help="versions, launcher, rank layout and working backends")
     p.set_defaults(func=_info)
+    p = sub.add_parser("tune", help="measure the all-reduce thresholds of this machine and save them")
+    p.add_argument("-n", "--np", dest="n", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--out", default="", help="file to write (default: HPCTRAIN_TUNE_FILE or ~/.config/hpctrain/tune.json)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per size (default 3)")
+    p.set_defaults(func=_tune)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"hpctrain: error: {exc}", file=sys.stderr)
         return 2
 

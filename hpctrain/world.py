@@ -97,6 +97,7 @@ def shutdown() -> None:
         if _world is None:
             return
         _world._rt.close()
+        _world._release_shared()
         _world = None
         if _saved_excepthook is not None:
             sys.excepthook = _saved_excepthook

@@ -11,3 +11,10 @@ FILES = ["test_collectives.py", "test_safety.py", "test_frameworks.py", "test_to
 @pytest.mark.parametrize("test_file", FILES)
 def test_ranks(test_file, n):
     run_pytest_on_ranks(n, test_file)
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_collectives_on_fake_nodes(n):
+    """The hierarchical (inter-node) path: nodes of 2 ranks, small fusion buffers and shared-memory arena."""
+    run_pytest_on_ranks(n, "test_collectives.py", HPCTRAIN_RANKS_PER_NODE=2,
+                        HPCTRAIN_FUSION_THRESHOLD=1 << 20, HPCTRAIN_SHM_ARENA_BYTES=1 << 20)

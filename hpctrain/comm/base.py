@@ -22,14 +22,17 @@ Rules common to every collective:
 from __future__ import annotations
 
 import abc
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..collectives.fusion import FusionBuffers, fusion_groups
 from ..collectives.ops import accumulation_dtype, check_op, finish, segment_bounds, to_accumulator
 from ..collectives.ring import ring_allreduce, ring_reduce_scatter
+from ..collectives.shm import Flat
 from ..errors import CollectiveMismatchError
 from ..tensors import framework_of, to_numpy
 from .runtime import Runtime
@@ -38,6 +41,7 @@ from .signature import Call
 __all__ = ["Communicator", "Handle", "Topology", "ALLREDUCE_ALGORITHMS", "done_handle"]
 
 ALLREDUCE_ALGORITHMS = ("auto", "native", "ring")
+_SHARED = ("shm", "hierarchical")
 
 Plan = Tuple[Call, Optional[Callable[[], Any]], Callable[[Any], Any]]
 
@@ -126,6 +130,7 @@ class Communicator(abc.ABC):
         self.world_ranks = tuple(world_ranks)
         self.topology = topology
         self._seq = 0
+        self._fusion = FusionBuffers()
 
     # -- identity -------------------------------------------------------
     @property
@@ -138,6 +143,11 @@ class Communicator(abc.ABC):
         """The number of ranks in the communicator."""
         return self._size
 
+    @property
+    def config(self):
+        """The settings this communicator runs with (a read-only :class:`~hpctrain.comm.runtime.Config`)."""
+        return self._rt.config
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} rank {self._rank} of {self._size}>"
 
@@ -148,7 +158,12 @@ class Communicator(abc.ABC):
         Formula: ``out = op(x_0, ..., x_{n-1})`` with op in sum, avg, min, max,
         prod; float16/bfloat16 accumulate in float32.  ``algorithm``: "native"
         (the backend's library call), "ring" (hpctrain's bandwidth-optimal ring,
-        ``2 (n-1)/n`` of the bytes sent per rank) or "auto".
+        ``2 (n-1)/n`` of the bytes sent per rank), on the MPI backend "shm"
+        (one node: peers reduce straight from each other's memory, see
+        :mod:`hpctrain.collectives.shm`) and "hierarchical" (shared memory on
+        each node, a ring across nodes), or "auto" (by message size and
+        topology; thresholds from ``hpctrain tune``).  Every algorithm gives
+        bit-identical results on all ranks.
 
         ``inplace=True`` writes the result into ``x`` and returns ``x`` (a
         writable numpy array or torch tensor); for float32/float64/integer CPU
@@ -161,16 +176,40 @@ class Communicator(abc.ABC):
         """Start :meth:`allreduce` and return a :class:`Handle`."""
         return self._submit(self._plan_allreduce(x, op, algorithm, inplace))
 
-    def allgather(self, x: Any) -> Any:
+    def grouped_allreduce(self, xs: Sequence[Any], op: str = "sum", algorithm: str = "auto",
+                          inplace: bool = False) -> List[Any]:
+        """Return the all-reduction of each tensor of ``xs``, fused into a few collectives.
+
+        Tensors are grouped by dtype into fusion buffers of at most
+        ``HPCTRAIN_FUSION_THRESHOLD`` bytes (see :mod:`hpctrain.collectives.fusion`)
+        and each buffer is reduced with one collective; the results equal
+        :meth:`allreduce` of each tensor (bit for bit with the "shm" algorithm).
+        One call check covers the whole list: ranks that pass lists of
+        different lengths, dtypes or shapes get an error naming them.
+        ``inplace=True`` writes each result into its tensor.  Cost: one
+        collective per buffer instead of one per tensor; the shared-memory
+        algorithms read the tensors in place, others pack and unpack them
+        (two extra copies of the bytes).
+        """
+        return self._run(self._plan_grouped(xs, op, algorithm, inplace))
+
+    def grouped_allreduce_async(self, xs: Sequence[Any], op: str = "sum", algorithm: str = "auto",
+                                inplace: bool = False) -> Handle:
+        """Start :meth:`grouped_allreduce`; the handle's ``wait()`` returns the list of results."""
+        return self._submit(self._plan_grouped(xs, op, algorithm, inplace))
+
+    def allgather(self, x: Any, algorithm: str = "auto") -> Any:
         """Return the concatenation along dim 0 of every rank's ``x`` (dim 0 may differ per rank).
 
-        Cost: each rank receives the sum of all inputs.
+        Cost: each rank receives the sum of all inputs.  ``algorithm``: "native",
+        "shm" (MPI backend, one node: through shared memory) or "auto" (shm on
+        one node from ``shm_min_bytes`` of output, else native).
         """
-        return self._run(self._plan_allgather(x))
+        return self._run(self._plan_allgather(x, algorithm))
 
-    def allgather_async(self, x: Any) -> Handle:
+    def allgather_async(self, x: Any, algorithm: str = "auto") -> Handle:
         """Start :meth:`allgather` and return a :class:`Handle`."""
-        return self._submit(self._plan_allgather(x))
+        return self._submit(self._plan_allgather(x, algorithm))
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Return ``root``'s ``x`` on every rank (all ranks pass a tensor of the same shape and dtype)."""
@@ -302,17 +341,19 @@ class Communicator(abc.ABC):
             return work()
         return task
 
-    def _choose_allreduce(self, algorithm: str, arr: np.ndarray) -> str:
+    def _choose_allreduce(self, algorithm: str, nbytes: int) -> str:
         if algorithm not in self.allreduce_algorithms():
             raise ValueError(f"unknown algorithm {algorithm!r} for the {self.backend} backend; "
                              f"expected one of {', '.join(self.allreduce_algorithms())}")
-        return self._auto_allreduce(arr) if algorithm == "auto" else algorithm
+        alg = self._auto_allreduce(nbytes) if algorithm == "auto" else algorithm
+        self._check_algorithm(alg)
+        return alg
 
     def _plan_allreduce(self, x, op, algorithm, inplace=False) -> Plan:
         def build(seq):
             arr, restore = to_numpy(x)
             check_op(op, arr.dtype)
-            alg = self._choose_allreduce(algorithm, arr)
+            alg = self._choose_allreduce(algorithm, arr.nbytes)
             call = Call("allreduce", seq, str(arr.dtype), arr.shape, op=op, algorithm=alg)
             if inplace:
                 restore = _copy_back_into(x, arr, restore)
@@ -320,28 +361,84 @@ class Communicator(abc.ABC):
         return self._build("allreduce", build, op=op, algorithm=algorithm)
 
     def _do_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool = False) -> np.ndarray:
+        if alg in _SHARED and self._size > 1 and arr.size:
+            acc = self._shared_reduction(arr, op, alg)
+            return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
         same = inplace and accumulation_dtype(arr.dtype) == arr.dtype
         acc = arr.reshape(-1) if same else to_accumulator(arr)
         if self._size > 1 and acc.size:
             if alg == "ring":
-                ring_allreduce(acc, op, self._transport(), self._chunk_elems(acc))
+                ring_allreduce(acc, op, self._transport(), self._chunk_elems(acc.itemsize))
             else:
                 acc = self._allreduce_native(acc, op)
         return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
 
-    def _plan_allgather(self, x) -> Plan:
+    def _shared_reduction(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
+        """Return the "shm"/"hierarchical" reduction of ``arr`` as a new flat accumulation-dtype array."""
+        acc = np.empty(arr.size, dtype=accumulation_dtype(arr.dtype))
+        self._allreduce_shared(Flat([arr]), Flat([acc]), op, alg)
+        return acc
+
+    def _plan_grouped(self, xs, op, algorithm, inplace) -> Plan:
+        def build(seq):
+            if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
+                raise TypeError(f"grouped_allreduce needs a list of tensors, got {type(xs).__name__}")
+            items = list(xs)
+            converted = [to_numpy(x) for x in items]
+            arrs = [a for a, _ in converted]
+            for a in arrs:
+                check_op(op, a.dtype)
+            groups = fusion_groups(arrs, self._rt.config.fusion_threshold)
+            algs = [self._choose_allreduce(algorithm, g.numel * arrs[g.members[0]].itemsize) for g in groups]
+            shapes = repr([(a.dtype.str, a.shape) for a in arrs]).encode()
+            dtypes = "+".join(sorted({str(a.dtype) for a in arrs}))
+            call = Call("grouped_allreduce", seq, dtypes, (sum(a.size for a in arrs),), op=op, algorithm=algorithm,
+                        layout=f"{len(arrs)} tensors/{zlib.crc32(shapes):08x}")
+            restores = [_copy_back_into(x, a, r) if inplace else r for x, (a, r) in zip(items, converted)]
+            return (call, lambda: self._do_grouped(arrs, groups, algs, op),
+                    lambda outs: [r(o) for r, o in zip(restores, outs)])
+        return self._build("grouped_allreduce", build, op=op, algorithm=algorithm)
+
+    def _do_grouped(self, arrs: List[np.ndarray], groups, algs: List[str], op: str) -> List[np.ndarray]:
+        outs: List[Optional[np.ndarray]] = [None] * len(arrs)
+        for g, alg in zip(groups, algs):
+            dtype = arrs[g.members[0]].dtype
+            if alg in _SHARED and self._size > 1:
+                acc = [np.empty(arrs[i].size, dtype=accumulation_dtype(dtype)) for i in g.members]
+                self._allreduce_shared(Flat([arrs[i] for i in g.members]), Flat(acc), op, alg)
+                for i, a in zip(g.members, acc):
+                    outs[i] = finish(a, op, self._size, dtype).reshape(arrs[i].shape)
+                continue
+            flat = self._do_allreduce(self._fusion.pack(arrs, g), op, alg, inplace=True)
+            for i, off, n in zip(g.members, g.offsets, g.numels):
+                outs[i] = flat[off:off + n].reshape(arrs[i].shape).copy()
+        return outs
+
+    def _plan_allgather(self, x, algorithm="auto") -> Plan:
         def build(seq):
             arr, restore = to_numpy(x)
             if arr.ndim == 0:
                 raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
-            call = Call("allgather", seq, str(arr.dtype), arr.shape, free_dim0=True)
-            return call, lambda: self._do_allgather(arr), restore
-        return self._build("allgather", build)
+            valid = ("auto", "native") + (("shm",) if "shm" in self.allreduce_algorithms() else ())
+            if algorithm not in valid:
+                raise ValueError(f"unknown allgather algorithm {algorithm!r} for the {self.backend} backend; "
+                                 f"expected one of {', '.join(valid)}")
+            if algorithm == "shm":
+                self._check_algorithm("shm")
+            call = Call("allgather", seq, str(arr.dtype), arr.shape, algorithm=algorithm, free_dim0=True)
+            return call, lambda: self._do_allgather(arr, algorithm), restore
+        return self._build("allgather", build, algorithm=algorithm)
 
-    def _do_allgather(self, arr: np.ndarray) -> np.ndarray:
+    def _do_allgather(self, arr: np.ndarray, algorithm: str = "auto") -> np.ndarray:
         rows = self._allgather_ints(arr.shape[0])
         row_bytes = arr.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64))
-        raw = self._allgatherv(_bytes_of(arr), [r * row_bytes for r in rows])
+        counts = [r * row_bytes for r in rows]
+        raw = None
+        if algorithm == "shm" or (algorithm == "auto" and sum(counts) >= self._rt.config.shm_min_bytes
+                                  and "shm" in self.allreduce_algorithms()):
+            raw = self._allgather_shared(_bytes_of(arr), counts)
+        if raw is None:
+            raw = self._allgatherv(_bytes_of(arr), counts)
         return raw.view(arr.dtype).reshape((sum(rows),) + arr.shape[1:])
 
     def _plan_broadcast(self, x, root) -> Plan:
@@ -364,7 +461,7 @@ class Communicator(abc.ABC):
             if arr.ndim == 0:
                 raise ValueError("reduce_scatter needs a tensor with at least one dimension (it splits dim 0)")
             check_op(op, arr.dtype)
-            alg = self._choose_allreduce(algorithm, arr)
+            alg = self._choose_allreduce(algorithm, arr.nbytes)
             call = Call("reduce_scatter", seq, str(arr.dtype), arr.shape, op=op, algorithm=alg)
             return call, lambda: self._do_reduce_scatter(arr, op, alg), restore
         return self._build("reduce_scatter", build, op=op, algorithm=algorithm)
@@ -374,10 +471,17 @@ class Communicator(abc.ABC):
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         rows = segment_bounds(arr.shape[0], n)
         bounds = rows * row
+        if alg in _SHARED and n > 1 and arr.size:
+            if alg == "shm":
+                acc = self._reduce_scatter_shared(arr.reshape(-1), bounds, accumulation_dtype(arr.dtype), op)
+            else:   # hierarchical: the full reduction, then the own block
+                acc = self._shared_reduction(arr, op, alg)[bounds[r]:bounds[r + 1]]
+            out = finish(acc, op, n, arr.dtype)
+            return out.reshape((int(rows[r + 1] - rows[r]),) + arr.shape[1:])
         acc = to_accumulator(arr)
         if n > 1 and acc.size:
             if alg == "ring":
-                ring_reduce_scatter(acc, bounds, op, self._transport(), self._chunk_elems(acc))
+                ring_reduce_scatter(acc, bounds, op, self._transport(), self._chunk_elems(acc.itemsize))
                 acc = acc[bounds[r]:bounds[r + 1]]
             else:
                 acc = self._reduce_scatter_native(acc, np.diff(bounds).tolist(), op)
@@ -430,17 +534,35 @@ class Communicator(abc.ABC):
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self._size:
             raise ValueError(f"{what} {peer!r} is not a rank of {self.name} (size {self._size})")
 
-    def _chunk_elems(self, acc: np.ndarray) -> int:
-        return max(1, self._rt.config.ring_chunk_bytes // max(1, acc.itemsize))
+    def _chunk_elems(self, itemsize: int) -> int:
+        return max(1, self._rt.config.ring_chunk_bytes // max(1, itemsize))
 
     # -- what a backend provides (numpy buffers only) ----------------------
     def allreduce_algorithms(self) -> Tuple[str, ...]:
         """Return the allreduce algorithms this backend can run."""
         return ALLREDUCE_ALGORITHMS
 
-    def _auto_allreduce(self, arr: np.ndarray) -> str:
-        """Return the algorithm "auto" picks for ``arr``."""
+    def _auto_allreduce(self, nbytes: int) -> str:
+        """Return the algorithm "auto" picks for a buffer of ``nbytes``."""
         return "native"
+
+    def _check_algorithm(self, alg: str) -> None:
+        """Raise ValueError if ``alg`` cannot run on this communicator's layout."""
+
+    def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str) -> None:
+        """All-reduce ``x`` into ``out`` (accumulation dtype) with "shm" or "hierarchical"."""
+        raise ValueError(f"the {self.backend} backend has no shared-memory algorithms")
+
+    def _reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
+        """Return this rank's segment of the shared-memory reduction of flat ``x``."""
+        raise ValueError(f"the {self.backend} backend has no shared-memory algorithms")
+
+    def _allgather_shared(self, raw: np.ndarray, counts: List[int]) -> Optional[np.ndarray]:
+        """Return the shared-memory all-gather of bytes, or None where it does not apply (several nodes)."""
+        return None
+
+    def _release_shared(self) -> None:
+        """Free shared-memory resources (collective over the node)."""
 
     @abc.abstractmethod
     def _exchange_calls(self, call: Call) -> str:

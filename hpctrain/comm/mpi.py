@@ -19,7 +19,9 @@ import numpy as np
 from ..env import detect_launcher
 from ..errors import BackendUnavailableError
 from ..tensors import dtype_from_name
-from .base import Communicator, Handle, Topology
+from ..collectives.shm import Flat, shm_allgather, shm_allreduce, shm_reduce_scatter
+from .base import ALLREDUCE_ALGORITHMS, Communicator, Handle, Topology
+from .mpi_node import NodeGroups, SharedArena
 from .runtime import Config, Runtime
 from .signature import DESC_BYTES, Call, format_ranks, judge
 
@@ -68,12 +70,18 @@ class MPICommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, runtime: Runtime, comm, name: str, world_ranks, topology: Topology, owns: bool):
+    def __init__(self, runtime: Runtime, comm, name: str, world_ranks, owns: bool):
         from mpi4py import MPI
 
         self._MPI = MPI
         self._base, self._owns = comm, owns
         self._coll, self._p2p, self._ctrl = comm.Dup(), comm.Dup(), comm.Dup()
+        world_ranks = list(world_ranks)
+        self._nodes = NodeGroups(comm, world_ranks[comm.Get_rank()], MPI)
+        self._arena: Optional[SharedArena] = None
+        self._cross = _Ring(self._nodes.cross, MPI) if self._nodes.cross is not None else None
+        g = self._nodes
+        topology = Topology(g.local_rank, g.local_size, g.node_rank, g.num_nodes)
         super().__init__(runtime, comm.Get_rank(), comm.Get_size(), name, world_ranks, topology)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
         self._descs = np.zeros((self._size if self._rank == 0 else 1, DESC_BYTES), dtype=np.uint8)
@@ -114,6 +122,44 @@ class MPICommunicator(Communicator):
 
     def _transport(self):
         return self._ring
+
+    def allreduce_algorithms(self):
+        """Return the allreduce algorithms of this backend: native, ring, shm, hierarchical and auto."""
+        return ALLREDUCE_ALGORITHMS + ("shm", "hierarchical")
+
+    def _check_algorithm(self, alg: str) -> None:
+        if alg == "shm" and self._nodes.num_nodes > 1:
+            raise ValueError(f"algorithm='shm' needs every rank of {self.name} on one node, but it spans "
+                             f"{self._nodes.num_nodes} nodes; use 'hierarchical' (or 'auto')")
+
+    def _auto_allreduce(self, nbytes: int) -> str:
+        cfg = self._rt.config
+        if self._nodes.num_nodes == 1:
+            return "shm" if nbytes >= cfg.shm_min_bytes else "native"
+        return "hierarchical" if nbytes >= cfg.hierarchical_min_bytes else "native"
+
+    def _shared(self) -> SharedArena:
+        if self._arena is None:
+            self._arena = SharedArena(self._nodes.node, self._MPI)
+        return self._arena
+
+    def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str) -> None:
+        itemsize = out.arrays[0].itemsize if out.arrays else 1
+        shm_allreduce(x, out, op, self._shared(), parts=self._nodes.parts, cross=self._cross,
+                      chunk_elems=self._chunk_elems(itemsize))
+
+    def _reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
+        return shm_reduce_scatter(x, bounds, acc_dtype, op, self._shared())
+
+    def _allgather_shared(self, raw: np.ndarray, counts: List[int]) -> Optional[np.ndarray]:
+        if self._nodes.num_nodes > 1:
+            return None
+        return shm_allgather(raw, counts, self._shared())
+
+    def _release_shared(self) -> None:
+        if self._arena is not None:
+            self._arena.free()
+            self._arena = None
 
     def _allgather_ints(self, value: int) -> List[int]:
         out = np.empty(self._size, dtype=np.int64)
@@ -179,33 +225,15 @@ class MPICommunicator(Communicator):
         if sub == MPI.COMM_NULL:
             return None
         members = sub.allgather(self.world_ranks[self._rank])
-        return MPICommunicator(self._rt, sub, f"{self.name}.split({color})", members, self.topology, owns=True)
+        return MPICommunicator(self._rt, sub, f"{self.name}.split({color})", members, owns=True)
 
     def _free(self) -> None:
+        self._release_shared()
+        self._nodes.free()
         for c in (self._coll, self._p2p, self._ctrl) + ((self._base,) if self._owns else ()):
             if c != self._MPI.COMM_NULL:
                 c.Free()
         self._owns = False
-
-
-def _topology(world, MPI) -> Topology:
-    """Return the node layout; HPCTRAIN_RANKS_PER_NODE=k pretends nodes of k consecutive ranks."""
-    per_node = os.environ.get("HPCTRAIN_RANKS_PER_NODE")
-    if per_node:
-        k = int(per_node)
-        if k <= 0:
-            raise ValueError(f"HPCTRAIN_RANKS_PER_NODE={per_node!r} must be a positive integer")
-        node = world.Split(world.Get_rank() // k, world.Get_rank())
-    else:
-        node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    leaders = world.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, world.Get_rank())
-    info = (leaders.Get_rank(), leaders.Get_size()) if node.Get_rank() == 0 else None
-    node_rank, num_nodes = node.bcast(info, root=0)
-    topo = Topology(node.Get_rank(), node.Get_size(), node_rank, num_nodes)
-    if leaders != MPI.COMM_NULL:
-        leaders.Free()
-    node.Free()
-    return topo
 
 
 def init_world(config: Config) -> MPICommunicator:
@@ -216,6 +244,9 @@ def init_world(config: Config) -> MPICommunicator:
     e.g. ``srun --mpi=pmi2`` with OpenMPI 5, that would otherwise run N
     independent copies of the job).
     """
+    # Open MPI's UCX one-sided component prints an error on machines without UCX transports when a
+    # shared window is created; the shared-memory algorithms only need osc/sm. A user setting wins.
+    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     try:
         from mpi4py import MPI
     except ImportError as exc:
@@ -236,4 +267,4 @@ def init_world(config: Config) -> MPICommunicator:
         MPI.COMM_WORLD.Abort(1)
 
     runtime = Runtime(config, world.Get_rank(), abort)
-    return MPICommunicator(runtime, world, "world", range(world.Get_size()), _topology(world, MPI), owns=False)
+    return MPICommunicator(runtime, world, "world", range(world.Get_size()), owns=False)

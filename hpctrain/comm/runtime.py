@@ -17,6 +17,8 @@ known, which ranks have not joined; after ``HPCTRAIN_STALL_TIMEOUT_S`` seconds
 from __future__ import annotations
 
 import collections
+import json
+import os
 import logging
 import threading
 import time
@@ -33,7 +35,7 @@ log = logging.getLogger("hpctrain")
 
 @dataclass(frozen=True)
 class Config:
-    """Settings read once at ``init()`` from the environment.
+    """Settings read once at ``init()`` from the environment (and the file ``hpctrain tune`` writes).
 
     Attributes:
         check: HPCTRAIN_CHECK (default on): compare every collective call
@@ -41,25 +43,77 @@ class Config:
         stall_warning_s: HPCTRAIN_STALL_WARNING_S (default 60).
         stall_timeout_s: HPCTRAIN_STALL_TIMEOUT_S (default 600; 0 = never abort).
         ring_chunk_bytes: HPCTRAIN_RING_CHUNK_BYTES (default 1 MiB).
+        shm_min_bytes: HPCTRAIN_SHM_MIN_BYTES: from this size on, ``algorithm="auto"``
+            uses shared memory on one node (default 64 KiB).
+        hierarchical_min_bytes: HPCTRAIN_HIERARCHICAL_MIN_BYTES: from this size
+            on, "auto" uses the hierarchical all-reduce on several nodes (default 64 KiB).
+        fusion_threshold: HPCTRAIN_FUSION_THRESHOLD: the size of one fusion
+            buffer of ``grouped_allreduce`` (default 64 MiB).
     """
 
     check: bool = True
     stall_warning_s: float = 60.0
     stall_timeout_s: float = 600.0
     ring_chunk_bytes: int = 1 << 20
+    shm_min_bytes: int = 64 << 10
+    hierarchical_min_bytes: int = 64 << 10
+    fusion_threshold: int = 64 << 20
 
     @classmethod
     def from_env(cls) -> "Config":
-        """Return the settings given by the HPCTRAIN_* environment variables."""
+        """Return the settings: defaults, then the tuning file, then HPCTRAIN_* environment variables."""
+        tuned = read_tuning()
+
+        def size(name: str, key: str, default: int) -> int:
+            return int(env_float(name, float(tuned.get(key, default))))
+
         cfg = cls(
             check=env_flag("HPCTRAIN_CHECK", True),
             stall_warning_s=env_float("HPCTRAIN_STALL_WARNING_S", 60.0),
             stall_timeout_s=env_float("HPCTRAIN_STALL_TIMEOUT_S", 600.0),
-            ring_chunk_bytes=int(env_float("HPCTRAIN_RING_CHUNK_BYTES", float(1 << 20))),
+            ring_chunk_bytes=size("HPCTRAIN_RING_CHUNK_BYTES", "ring_chunk_bytes", 1 << 20),
+            shm_min_bytes=size("HPCTRAIN_SHM_MIN_BYTES", "shm_min_bytes", 64 << 10),
+            hierarchical_min_bytes=size("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "hierarchical_min_bytes", 64 << 10),
+            fusion_threshold=size("HPCTRAIN_FUSION_THRESHOLD", "fusion_threshold", 64 << 20),
         )
-        if cfg.stall_warning_s <= 0 or cfg.stall_timeout_s < 0 or cfg.ring_chunk_bytes <= 0:
+        if (cfg.stall_warning_s <= 0 or cfg.stall_timeout_s < 0 or cfg.ring_chunk_bytes <= 0
+                or cfg.shm_min_bytes < 0 or cfg.hierarchical_min_bytes < 0 or cfg.fusion_threshold <= 0):
             raise ValueError(f"invalid hpctrain settings: {cfg}")
         return cfg
+
+
+TUNABLE = ("ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "fusion_threshold")
+
+
+def tuning_path() -> str:
+    """Return where ``hpctrain tune`` writes and ``init()`` reads thresholds.
+
+    HPCTRAIN_TUNE_FILE, else ``$XDG_CONFIG_HOME/hpctrain/tune.json`` (``~/.config``).
+    """
+    explicit = os.environ.get("HPCTRAIN_TUNE_FILE")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(base, "hpctrain", "tune.json")
+
+
+def read_tuning() -> dict:
+    """Return the thresholds of the tuning file (empty without one); a malformed file is an error."""
+    path = tuning_path()
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the hpctrain tuning file {path}: {exc} "
+                         f"(rerun `hpctrain tune` or delete it)") from exc
+    values = data.get("thresholds", {}) if isinstance(data, dict) else None
+    if not isinstance(values, dict) or not all(
+            k in TUNABLE and isinstance(v, int) and v >= 0 for k, v in values.items()):
+        raise ValueError(f"the hpctrain tuning file {path} is malformed: expected "
+                         f"{{\"thresholds\": {{name: bytes}}}} with names from {', '.join(TUNABLE)}")
+    return values
 
 
 @dataclass

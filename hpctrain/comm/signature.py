@@ -20,7 +20,8 @@ class Call:
     """One rank's collective call.
 
     ``free_dim0`` marks calls whose first dimension may differ per rank
-    (allgather, alltoall).  ``error`` holds this rank's validation error, if
+    (allgather, alltoall).  ``layout`` summarises a list of tensors (grouped
+    calls): their count and a checksum of their dtypes and shapes.  ``error`` holds this rank's validation error, if
     its arguments were invalid.
     """
 
@@ -32,19 +33,21 @@ class Call:
     root: Optional[int] = None
     algorithm: Optional[str] = None
     free_dim0: bool = False
+    layout: Optional[str] = None
     error: str = ""
 
     def key(self) -> str:
         """Return what must be identical on every rank."""
         shape = self.shape[1:] if self.free_dim0 else self.shape
-        return f"{self.kind}|{self.dtype}|{shape}|{self.op}|{self.root}|{self.algorithm}|{bool(self.error)}"
+        return (f"{self.kind}|{self.dtype}|{shape}|{self.op}|{self.root}|{self.algorithm}|{self.layout}"
+                f"|{bool(self.error)}")
 
     def text(self) -> str:
         """Return the call as a person would write it, e.g. ``allreduce(float32[4,3], op=sum)``."""
         args = []
         if self.dtype:
             args.append(f"{self.dtype}[{','.join(str(d) for d in self.shape)}]")
-        for name in ("op", "root", "algorithm"):
+        for name in ("op", "root", "algorithm", "layout"):
             value = getattr(self, name)
             if value is not None:
                 args.append(f"{name}={value}")

@@ -9,6 +9,7 @@ the same way.  A separate test uses real-valued floats with a tolerance and
 checks that all ranks get bit-identical bits.
 """
 import hashlib
+import os
 
 import numpy as np
 import pytest
@@ -74,7 +75,8 @@ def same_on_all_ranks(comm, arr):
 
 
 def algorithms(comm):
-    return list(comm.allreduce_algorithms())
+    """Every allreduce algorithm that can run on this launch ("shm" needs one node)."""
+    return [a for a in comm.allreduce_algorithms() if not (a == "shm" and comm.topology.num_nodes > 1)]
 
 
 def test_world_shape(comm):
@@ -82,8 +84,9 @@ def test_world_shape(comm):
     ranks = comm.allgather_object(comm.rank)
     assert ranks == list(range(comm.size))
     topo = comm.allgather_object((hpctrain.local_rank(), hpctrain.local_size(), hpctrain.node_rank()))
-    assert sorted(t[0] for t in topo) == list(range(comm.size))  # one node here
-    assert all(t[1] == comm.size and t[2] == 0 for t in topo)
+    k = int(os.environ.get("HPCTRAIN_RANKS_PER_NODE", comm.size))    # one machine: one node unless faked
+    assert topo == [(r % k, min(k, comm.size - r // k * k), r // k) for r in range(comm.size)]
+    assert hpctrain.num_nodes() == -(-comm.size // k)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -371,3 +374,110 @@ def test_allreduce_inplace_writes_into_the_input(comm, algorithm):
     if n > 1:
         with pytest.raises(hpctrain.CollectiveMismatchError, match="writable C-contiguous"):
             comm.allreduce(np.ones(6)[::2], inplace=True)
+
+
+def test_shm_refused_across_nodes(comm):
+    if "shm" not in comm.allreduce_algorithms() or comm.topology.num_nodes == 1:
+        pytest.skip("needs the MPI backend on several (HPCTRAIN_RANKS_PER_NODE) nodes")
+    with pytest.raises(hpctrain.CollectiveMismatchError, match="algorithm='shm' needs every rank"):
+        comm.allreduce(np.ones(5), algorithm="shm")
+    comm.allreduce(np.ones(5), algorithm="hierarchical")     # still in step afterwards
+
+
+def test_shared_memory_reduces_in_rank_order(comm):
+    """On one node, shm gives exactly ((x_0 + x_1) + x_2) + ... for real floats, whatever the size."""
+    if "shm" not in algorithms(comm):
+        pytest.skip("shm needs the MPI backend on one node")
+    n = comm.size
+    for count in (1, 1000, 100_003):
+        xs = [np.random.default_rng([11, r, count]).standard_normal(count).astype(np.float32) for r in range(n)]
+        expect = xs[0].copy()
+        for x in xs[1:]:
+            expect += x
+        assert comm.allreduce(xs[comm.rank], algorithm="shm").tobytes() == expect.tobytes()
+
+
+def test_shared_memory_arena_reused_across_changing_sizes(comm):
+    """Sizes that grow and shrink (the arena is reallocated, then reused) keep giving exact results."""
+    n = comm.size
+    for alg in [a for a in algorithms(comm) if a in ("shm", "hierarchical")]:
+        for count in [10, 5_000_000, 3, 70_000, 5_000_000, 1, 300_001, 12_000_000, 17]:
+            x = data(comm.rank, count, np.float32)
+            expect = reference([data(r, count, np.float32) for r in range(n)], "sum", n)
+            np.testing.assert_array_equal(comm.allreduce(x, algorithm=alg), expect)
+            rows = max(1, count // 3)
+            y = data(comm.rank, rows * 3, np.float64, shape=(rows, 3))
+            full = reference([data(r, rows * 3, np.float64, shape=(rows, 3)) for r in range(n)], "sum", n)
+            np.testing.assert_array_equal(comm.reduce_scatter(y, algorithm=alg),
+                                          np.array_split(full, n)[comm.rank])
+
+
+def group_of(rank, seed=0):
+    """A gradient-like list: mixed sizes (some empty, some over a fusion buffer), dtypes and shapes."""
+    specs = [((3, 4), np.float32), ((0,), np.float32), ((1000,), np.float16), ((7,), np.int64),
+             ((300_000,), np.float32), ((2, 3, 5), np.float64), ((1,), np.float32), ((40_000, 10), np.float32),
+             ((5,), BFLOAT16), ((2,), np.float16)]
+    out = []
+    for i, (shape, dtype) in enumerate(specs):
+        count = int(np.prod(shape))
+        out.append(data(rank, count, dtype, seed=seed + i, shape=shape))
+    return out
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_grouped_allreduce_equals_one_allreduce_per_tensor(comm, op):
+    n = comm.size
+    for alg in algorithms(comm):
+        xs = [x for x in group_of(comm.rank) if valid(x.dtype, op)]
+        got = comm.grouped_allreduce(xs, op=op, algorithm=alg)
+        assert len(got) == len(xs)
+        for i, (g, x) in enumerate(zip(got, xs)):
+            expect = reference([x2 for x2 in (
+                [y for y in group_of(r) if valid(y.dtype, op)][i] for r in range(n))], op, n)
+            assert g.dtype == x.dtype and g.shape == x.shape, (alg, i)
+            np.testing.assert_array_equal(g, expect, err_msg=f"{alg} tensor {i}")
+            single = comm.allreduce(x, op=op, algorithm=alg)
+            assert single.tobytes() == g.tobytes(), f"fused and unfused differ: {alg} tensor {i}"
+        assert same_on_all_ranks(comm, np.concatenate([g.reshape(-1).astype(np.float64) for g in got]))
+
+
+def test_grouped_allreduce_real_floats_bit_identical_to_unfused_on_shared_memory(comm):
+    n = comm.size
+    for alg in [a for a in algorithms(comm) if a in ("shm", "hierarchical")]:
+        xs = [np.random.default_rng([5, comm.rank, i]).standard_normal(s).astype(np.float32)
+              for i, s in enumerate([10, 100_000, 3, 250_000, 1])]
+        got = comm.grouped_allreduce(xs, op="avg", algorithm=alg)
+        if comm.topology.num_nodes <= 2:      # across more nodes the ring's order follows the segments
+            for g, x in zip(got, xs):
+                assert g.tobytes() == comm.allreduce(x, op="avg", algorithm=alg).tobytes(), alg
+        assert same_on_all_ranks(comm, np.concatenate(got))
+        assert n == 1 or not np.array_equal(got[1], xs[1])
+
+
+def test_grouped_allreduce_async_inplace_and_torch(comm):
+    import torch
+
+    n, r = comm.size, comm.rank
+    ts = [torch.full((3, 2), float(r + 1)), torch.arange(5, dtype=torch.float64) * (r + 1),
+          torch.ones(4, dtype=torch.float16)]
+    handle = comm.grouped_allreduce_async(ts, op="sum", inplace=True)
+    out = handle.wait()
+    assert all(o is t for o, t in zip(out, ts))
+    assert torch.all(ts[0] == n * (n + 1) / 2)
+    assert torch.equal(ts[1], torch.arange(5, dtype=torch.float64) * (n * (n + 1) / 2))
+    assert torch.all(ts[2] == n)
+    fresh = hpctrain.grouped_allreduce([np.full(2, r, dtype=np.int32)], op="max")
+    assert fresh[0].tolist() == [n - 1, n - 1]
+    assert comm.grouped_allreduce([]) == []
+
+
+def test_grouped_allreduce_mismatch_inside_the_group_is_reported(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    xs = [np.ones(4, np.float32), np.ones((3, 3) if comm.rank == 1 else (9,), np.float32)]
+    with pytest.raises(hpctrain.CollectiveMismatchError, match=r"grouped_allreduce[\s\S]*rank 1"):
+        comm.grouped_allreduce(xs)
+    fewer = [np.ones(4, np.float32)] * (1 if comm.rank == 0 else 2)
+    with pytest.raises(hpctrain.CollectiveMismatchError, match="tensors"):
+        comm.grouped_allreduce(fewer)
+    assert comm.grouped_allreduce([np.ones(2)])[0].tolist() == [comm.size] * 2

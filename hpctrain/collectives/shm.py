@@ -1,0 +1,200 @@
+"""Intra-node collectives over shared memory, and the hierarchical all-reduce built on them.
+
+The ranks of one node share a memory arena (an MPI-3 shared window, see
+:mod:`hpctrain.comm.mpi_node`): each rank has an *input* area of ``N`` elements
+and a *result* area of one segment.  With ``P`` reducing ranks and the buffer
+split into ``P`` segments (``segment_bounds``):
+
+1. every rank copies the parts of its input that other ranks reduce into its
+   input area (casting to the accumulation dtype); fence;
+2. reducing rank ``p`` reads segment ``p`` of every rank's input straight from
+   the peers' memory and writes ``x_0 (op) x_1 (op) ... (op) x_{L-1}`` (local
+   ranks in order, its own input read from private memory) into its result
+   area; in the hierarchical form it then all-reduces that segment with the
+   ranks of the same local rank on the other nodes (a ring); fence;
+3. every rank copies all ``P`` result segments into its output.
+
+Each element is reduced once, in one fixed order, and then copied, so all
+ranks get bit-identical results and the same inputs give the same bits on
+every run; on one node the result equals ``((x_0 op x_1) op x_2) ...`` in rank
+order, whatever the segmentation.
+
+Cost per rank for ``N`` elements on ``L`` local ranks: writes ``(L-1)/L N``
+(inputs), reads ``N`` and writes ``N/L`` (reduction), reads and writes ``N``
+(results): about 2.5 memory passes, against 2 for a plain memcpy; no data
+crosses a network and no message is sent on the node.  Synchronisation: two
+fences per call, which suffice because input and result areas sit at fixed
+places (the two halves of each rank's part of the arena): the next call
+writes inputs only after this call's second fence, when every rank has
+finished reading inputs, and writes results only after its own first fence,
+when every rank has finished reading this call's results.  Memory: the arena
+holds ``2 max(N, N/P)`` elements per rank; larger buffers go through it in
+pieces (``HPCTRAIN_SHM_ARENA_BYTES``, default 64 MiB; a larger arena means
+fewer fences, a smaller one less memory).
+
+The arena ``sh`` needs ``rank``, ``size``, ``views(n_in, n_res, dtype)``
+(returning one ``(input, result)`` pair of numpy views per local rank, growing
+the arena when needed), ``fence()`` (all local ranks arrive, memory
+synchronised) and ``max_elems(itemsize)`` (the largest piece it takes).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .ops import _UFUNCS, segment_bounds
+from .ring import ring_allreduce
+
+__all__ = ["Flat", "shm_allreduce", "shm_reduce_scatter", "shm_allgather"]
+
+_BLOCK_BYTES = 1 << 18   # reduce in cache-sized blocks: the output block stays in cache across the inputs
+
+
+class Flat:
+    """Several flat arrays seen as one buffer laid end to end (a fused group needs no packing copy).
+
+    Args:
+        arrays: the parts, each C-contiguous; they are reshaped to 1-D views.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        self.arrays = [a.reshape(-1) for a in arrays]
+        self.offsets = np.concatenate(([0], np.cumsum([a.size for a in self.arrays], dtype=np.int64)))
+        self.size = int(self.offsets[-1])
+
+    def _spans(self, a: int, b: int):
+        """Yield ``(part, lo, hi, dest_lo)``: elements ``lo:hi`` of a part cover ``[a, b)`` from ``dest_lo`` on."""
+        i = max(0, int(np.searchsorted(self.offsets, a, side="right")) - 1)
+        while a < b:
+            while self.offsets[i + 1] <= a:
+                i += 1
+            base = int(self.offsets[i])
+            hi = min(b, int(self.offsets[i + 1]))
+            yield self.arrays[i], a - base, hi - base
+            a = hi
+
+    def read(self, a: int, b: int, dest: np.ndarray) -> None:
+        """Copy elements ``[a, b)`` into ``dest`` (casting to its dtype)."""
+        k = 0
+        for arr, lo, hi in self._spans(a, b):
+            np.copyto(dest[k:k + hi - lo], arr[lo:hi], casting="unsafe")
+            k += hi - lo
+
+    def write(self, a: int, b: int, src: np.ndarray) -> None:
+        """Copy ``src`` into elements ``[a, b)``."""
+        k = 0
+        for arr, lo, hi in self._spans(a, b):
+            np.copyto(arr[lo:hi], src[k:k + hi - lo], casting="unsafe")
+            k += hi - lo
+
+    def block(self, a: int, b: int, scratch: np.ndarray) -> np.ndarray:
+        """Return elements ``[a, b)``: a view when they lie in one part, else a copy in ``scratch``."""
+        spans = list(self._spans(a, b))
+        if len(spans) == 1:
+            arr, lo, hi = spans[0]
+            return arr[lo:hi]
+        self.read(a, b, scratch[:b - a])
+        return scratch[:b - a]
+
+
+def _reduce_segment(inputs, own: int, own_block, lo: int, hi: int, out: np.ndarray, op: str) -> None:
+    """Write ``inputs[0][lo:hi] (op) inputs[1][lo:hi] ...`` into ``out``; input ``own`` is ``own_block(a, b)``."""
+    ufunc = _UFUNCS[op]
+    step = max(1, _BLOCK_BYTES // out.itemsize)
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        o = out[a - lo:b - lo]
+        srcs = [own_block(a, b) if j == own else inp[a:b] for j, inp in enumerate(inputs)]
+        if len(srcs) == 1:
+            np.copyto(o, srcs[0], casting="unsafe")
+            continue
+        ufunc(srcs[0], srcs[1], out=o, casting="unsafe")
+        for src in srcs[2:]:
+            ufunc(o, src, out=o, casting="unsafe")
+
+
+def _piece(x: Flat, out: Flat, base: int, N: int, dtype, op: str, sh, parts: int, cross, chunk_elems: int) -> None:
+    """All-reduce elements ``[base, base + N)`` of ``x`` into the same elements of ``out``."""
+    r = sh.rank
+    bounds = segment_bounds(N, parts)
+    views = sh.views(N, int(np.max(np.diff(bounds))), dtype)
+    own_in = views[r][0]
+    lo, hi = (int(bounds[r]), int(bounds[r + 1])) if r < parts else (0, 0)
+    # 1. publish what the others reduce: everything but the own segment
+    x.read(base, base + lo, own_in[:lo])
+    x.read(base + hi, base + N, own_in[hi:N])
+    sh.fence()
+    # 2. reduce the own segment over the node (and across nodes)
+    if r < parts:
+        res = views[r][1][:hi - lo]
+        scratch = np.empty(min(hi - lo, _BLOCK_BYTES // dtype.itemsize), dtype=x.arrays[0].dtype)
+        _reduce_segment([v[0][:N] for v in views], r, lambda a, b: x.block(base + a, base + b, scratch),
+                        lo, hi, res, op)
+        if cross is not None and res.size:
+            ring_allreduce(res, op, cross, chunk_elems)
+    sh.fence()
+    # 3. collect every segment
+    for p in range(parts):
+        a, b = int(bounds[p]), int(bounds[p + 1])
+        out.write(base + a, base + b, views[p][1][:b - a])
+
+
+def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, cross=None,
+                  chunk_elems: int = 1 << 18) -> None:
+    """All-reduce the flat buffer ``x`` into ``out`` (same length, the accumulation dtype); see module docstring.
+
+    Formula: ``out = x_0 (op) ... (op) x_{n-1}`` (``avg`` is finished by the
+    caller).  Args: ``sh`` the node's arena; ``parts`` how many local ranks
+    reduce (default all; the hierarchical form uses the smallest local size of
+    any node so that every node has the same segments); ``cross`` the ring
+    transport among the ranks of equal local rank on the other nodes, or None
+    on one node.  Cost: see the module docstring; the inter-node ring moves
+    ``2 (m-1)/m`` of one segment per rank for ``m`` nodes.
+    """
+    parts = sh.size if parts is None else parts
+    dtype = out.arrays[0].dtype if out.arrays else np.dtype(np.float32)
+    step = max(parts, sh.max_elems(dtype.itemsize))
+    for a in range(0, x.size, step):
+        _piece(x, out, a, min(step, x.size - a), dtype, op, sh, parts, cross, chunk_elems)
+
+
+def shm_reduce_scatter(x: np.ndarray, bounds: np.ndarray, acc_dtype, op: str, sh) -> np.ndarray:
+    """Return segment ``bounds[rank]:bounds[rank+1]`` of the reduction of flat ``x`` over the node's ranks.
+
+    Formula: ``out = (x_0 (op) ... (op) x_{n-1})[own segment]``.  Cost: writes
+    ``N - own`` and reads ``N`` elements per rank; two fences.  The segment is
+    reduced in rank order, as :func:`shm_allreduce` does.
+    """
+    x = x.reshape(-1)
+    r = sh.rank
+    lo, hi = int(bounds[r]), int(bounds[r + 1])
+    out = np.empty(hi - lo, dtype=acc_dtype)
+    views = sh.views(x.size, 0, out.dtype)
+    own_in = views[r][0]
+    np.copyto(own_in[:lo], x[:lo], casting="unsafe")
+    np.copyto(own_in[hi:x.size], x[hi:], casting="unsafe")
+    sh.fence()
+    _reduce_segment([v[0][:x.size] for v in views], r, lambda a, b: x[a:b], lo, hi, out, op)
+    sh.fence()
+    return out
+
+
+def shm_allgather(raw: np.ndarray, counts, sh) -> np.ndarray:
+    """Return the concatenation of every local rank's bytes ``raw`` (rank i has ``counts[i]`` bytes).
+
+    Each rank writes its bytes into its input area once; every rank copies all
+    of them out.  Cost: one write of the own bytes and one read of all bytes
+    per rank; two fences.
+    """
+    widest = max(counts) if counts else 0
+    views = sh.views(widest, 0, np.uint8)
+    views[sh.rank][0][:raw.size] = raw
+    sh.fence()
+    out = np.empty(sum(counts), dtype=np.uint8)
+    offset = 0
+    for k, c in enumerate(counts):
+        out[offset:offset + c] = views[k][0][:c]
+        offset += c
+    sh.fence()
+    return out

@@ -1,0 +1,139 @@
+"""Node structure of an MPI communicator: the ranks that share memory, and a shared arena for them.
+
+``HPCTRAIN_RANKS_PER_NODE=k`` pretends that world ranks ``0..k-1``, ``k..2k-1``,
+... are nodes, so that the multi-node (hierarchical) paths run on one machine;
+the "nodes" still share memory, which the arena needs.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["NodeGroups", "SharedArena"]
+
+DEFAULT_ARENA_BYTES = 64 << 20
+
+
+def _fake_node_size() -> Optional[int]:
+    value = os.environ.get("HPCTRAIN_RANKS_PER_NODE")
+    if not value:
+        return None
+    try:
+        k = int(value)
+    except ValueError:
+        k = 0
+    if k <= 0:
+        raise ValueError(f"HPCTRAIN_RANKS_PER_NODE={value!r} must be a positive integer")
+    return k
+
+
+class NodeGroups:
+    """The node sub-communicator of ``comm``, where this rank sits, and the cross-node ring group.
+
+    Attributes:
+        local_rank, local_size: position on the node.
+        node_rank, num_nodes: index of the node among the nodes of ``comm``.
+        parts: the smallest local size of any node: the number of segments a
+            hierarchical all-reduce splits a buffer into.
+        node: the MPI communicator of this node's ranks.
+        cross: for local ranks below ``parts`` on several nodes, the MPI
+            communicator of the ranks with the same local rank (one per node,
+            in node order); else None.
+
+    Collective over ``comm`` (two splits and two small all-gathers).
+    """
+
+    def __init__(self, comm, world_rank: int, MPI):
+        k = _fake_node_size()
+        if k is None:
+            self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        else:
+            self.node = comm.Split(world_rank // k, comm.Get_rank())
+        self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
+        leaders = comm.allgather(self.local_size if self.local_rank == 0 else 0)
+        sizes = [s for s in leaders if s]
+        self.num_nodes, self.parts = len(sizes), min(sizes)
+        first = self.node.bcast(comm.Get_rank() if self.local_rank == 0 else None, root=0)
+        self.node_rank = sum(1 for s in leaders[:first] if s)
+        color = self.local_rank if self.num_nodes > 1 and self.local_rank < self.parts else MPI.UNDEFINED
+        cross = comm.Split(color, comm.Get_rank())
+        self.cross = None if cross == MPI.COMM_NULL else cross
+        self._MPI = MPI
+
+    def free(self) -> None:
+        """Free the node and cross communicators."""
+        for c in (self.node, self.cross):
+            if c is not None and c != self._MPI.COMM_NULL:
+                c.Free()
+        self.node = self.cross = None
+
+
+class SharedArena:
+    """Per-rank input and result areas in one MPI-3 shared window of the node (see :mod:`hpctrain.collectives.shm`).
+
+    The window is allocated on first use and reallocated (collectively: every
+    local rank asks for the same size, because every rank runs the same call)
+    when a call needs more; sizes grow by powers of two so that a run with
+    varying sizes reallocates a few times at most.  ``HPCTRAIN_SHM_ARENA_BYTES``
+    (default 64 MiB) bounds the piece one all-reduce pass handles.
+    """
+
+    def __init__(self, node, MPI):
+        self._node, self._MPI = node, MPI
+        self.rank, self.size = node.Get_rank(), node.Get_size()
+        self._win = None
+        self._capacity = 0
+        self._bases: List[memoryview] = []
+        self._limit = int(os.environ.get("HPCTRAIN_SHM_ARENA_BYTES", DEFAULT_ARENA_BYTES))
+        if self._limit < 4096:
+            raise ValueError(f"HPCTRAIN_SHM_ARENA_BYTES={self._limit} is too small (at least 4096)")
+
+    def max_elems(self, itemsize: int) -> int:
+        """Return the most elements of ``itemsize`` bytes one all-reduce piece should take (input + result)."""
+        return max(1, self._limit // (2 * itemsize))   # input and result halves
+
+    def _grow(self, nbytes: int) -> None:
+        MPI = self._MPI
+        cap = 1 << max(16, (nbytes - 1).bit_length())
+        self.free()
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            self._win = MPI.Win.Allocate_shared(cap, 1, info, comm=self._node)
+        finally:
+            info.Free()
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        self._bases = [self._win.Shared_query(k)[0] for k in range(self.size)]
+        self._capacity = cap
+
+    def views(self, n_in: int, n_res: int, dtype) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """Return ``(input[n_in], result[n_res])`` views of ``dtype`` for every local rank (collective when growing).
+
+        Inputs start at the beginning of each rank's part of the window and
+        results at its middle, whatever the sizes: an area of one call never
+        overlaps the other kind of area of the next call, which the two fences
+        per call rely on.
+        """
+        dtype = np.dtype(dtype)
+        need = max(n_in, n_res) * dtype.itemsize
+        if 2 * need > self._capacity:
+            self._grow(2 * need)
+        half = self._capacity // 2
+        return [(np.frombuffer(base, dtype=dtype, count=n_in),
+                 np.frombuffer(base, dtype=dtype, count=n_res, offset=half)) for base in self._bases]
+
+    def fence(self) -> None:
+        """Return when every local rank has arrived, with their writes visible (MPI_Win_sync + barrier)."""
+        self._win.Sync()
+        self._node.Barrier()
+        self._win.Sync()
+
+    def free(self) -> None:
+        """Release the window (collective over the node)."""
+        if self._win is not None:
+            self._bases = []
+            self._win.Unlock_all()
+            self._win.Free()
+            self._win, self._capacity = None, 0
