@@ -27,7 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import launch_worker, oversubscribed  # noqa: E402
 
-PEERS = ("hpctrain-auto", "hpctrain-shm", "hpctrain-ring", "hpctrain-native", "mpi4py", "torch-gloo", "horovod")
+PEERS = ("hpctrain-auto", "hpctrain-auto-inplace", "hpctrain-shm", "hpctrain-ring", "hpctrain-native", "mpi4py",
+         "mpi4py-inplace", "torch-gloo", "horovod")
 MIB = 1 << 20
 
 
@@ -38,18 +39,34 @@ def human(nbytes: int) -> str:
 # ---------------------------------------------------------------- worker (one launch, one peer)
 def make_op(peer: str):
     """Return (rank, size, barrier, allreduce(buffer)) for ``peer``."""
+    # "-inplace" peers reduce a persistent buffer of zeros in place (as a distributed optimizer does
+    # with its gradient buckets): no result array is allocated, so no page faults per call.
+    buffers = {}
+
+    def persistent(x):
+        if x.size not in buffers:
+            buffers[x.size] = np.zeros_like(x)
+        return buffers[x.size]
+
     if peer.startswith("hpctrain"):
         import hpctrain
 
         comm = hpctrain.init("mpi")
         alg = peer.split("-")[1]
+        if peer.endswith("-inplace"):
+            return comm.rank, comm.size, comm.barrier, lambda x: comm.allreduce(persistent(x), algorithm=alg,
+                                                                                inplace=True)
         return comm.rank, comm.size, comm.barrier, lambda x: comm.allreduce(x, algorithm=alg)
-    if peer == "mpi4py":
+    if peer.startswith("mpi4py"):
         from mpi4py import MPI
 
         c = MPI.COMM_WORLD
 
         def op(x):
+            if peer.endswith("-inplace"):
+                buf = persistent(x)
+                c.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                return buf
             out = np.empty_like(x)
             c.Allreduce(x, out, op=MPI.SUM)
             return out
@@ -163,15 +180,20 @@ def write_outputs(rows, out: Path, args) -> None:
     for n in sorted({r["ranks"] for r in rows}):
         lines += [f"\n### {n} ranks{oversubscribed(n)}: bus bandwidth GB/s (median of {args.rounds} rounds)\n",
                   "auto/mpi4py and auto/horovod: hpctrain auto's bus bandwidth over theirs (higher is better); "
-                  "auto time/memcpy: its time over a single-process memcpy of the same bytes (lower is better)\n",
-                  "| size | " + " | ".join(peers) + " | auto/mpi4py | auto/horovod | auto time/memcpy |",
-                  "|---" * (len(peers) + 4) + "|"]
+                  "in-place: the same for the -inplace peers; time/memcpy: time over a single-process memcpy of "
+                  "the same bytes (lower is better)\n",
+                  "| size | " + " | ".join(peers) + " | auto/mpi4py | auto/horovod | auto time/memcpy "
+                  "| in-place auto/mpi4py | in-place time/memcpy |",
+                  "|---" * (len(peers) + 6) + "|"]
         for nbytes in sorted({r["bytes"] for r in rows}):
             cell = {r["peer"]: r for r in rows if r["ranks"] == n and r["bytes"] == nbytes}
             auto, mpi, hvd = (cell.get(k, {}).get("busbw_GBps") for k in ("hpctrain-auto", "mpi4py", "horovod"))
-            t_auto, t_copy = (cell.get(k, {}).get("time_s") for k in ("hpctrain-auto", "memcpy"))
+            t_auto, t_copy, t_ip = (cell.get(k, {}).get("time_s") for k in ("hpctrain-auto", "memcpy",
+                                                                              "hpctrain-auto-inplace"))
+            ip, mpi_ip = (cell.get(k, {}).get("busbw_GBps") for k in ("hpctrain-auto-inplace", "mpi4py-inplace"))
             lines.append(f"| {human(nbytes)} | " + " | ".join(f"{cell[p]['busbw_GBps']:.2f}" for p in peers)
-                         + f" | {ratio(auto, mpi):.2f} | {ratio(auto, hvd):.2f} | {ratio(t_auto, t_copy):.2f} |")
+                         + f" | {ratio(auto, mpi):.2f} | {ratio(auto, hvd):.2f} | {ratio(t_auto, t_copy):.2f}"
+                         + f" | {ratio(ip, mpi_ip):.2f} | {ratio(t_ip, t_copy):.2f} |")
         lines += ["", f"latency in microseconds ({n} ranks)\n", "| size | " + " | ".join(peers)
                   + " | auto/mpi4py time |", "|---" * (len(peers) + 2) + "|"]
         for nbytes in sorted({r["bytes"] for r in rows if r["bytes"] <= 64 * 1024}):

@@ -361,10 +361,11 @@ class Communicator(abc.ABC):
         return self._build("allreduce", build, op=op, algorithm=algorithm)
 
     def _do_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool = False) -> np.ndarray:
-        if alg in _SHARED and self._size > 1 and arr.size:
-            acc = self._shared_reduction(arr, op, alg)
-            return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
         same = inplace and accumulation_dtype(arr.dtype) == arr.dtype
+        if alg in _SHARED and self._size > 1 and arr.size:
+            # in place, the result goes straight into ``arr``: its parts are read before they are written
+            acc = self._shared_reduction(arr, op, alg, into=arr.reshape(-1) if same else None)
+            return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
         acc = arr.reshape(-1) if same else to_accumulator(arr)
         if self._size > 1 and acc.size:
             if alg == "ring":
@@ -373,9 +374,9 @@ class Communicator(abc.ABC):
                 acc = self._allreduce_native(acc, op)
         return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
 
-    def _shared_reduction(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
-        """Return the "shm"/"hierarchical" reduction of ``arr`` as a new flat accumulation-dtype array."""
-        acc = np.empty(arr.size, dtype=accumulation_dtype(arr.dtype))
+    def _shared_reduction(self, arr: np.ndarray, op: str, alg: str, into: Optional[np.ndarray] = None) -> np.ndarray:
+        """Return the "shm"/"hierarchical" reduction of ``arr`` as a flat accumulation-dtype array (``into`` if given)."""
+        acc = np.empty(arr.size, dtype=accumulation_dtype(arr.dtype)) if into is None else into
         self._allreduce_shared(Flat([arr]), Flat([acc]), op, alg)
         return acc
 

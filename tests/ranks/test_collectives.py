@@ -354,12 +354,12 @@ def test_window_of_many_calls_in_flight(comm):
         assert out.shape == (s,) and np.all(out == n * (n + 1) / 2)
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "shm"])
 def test_allreduce_inplace_writes_into_the_input(comm, algorithm):
     import torch
 
-    if algorithm not in comm.allreduce_algorithms():
-        pytest.skip(f"the {comm.backend} backend has no {algorithm} algorithm")
+    if algorithm != "auto" and algorithm not in algorithms(comm):
+        pytest.skip(f"no {algorithm} algorithm on the {comm.backend} backend with this layout")
     n, r = comm.size, comm.rank
     a = np.arange(1001, dtype=np.float32) + r
     out = comm.allreduce(a, inplace=True, algorithm=algorithm)
@@ -481,3 +481,14 @@ def test_grouped_allreduce_mismatch_inside_the_group_is_reported(comm):
     with pytest.raises(hpctrain.CollectiveMismatchError, match="tensors"):
         comm.grouped_allreduce(fewer)
     assert comm.grouped_allreduce([np.ones(2)])[0].tolist() == [comm.size] * 2
+
+
+def test_shared_memory_in_place_over_several_pieces(comm):
+    """In place, each piece of the arena reads its input before writing the result into the same memory."""
+    n = comm.size
+    for alg in [a for a in algorithms(comm) if a in ("shm", "hierarchical")]:
+        count = 3 * comm.config.shm_min_bytes + 12_345_679        # several arena pieces with the defaults too
+        x = data(comm.rank, count, np.float32)
+        expect = reference([data(r, count, np.float32) for r in range(n)], "sum", n)
+        assert comm.allreduce(x, algorithm=alg, inplace=True) is x
+        np.testing.assert_array_equal(x, expect)
