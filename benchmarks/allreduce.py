@@ -1,4 +1,4 @@
-"""All-reduce bandwidth: hpctrain (auto, shm, ring, native) against mpi4py Allreduce, torch.distributed (gloo) and Horovod.
+"""All-reduce bandwidth: hpctrain (auto, shm, ring, native) against mpi4py, torch.distributed (gloo) and Horovod.
 
 Each peer runs in its own mpirun launch (Horovod's background thread busy-polls
 and would slow whatever shares its processes), peers alternate within each

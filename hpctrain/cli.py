@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     p.set_defaults(func=_info)
     p = sub.add_parser("tune", help="measure the all-reduce thresholds of this machine and save them")
     p.add_argument("-n", "--np", dest="n", type=int, default=2, help="number of ranks (default 2)")
-    p.add_argument("--out", default="", help="file to write (default: HPCTRAIN_TUNE_FILE or ~/.config/hpctrain/tune.json)")
+    p.add_argument("--out", default="",
+                   help="file to write (default: HPCTRAIN_TUNE_FILE or ~/.config/hpctrain/tune.json)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per size (default 3)")
     p.set_defaults(func=_tune)
     args = parser.parse_args(argv)

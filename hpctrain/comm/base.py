@@ -374,8 +374,9 @@ class Communicator(abc.ABC):
                 acc = self._allreduce_native(acc, op)
         return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
 
-    def _shared_reduction(self, arr: np.ndarray, op: str, alg: str, into: Optional[np.ndarray] = None) -> np.ndarray:
-        """Return the "shm"/"hierarchical" reduction of ``arr`` as a flat accumulation-dtype array (``into`` if given)."""
+    def _shared_reduction(self, arr: np.ndarray, op: str, alg: str,
+                          into: Optional[np.ndarray] = None) -> np.ndarray:
+        """Return the "shm"/"hierarchical" reduction of ``arr``: a flat accumulation-dtype array (``into`` if given)."""
         acc = np.empty(arr.size, dtype=accumulation_dtype(arr.dtype)) if into is None else into
         self._allreduce_shared(Flat([arr]), Flat([acc]), op, alg)
         return acc
