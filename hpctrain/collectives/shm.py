@@ -64,7 +64,7 @@ class Flat:
         self.size = int(self.offsets[-1])
 
     def _spans(self, a: int, b: int):
-        """Yield ``(part, lo, hi, dest_lo)``: elements ``lo:hi`` of a part cover ``[a, b)`` from ``dest_lo`` on."""
+        """Yield ``(part, lo, hi)`` in order: the pieces of the parts that cover elements ``[a, b)``."""
         i = max(0, int(np.searchsorted(self.offsets, a, side="right")) - 1)
         while a < b:
             while self.offsets[i + 1] <= a:
@@ -114,28 +114,36 @@ def _reduce_segment(inputs, own: int, own_block, lo: int, hi: int, out: np.ndarr
             ufunc(o, src, out=o, casting="unsafe")
 
 
+def _reduce_own(x: Flat, base: int, N: int, bounds, views, res: np.ndarray, op: str, sh) -> None:
+    """Run steps 1-2 on elements ``[base, base + N)`` of ``x``: publish all but the own segment, fence, reduce it.
+
+    The own segment's reduction goes into ``res``; a rank past the reducing
+    ones (``rank >= len(bounds) - 1``) only publishes.
+    """
+    r = sh.rank
+    reducing = r < len(bounds) - 1
+    lo, hi = (int(bounds[r]), int(bounds[r + 1])) if reducing else (0, 0)
+    own_in = views[r][0]
+    x.read(base, base + lo, own_in[:lo])
+    x.read(base + hi, base + N, own_in[hi:N])
+    sh.fence()
+    if reducing and hi > lo:
+        scratch = np.empty(min(hi - lo, _BLOCK_BYTES // res.itemsize), dtype=x.arrays[0].dtype)
+        _reduce_segment([v[0][:N] for v in views], r, lambda a, b: x.block(base + a, base + b, scratch),
+                        lo, hi, res, op)
+
+
 def _piece(x: Flat, out: Flat, base: int, N: int, dtype, op: str, sh, parts: int, cross, chunk_elems: int) -> None:
     """All-reduce elements ``[base, base + N)`` of ``x`` into the same elements of ``out``."""
     r = sh.rank
     bounds = segment_bounds(N, parts)
     views = sh.views(N, int(np.max(np.diff(bounds))), dtype)
-    own_in = views[r][0]
-    lo, hi = (int(bounds[r]), int(bounds[r + 1])) if r < parts else (0, 0)
-    # 1. publish what the others reduce: everything but the own segment
-    x.read(base, base + lo, own_in[:lo])
-    x.read(base + hi, base + N, own_in[hi:N])
+    res = views[r][1][:int(bounds[r + 1] - bounds[r])] if r < parts else None
+    _reduce_own(x, base, N, bounds, views, res, op, sh)          # over the node
+    if cross is not None and res is not None and res.size:
+        ring_allreduce(res, op, cross, chunk_elems)              # across nodes
     sh.fence()
-    # 2. reduce the own segment over the node (and across nodes)
-    if r < parts:
-        res = views[r][1][:hi - lo]
-        scratch = np.empty(min(hi - lo, _BLOCK_BYTES // dtype.itemsize), dtype=x.arrays[0].dtype)
-        _reduce_segment([v[0][:N] for v in views], r, lambda a, b: x.block(base + a, base + b, scratch),
-                        lo, hi, res, op)
-        if cross is not None and res.size:
-            ring_allreduce(res, op, cross, chunk_elems)
-    sh.fence()
-    # 3. collect every segment
-    for p in range(parts):
+    for p in range(parts):                                       # 3. collect every segment
         a, b = int(bounds[p]), int(bounds[p + 1])
         out.write(base + a, base + b, views[p][1][:b - a])
 
@@ -152,8 +160,10 @@ def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, 
     on one node.  Cost: see the module docstring; the inter-node ring moves
     ``2 (m-1)/m`` of one segment per rank for ``m`` nodes.
     """
+    if not x.size:
+        return
     parts = sh.size if parts is None else parts
-    dtype = out.arrays[0].dtype if out.arrays else np.dtype(np.float32)
+    dtype = out.arrays[0].dtype
     step = max(parts, sh.max_elems(dtype.itemsize))
     for a in range(0, x.size, step):
         _piece(x, out, a, min(step, x.size - a), dtype, op, sh, parts, cross, chunk_elems)
@@ -164,18 +174,13 @@ def shm_reduce_scatter(x: np.ndarray, bounds: np.ndarray, acc_dtype, op: str, sh
 
     Formula: ``out = (x_0 (op) ... (op) x_{n-1})[own segment]``.  Cost: writes
     ``N - own`` and reads ``N`` elements per rank; two fences.  The segment is
-    reduced in rank order, as :func:`shm_allreduce` does.
+    reduced in rank order, as :func:`shm_allreduce` does.  The whole buffer
+    goes through the arena at once (no pieces).
     """
-    x = x.reshape(-1)
     r = sh.rank
-    lo, hi = int(bounds[r]), int(bounds[r + 1])
-    out = np.empty(hi - lo, dtype=acc_dtype)
+    out = np.empty(int(bounds[r + 1] - bounds[r]), dtype=acc_dtype)
     views = sh.views(x.size, 0, out.dtype)
-    own_in = views[r][0]
-    np.copyto(own_in[:lo], x[:lo], casting="unsafe")
-    np.copyto(own_in[hi:x.size], x[hi:], casting="unsafe")
-    sh.fence()
-    _reduce_segment([v[0][:x.size] for v in views], r, lambda a, b: x[a:b], lo, hi, out, op)
+    _reduce_own(Flat([x]), 0, x.size, bounds, views, out, op, sh)
     sh.fence()
     return out
 
@@ -185,7 +190,7 @@ def shm_allgather(raw: np.ndarray, counts, sh) -> np.ndarray:
 
     Each rank writes its bytes into its input area once; every rank copies all
     of them out.  Cost: one write of the own bytes and one read of all bytes
-    per rank; two fences.
+    per rank; two fences; the arena grows to the largest contribution.
     """
     widest = max(counts) if counts else 0
     views = sh.views(widest, 0, np.uint8)

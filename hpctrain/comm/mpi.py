@@ -140,7 +140,7 @@ class MPICommunicator(Communicator):
 
     def _shared(self) -> SharedArena:
         if self._arena is None:
-            self._arena = SharedArena(self._nodes.node, self._MPI)
+            self._arena = SharedArena(self._nodes.node, self._MPI, self._rt.config.shm_arena_bytes)
         return self._arena
 
     def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str) -> None:

@@ -13,9 +13,6 @@ import numpy as np
 
 __all__ = ["NodeGroups", "SharedArena"]
 
-DEFAULT_ARENA_BYTES = 64 << 20
-
-
 def _fake_node_size() -> Optional[int]:
     value = os.environ.get("HPCTRAIN_RANKS_PER_NODE")
     if not value:
@@ -76,11 +73,11 @@ class SharedArena:
     The window is allocated on first use and reallocated (collectively: every
     local rank asks for the same size, because every rank runs the same call)
     when a call needs more; sizes grow by powers of two so that a run with
-    varying sizes reallocates a few times at most.  ``HPCTRAIN_SHM_ARENA_BYTES``
-    (default 64 MiB) bounds the piece one all-reduce pass handles.
+    varying sizes reallocates a few times at most.  ``limit_bytes``
+    (``HPCTRAIN_SHM_ARENA_BYTES``) bounds the piece one all-reduce pass handles.
     """
 
-    def __init__(self, node, MPI):
+    def __init__(self, node, MPI, limit_bytes: int):
         self._node, self._MPI = node, MPI
         self.rank, self.size = node.Get_rank(), node.Get_size()
         self._win = None
@@ -88,9 +85,7 @@ class SharedArena:
         self._bases: List[memoryview] = []
         self._last_key: Optional[tuple] = None
         self._last_views: List[Tuple[np.ndarray, np.ndarray]] = []
-        self._limit = int(os.environ.get("HPCTRAIN_SHM_ARENA_BYTES", DEFAULT_ARENA_BYTES))
-        if self._limit < 4096:
-            raise ValueError(f"HPCTRAIN_SHM_ARENA_BYTES={self._limit} is too small (at least 4096)")
+        self._limit = limit_bytes
 
     def max_elems(self, itemsize: int) -> int:
         """Return the most elements of ``itemsize`` bytes one all-reduce piece should take (input + result)."""

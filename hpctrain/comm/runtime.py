@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -50,6 +50,8 @@ class Config:
             on, "auto" uses the hierarchical all-reduce on several nodes (default 256 KiB).
         fusion_threshold: HPCTRAIN_FUSION_THRESHOLD: the size of one fusion
             buffer of ``grouped_allreduce`` (default 64 MiB).
+        shm_arena_bytes: HPCTRAIN_SHM_ARENA_BYTES: the most one shared-memory
+            all-reduce pass puts through a node's window (default 64 MiB, at least 4096).
     """
 
     check: bool = True
@@ -59,31 +61,34 @@ class Config:
     shm_min_bytes: int = 256 << 10
     hierarchical_min_bytes: int = 256 << 10
     fusion_threshold: int = 64 << 20
+    shm_arena_bytes: int = 64 << 20
 
     @classmethod
     def from_env(cls) -> "Config":
         """Return the settings: defaults, then the tuning file, then HPCTRAIN_* environment variables."""
         tuned = read_tuning()
 
-        def size(name: str, key: str, default: int) -> int:
-            return int(env_float(name, float(tuned.get(key, default))))
+        def size(name: str, key: str) -> int:
+            return int(env_float(name, float(tuned.get(key, getattr(cls, key)))))
 
         cfg = cls(
             check=env_flag("HPCTRAIN_CHECK", True),
             stall_warning_s=env_float("HPCTRAIN_STALL_WARNING_S", 60.0),
             stall_timeout_s=env_float("HPCTRAIN_STALL_TIMEOUT_S", 600.0),
-            ring_chunk_bytes=size("HPCTRAIN_RING_CHUNK_BYTES", "ring_chunk_bytes", 1 << 20),
-            shm_min_bytes=size("HPCTRAIN_SHM_MIN_BYTES", "shm_min_bytes", 256 << 10),
-            hierarchical_min_bytes=size("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "hierarchical_min_bytes", 256 << 10),
-            fusion_threshold=size("HPCTRAIN_FUSION_THRESHOLD", "fusion_threshold", 64 << 20),
+            ring_chunk_bytes=size("HPCTRAIN_RING_CHUNK_BYTES", "ring_chunk_bytes"),
+            shm_min_bytes=size("HPCTRAIN_SHM_MIN_BYTES", "shm_min_bytes"),
+            hierarchical_min_bytes=size("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "hierarchical_min_bytes"),
+            fusion_threshold=size("HPCTRAIN_FUSION_THRESHOLD", "fusion_threshold"),
+            shm_arena_bytes=size("HPCTRAIN_SHM_ARENA_BYTES", "shm_arena_bytes"),
         )
         if (cfg.stall_warning_s <= 0 or cfg.stall_timeout_s < 0 or cfg.ring_chunk_bytes <= 0
-                or cfg.shm_min_bytes < 0 or cfg.hierarchical_min_bytes < 0 or cfg.fusion_threshold <= 0):
+                or cfg.shm_min_bytes < 0 or cfg.hierarchical_min_bytes < 0 or cfg.fusion_threshold <= 0
+                or cfg.shm_arena_bytes < 4096):
             raise ValueError(f"invalid hpctrain settings: {cfg}")
         return cfg
 
 
-TUNABLE = ("ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "fusion_threshold")
+TUNABLE = ("ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "fusion_threshold", "shm_arena_bytes")
 
 
 def tuning_path() -> str:

@@ -21,8 +21,8 @@ class Call:
 
     ``free_dim0`` marks calls whose first dimension may differ per rank
     (allgather, alltoall).  ``layout`` summarises a list of tensors (grouped
-    calls): their count and a checksum of their dtypes and shapes.  ``error`` holds this rank's validation error, if
-    its arguments were invalid.
+    calls): their count and a checksum of their dtypes and shapes.  ``error``
+    holds this rank's validation error, if its arguments were invalid.
     """
 
     kind: str
