@@ -124,16 +124,18 @@ def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted
     else:
         res = slurm.scontrol("requeue", job)
     assert res.returncode == 0, res.stderr
-    # Once requeued, start it again at once instead of after the scheduler's requeue delay. The job
+    # Once requeued, start it again soon instead of after the scheduler's requeue delay. The job
     # shows PENDING while its first run may still be ending on the node: release it only when the
     # node is idle, else the first run's batch step can finish after the rerun started and its exit
-    # status is taken for the rerun's (which the requeue delay prevents on a real cluster).
+    # status is taken for the rerun's. And not within the same second: slurmd revokes the killed
+    # run's credential with a time stamp in whole seconds and refuses a launch whose credential is
+    # not newer ("Job credential revoked"). The requeue delay prevents both on a real cluster.
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         info = slurm.job(job)
         if (info.get("Restarts", "0") != "0" and info.get("JobState") == "PENDING"
                 and slurm.node_state() == "idle"):
-            slurm.scontrol("update", f"JobId={job}", "StartTime=now")
+            slurm.scontrol("update", f"JobId={job}", "StartTime=now+2")
             break
         if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
             break
