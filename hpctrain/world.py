@@ -114,3 +114,8 @@ def world() -> Communicator:
     if _world is None:
         raise NotInitializedError("hpctrain is not initialised: call hpctrain.init() first")
     return _world
+
+
+def comm_or_world(comm: Optional[Communicator]) -> Communicator:
+    """Return ``comm``, or the world communicator when it is None (the default of every adapter)."""
+    return world() if comm is None else comm

@@ -11,10 +11,16 @@ import pytest
 from harness import REPO, RANK_COUNTS, base_env, mpirun_cmd, run, BIN
 
 
+# example -> what a rerun says when it resumes from the final checkpoint ({} is the summary)
+EXAMPLES = {"torch_digits.py": "resumed from the checkpoint of step {steps}",
+            "tf_digits.py": "resumed from the checkpoint of epoch {epochs}"}
+
+
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_torch_digits_reaches_97_percent(n, tmp_path):
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_digits_example_reaches_97_percent_and_resumes(example, n, tmp_path):
     out = tmp_path / "summary.json"
-    cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / "torch_digits.py"),
+    cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / example),
                            "--min-accuracy", "0.97", "--out", str(out), "--checkpoint-dir", str(tmp_path / "ckpt")]
     result = run(cmd, base_env(), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -23,5 +29,6 @@ def test_torch_digits_reaches_97_percent(n, tmp_path):
     assert summary["test_accuracy"] >= 0.97
     again = run(cmd, base_env(), timeout=300)
     assert again.returncode == 0, again.stdout[-4000:]
-    assert re.search(rf"resumed from the checkpoint of step {summary['steps']}\b", again.stdout), again.stdout[-3000:]
+    resumed = EXAMPLES[example].format(**summary)
+    assert re.search(rf"{resumed}\b", again.stdout), again.stdout[-3000:]
     assert json.loads(out.read_text())["test_accuracy"] == summary["test_accuracy"]

@@ -3,19 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Mapping, Tuple, Union
 
-import numpy as np
 import torch
 
 from ..agreement import check_same
+from ..metrics import average_metrics
+from ..world import comm_or_world
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "allreduce", "average_metrics"]
-
-
-def _world(comm):
-    if comm is None:
-        from .. import world
-        return world()
-    return comm
 
 
 def broadcast_tensors(tensors: List[torch.Tensor], root: int, comm) -> None:
@@ -53,7 +47,7 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tupl
     Raises ValueError on every rank, naming the ranks, if the names, shapes or
     dtypes differ between ranks.
     """
-    comm = _world(comm)
+    comm = comm_or_world(comm)
     items = sorted((params.items() if isinstance(params, Mapping) else list(params)), key=lambda kv: kv[0])
     check_same(comm, "the tensors to broadcast (name, shape, dtype)",
                [(n, tuple(t.shape), str(t.dtype)) for n, t in items], f"{len(items)} tensors")
@@ -66,7 +60,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0, c
     Works when the other ranks have no state yet (a fresh optimizer): the
     structure travels as a small object, the tensors by one broadcast per dtype.
     """
-    comm = _world(comm)
+    comm = comm_or_world(comm)
     sd = optimizer.state_dict() if comm.rank == root else None
     tensors: List[torch.Tensor] = []
     skeleton = _strip(sd, tensors) if sd is not None else None
@@ -106,13 +100,4 @@ def _fill(obj: Any, out: List[torch.Tensor]) -> Any:
 
 def allreduce(tensor: torch.Tensor, op: str = "avg", comm=None) -> torch.Tensor:
     """Return ``tensor`` reduced over ranks (default: averaged); see :meth:`Communicator.allreduce`."""
-    return _world(comm).allreduce(tensor, op=op)
-
-
-def average_metrics(metrics: Dict[str, Any], comm=None) -> Dict[str, float]:
-    """Return ``{name: value averaged over ranks}`` for scalars (floats, ints, 0-d tensors), in one all-reduce."""
-    names = sorted(metrics)
-    vals = np.array([float(metrics[k].item() if hasattr(metrics[k], "item") else metrics[k]) for k in names],
-                    dtype=np.float64)
-    avg = _world(comm).allreduce(vals, op="avg")
-    return {k: float(v) for k, v in zip(names, avg)}
+    return comm_or_world(comm).allreduce(tensor, op=op)

@@ -1,0 +1,135 @@
+"""TensorFlow collectives on hpctrain's core, eagerly or inside ``tf.function``.
+
+Eagerly, a collective converts its tensors to numpy (one copy each way) and
+calls the communicator.  Inside ``tf.function`` the same Python code becomes one
+graph op through ``tf.numpy_function`` (stateful, so TensorFlow keeps it in
+program order and never prunes or reorders it): every rank traces the same
+graph, so every rank issues the same collectives in the same order.  Cost per
+call: the tensors go to host memory and back (free for CPU tensors, one
+device-host copy each way on a GPU) and the Python call holds the GIL while
+the collective runs.  XLA cannot compile a Python call: with
+``jit_compile=True`` the collectives raise an error that says so.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from ..agreement import check_same
+from ..metrics import average_metrics
+from ..world import comm_or_world
+
+__all__ = ["allreduce", "reduce_gradients", "broadcast_variables", "average_metrics", "host_call"]
+
+
+def _in_xla() -> bool:
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def host_call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
+              name: str) -> List[tf.Tensor]:
+    """Run ``fn(*numpy arrays) -> list of arrays`` now (eager) or as one stateful graph op (``tf.function``)."""
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(o) for o in fn(*[np.asarray(t.numpy()) for t in inputs])]
+    if _in_xla():
+        raise RuntimeError(f"hpctrain's {name} runs Python between steps (tf.numpy_function), which XLA cannot "
+                           "compile: use tf.function(jit_compile=False), or model.compile(..., jit_compile=False) "
+                           "with Keras (Keras turns XLA on by default on GPUs)")
+    outs = tf.numpy_function(lambda *arrays: list(fn(*arrays)), list(inputs), Tout=list(out_dtypes),
+                             stateful=True, name=f"hpctrain_{name}")
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def allreduce(tensor: Any, op: str = "avg", comm=None) -> tf.Tensor:
+    """Return ``tensor`` reduced over ranks (default: averaged); see :meth:`Communicator.allreduce`.
+
+    Works eagerly and inside ``tf.function``.  Formula: ``out = op(x_0, ..., x_{N-1})``.
+    """
+    comm = comm_or_world(comm)
+    x = tf.convert_to_tensor(tensor)
+    (out,) = host_call(lambda a: [comm.allreduce(np.ascontiguousarray(a), op=op)], [x], [x.dtype], "allreduce")
+    out.set_shape(x.shape)
+    return out
+
+
+def reduce_gradients(grads: Sequence[Any], op: str = "avg", comm=None, sparse_as_dense: bool = False) -> List[Any]:
+    """Return the gradients reduced over ranks: dense ones fused, ``IndexedSlices`` gathered; None stays None.
+
+    Dense gradients go through one :meth:`Communicator.grouped_allreduce`
+    (packed by dtype into fusion buffers, the same fusion as everywhere in
+    hpctrain).  A sparse ``tf.IndexedSlices`` gradient (embedding lookups) is
+    all-gathered: the result holds every rank's rows and indices, values
+    divided by N for ``op="avg"``, which an optimizer's scatter-add turns into
+    the averaged dense gradient; ``sparse_as_dense=True`` densifies it first
+    (better when most rows are touched).  All the communication of one call is
+    one graph op inside ``tf.function``.  On one rank nothing is sent.
+
+    Cost: ``2 (N-1)/N`` x dense bytes per rank for ring-like all-reduces; the
+    sparse rows of all ranks for each gathered gradient.
+    """
+    if op not in ("avg", "sum"):
+        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    comm = comm_or_world(comm)
+    grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g for g in grads]
+    if comm.size == 1:
+        return grads
+    dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+    sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+    inputs = [tf.convert_to_tensor(grads[i]) for i in dense]
+    for i in sparse:
+        inputs += [grads[i].values, grads[i].indices]
+    if not inputs:
+        return grads
+    nd, size = len(dense), comm.size
+
+    def communicate(*arrays):
+        out = list(comm.grouped_allreduce([np.ascontiguousarray(a) for a in arrays[:nd]], op=op)) if nd else []
+        for k in range(nd, len(arrays), 2):
+            values = comm.allgather(np.ascontiguousarray(arrays[k]))
+            out += [(values / size).astype(values.dtype) if op == "avg" else values,
+                    comm.allgather(np.ascontiguousarray(arrays[k + 1]))]
+        return out
+
+    outs = host_call(communicate, inputs, [t.dtype for t in inputs], "reduce_gradients")
+    result = list(grads)
+    for i, t, o in zip(dense, inputs, outs):
+        o.set_shape(t.shape)
+        result[i] = o
+    for k, i in enumerate(sparse):
+        values, indices = outs[nd + 2 * k], outs[nd + 2 * k + 1]
+        values.set_shape([None] + grads[i].values.shape[1:].as_list())
+        indices.set_shape([None])
+        result[i] = tf.IndexedSlices(values, indices, dense_shape=grads[i].dense_shape)
+    return result
+
+
+def broadcast_variables(variables: Sequence[Any], root: int = 0, comm=None) -> None:
+    """Assign ``root``'s values to ``variables`` on every rank (tf.Variable or Keras 3 variables), eagerly.
+
+    Every rank passes the same number of variables with the same shapes and
+    dtypes, in the same order (``model.variables``, ``optimizer.variables``);
+    otherwise every rank raises ValueError naming the ranks that differ.
+    Cost: one broadcast per dtype of the total bytes, one copy in and out.
+    """
+    if not tf.executing_eagerly():
+        raise RuntimeError("broadcast_variables runs eagerly: call it outside tf.function (before training)")
+    comm = comm_or_world(comm)
+    variables = list(variables)
+    arrays = [np.asarray(v.numpy()) for v in variables]
+    check_same(comm, "the variables to broadcast (shape, dtype)", [(a.shape, str(a.dtype)) for a in arrays],
+               f"{len(arrays)} variables")
+    by_dtype = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(str(a.dtype), []).append(i)
+    for _, members in sorted(by_dtype.items()):
+        flat = np.concatenate([arrays[i].reshape(-1) for i in members])
+        got = comm.broadcast(flat, root=root)
+        off = 0
+        for i in members:
+            n = arrays[i].size
+            variables[i].assign(got[off:off + n].reshape(arrays[i].shape))
+            off += n
