@@ -21,6 +21,7 @@ bench: setup
 	$(PY) benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
 	$(PY) benchmarks/fusion.py --ranks 2 4 --out results/fusion
 	$(PY) benchmarks/scaling.py --ranks 1 2 4 --out results/scaling
+	$(PY) benchmarks/scaling.py --framework tf --ranks 1 2 4 --out results/scaling-tf
 	$(PY) benchmarks/checkpoint.py --out results/checkpoint
 
 clean:

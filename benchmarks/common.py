@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import List
+from typing import Callable, Dict, List, Sequence
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -39,3 +39,20 @@ def launch_worker(n: int, argv: List[str], timeout: float = 1800) -> dict:
 def oversubscribed(n: int) -> str:
     """Return " (oversubscribed)" when ``n`` ranks exceed this machine's cores."""
     return " (oversubscribed)" if n > CORES else ""
+
+
+def paired_windows(window: Callable[[str, int], float], peers: Sequence[str], windows: int, steps: int
+                   ) -> Dict[str, List[float]]:
+    """Time ``window(peer, steps)`` for each peer, alternating which goes first; return {peer: [results]}.
+
+    One warm-up window of 3 steps per peer first.  Alternating the order
+    pairs the peers' windows in time, so a shared machine's slow moments hit
+    both alike: read the results as per-pair ratios.
+    """
+    for peer in peers:
+        window(peer, 3)
+    out: Dict[str, List[float]] = {peer: [] for peer in peers}
+    for w in range(windows):
+        for peer in (peers if w % 2 == 0 else list(peers)[::-1]):
+            out[peer].append(window(peer, steps))
+    return out

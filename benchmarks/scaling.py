@@ -1,4 +1,9 @@
-"""Weak scaling of data-parallel PyTorch training: hpctrain against torch DDP (gloo) and Horovod.
+"""Weak scaling of data-parallel training: hpctrain against torch DDP (gloo) and Horovod, or against Keras' own.
+
+``--framework torch`` (default) trains PyTorch models; ``--framework tf``
+trains Keras 3 models against plain ``model.fit`` and
+``tf.distribute.MultiWorkerMirroredStrategy`` (see benchmarks/scaling_tf.py);
+the harness, the efficiency formula and the outputs are the same.
 
 Every rank trains the same model on its own fixed-size batch of synthetic data
 (weak scaling), one thread per rank.  Peers, each in its own mpirun launch:
@@ -22,6 +27,10 @@ one trained by a plain loop and one through ``DistributedOptimizer``, alternate
 window by window; the figure is the median of the per-pair throughput ratios.
 
     python benchmarks/scaling.py --ranks 1 2 4 --out results/scaling
+    python benchmarks/scaling.py --framework tf --ranks 1 2 4 --out results/scaling-tf
+
+A peer whose launch fails (other than hpctrain) is reported as failed, with
+its error in the JSON, instead of ending the sweep.
 """
 from __future__ import annotations
 
@@ -34,10 +43,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CORES, launch_worker, oversubscribed  # noqa: E402
+import scaling_tf  # noqa: E402
+from common import CORES, launch_worker, oversubscribed, paired_windows  # noqa: E402
 
 PEERS = ("torch", "independent", "hpctrain", "ddp", "horovod")
 MODELS = {"resnet18": 32, "mlp": 128}   # model -> per-rank batch
+# framework -> (peers, models, the one-process baseline peer)
+FRAMEWORKS = {"torch": (PEERS, MODELS, "torch"), "tf": (scaling_tf.PEERS, scaling_tf.MODELS, "keras")}
 
 
 # ---------------------------------------------------------------- models
@@ -161,21 +173,16 @@ def overhead_worker(model_name: str, batch: int, steps: int, windows: int) -> No
             opt.step()
         return batch * n / (time.perf_counter() - t0)
 
-    for peer in runs:
-        window(peer, 3)
-    out = {"torch": [], "hpctrain": []}
-    for w in range(windows):
-        for peer in (("torch", "hpctrain") if w % 2 == 0 else ("hpctrain", "torch")):
-            out[peer].append(window(peer, steps))
-    print("RESULT " + json.dumps(out), flush=True)
+    print("RESULT " + json.dumps(paired_windows(window, ["torch", "hpctrain"], windows, steps)), flush=True)
 
 
 # ---------------------------------------------------------------- driver
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--framework", choices=sorted(FRAMEWORKS), default="torch")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    ap.add_argument("--models", nargs="+", help="default: all of the framework's (torch: resnet18 mlp; tf: cnn mlp)")
+    ap.add_argument("--peers", nargs="+", help="default: all of the framework's")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--windows", type=int, default=3, help="timed windows per launch")
     ap.add_argument("--steps", type=int, default=6, help="steps per timed window")
@@ -185,64 +192,91 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    all_peers, models, baseline = FRAMEWORKS[args.framework]
+    mod = scaling_tf if args.framework == "tf" else sys.modules[__name__]
     if args.worker == "overhead":
-        overhead_worker(args.model, MODELS[args.model], args.steps, args.windows)
+        mod.overhead_worker(args.model, models[args.model], args.steps, args.windows)
         return
     if args.worker:
-        worker(args.worker, args.model, MODELS[args.model], args.steps, args.windows)
+        mod.worker(args.worker, args.model, models[args.model], args.steps, args.windows)
         return
+    args.models, args.peers = args.models or list(models), args.peers or list(all_peers)
+    for what, given, known in (("model", args.models, models), ("peer", args.peers, all_peers)):
+        if set(given) - set(known):
+            ap.error(f"unknown {what}(s) for --framework {args.framework}: {sorted(set(given) - set(known))}; "
+                     f"choose from {list(known)}")
     if 1 not in args.ranks:
         ap.error("--ranks must include 1 (efficiency is relative to one rank)")
-    rows = []
+    rows, failures = [], {}
     for model in args.models:
         for n in sorted(args.ranks):
-            peers = [p for p in args.peers if p != "torch" or n == 1]
+            peers = [p for p in args.peers if p != baseline or n == 1]
             samples = {p: [] for p in peers}
             for rnd in range(args.rounds):
                 for peer in (peers if rnd % 2 == 0 else peers[::-1]):
+                    if (model, peer) in failures:
+                        continue
                     print(f"[{model}, {n} ranks, round {rnd + 1}/{args.rounds}] {peer}", file=sys.stderr, flush=True)
-                    res = launch_worker(n, [__file__, "--worker", peer, "--model", model, "--steps", str(args.steps),
-                                            "--windows", str(args.windows)])
+                    try:
+                        res = launch_worker(n, [__file__, "--framework", args.framework, "--worker", peer, "--model",
+                                                model, "--steps", str(args.steps), "--windows", str(args.windows)])
+                    except RuntimeError as exc:
+                        if peer == "hpctrain":
+                            raise
+                        failures[(model, peer)] = str(exc)
+                        print(f"  {peer} failed; reported as failed:\n{str(exc)[-600:]}", file=sys.stderr)
+                        continue
                     samples[peer] += res["throughput"]
             for peer in peers:
-                rows.append({"model": model, "ranks": n, "peer": peer, "batch_per_rank": MODELS[model],
-                             "throughput": statistics.median(samples[peer]), "samples": samples[peer]})
+                if samples[peer]:
+                    rows.append({"model": model, "ranks": n, "peer": peer, "batch_per_rank": models[model],
+                                 "throughput": statistics.median(samples[peer]), "samples": samples[peer]})
     overhead = {}
     for model in args.models:
         if args.overhead_windows and "hpctrain" in args.peers:
             print(f"[{model}, 1 rank] plain loop vs hpctrain, paired windows", file=sys.stderr, flush=True)
-            res = launch_worker(1, [__file__, "--worker", "overhead", "--model", model, "--steps", str(args.steps),
-                                    "--windows", str(args.overhead_windows)])
-            ratios = [h / t for h, t in zip(res["hpctrain"], res["torch"])]
+            res = launch_worker(1, [__file__, "--framework", args.framework, "--worker", "overhead", "--model", model,
+                                    "--steps", str(args.steps), "--windows", str(args.overhead_windows)])
+            ratios = [h / t for h, t in zip(res["hpctrain"], res[baseline])]
             overhead[model] = {"ratio": statistics.median(ratios), "ratios": ratios, **res}
     for row in rows:
-        one = next(r for r in rows if r["model"] == row["model"] and r["ranks"] == 1 and r["peer"] == row["peer"])
-        row["efficiency"] = row["throughput"] / (row["ranks"] * one["throughput"])
-    write_outputs(rows, overhead, Path(args.out), args)
+        one = next((r for r in rows if r["model"] == row["model"] and r["ranks"] == 1 and r["peer"] == row["peer"]),
+                   None)
+        row["efficiency"] = row["throughput"] / (row["ranks"] * one["throughput"]) if one else float("nan")
+    write_outputs(rows, overhead, failures, Path(args.out), args)
 
 
-def write_outputs(rows, overhead, out: Path, args) -> None:
+def write_outputs(rows, overhead, failures, out: Path, args) -> None:
+    all_peers, models, baseline = FRAMEWORKS[args.framework]
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"cores": CORES, "rounds": args.rounds, "windows": args.windows, "steps": args.steps,
-            "threads_per_rank": 1}
-    (out / "scaling.json").write_text(json.dumps({"rows": rows, "overhead_1rank": overhead, **meta}, indent=1))
-    peers = [p for p in PEERS if any(r["peer"] == p for r in rows)]
-    lines = [f"Weak scaling, one thread per rank, {CORES} cores; samples/s (efficiency = thr(N) / (N thr(1)) "
-             f"of the same peer); median of {args.rounds} rounds x {args.windows} windows x {args.steps} steps.\n"]
+    meta = {"framework": args.framework, "cores": CORES, "rounds": args.rounds, "windows": args.windows,
+            "steps": args.steps, "threads_per_rank": 1}
+    (out / "scaling.json").write_text(json.dumps({"rows": rows, "overhead_1rank": overhead, **meta,
+                                                  "failed": {f"{m} {p}": e for (m, p), e in failures.items()}},
+                                                 indent=1))
+    peers = [p for p in all_peers if p in args.peers]
+    lines = [f"Weak scaling ({args.framework}), one thread per rank, {CORES} cores; samples/s (efficiency = "
+             f"thr(N) / (N thr(1)) of the same peer); median of {args.rounds} rounds x {args.windows} windows x "
+             f"{args.steps} steps.\n"]
     for model in dict.fromkeys(r["model"] for r in rows):
         extra = ""
         if model in overhead:
             o = overhead[model]
             extra = (f"; hpctrain at 1 rank = {o['ratio']:.3f} x the plain loop (median of {len(o['ratios'])} "
                      f"paired windows in one process)")
-        lines += [f"\n### {model} (batch {MODELS[model]} per rank){extra}\n",
+        lines += [f"\n### {model} (batch {models[model]} per rank){extra}\n",
                   "| ranks | " + " | ".join(peers) + " |", "|---" * (len(peers) + 1) + "|"]
-        for n in sorted({r["ranks"] for r in rows if r["model"] == model}):
+        for n in sorted(set(args.ranks)):
             cells = []
             for p in peers:
                 r = next((r for r in rows if r["model"] == model and r["ranks"] == n and r["peer"] == p), None)
-                cells.append(f"{r['throughput']:.1f} ({r['efficiency']:.0%})" if r else "")
+                cells.append(f"{r['throughput']:.1f} ({r['efficiency']:.0%})" if r else
+                             "failed" if (model, p) in failures else "")
             lines.append(f"| {n}{oversubscribed(n)} | " + " | ".join(cells) + " |")
+    for (model, peer), err in failures.items():
+        said = ([ln for ln in err.splitlines() if "Error of " in ln]
+                or [ln for ln in err.splitlines() if "Error" in ln] or [ln for ln in err.splitlines() if ln.strip()])
+        lines.append(f"\n{peer} failed on {model}: {(said or ['?'])[-1].strip()[:300]}")
     table = "\n".join(lines)
     (out / "scaling.md").write_text(table + "\n")
     print(table)
