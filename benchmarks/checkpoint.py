@@ -8,7 +8,8 @@ layers) and repeat, in one process:
 * ``sync``: ``CheckpointManager(async_save=False).save()``: encode, write with
   CRC-32, fsync, manifest, atomic rename;
 * ``stall``: how long ``save()`` blocks the training loop with
-  ``async_save=True`` (plan + copy to host memory); ``async total`` adds the
+  ``async_save=True`` (plan + copy to host memory, by the default number of
+  copy threads; ``stall, 1 thread`` with one); ``async total`` adds the
   background write up to the commit in ``wait()``;
 * ``restore``: ``CheckpointManager.restore()`` of that checkpoint (read, verify, copy in);
 * ``torch.save``: the peer most scripts use: ``torch.save`` of the same tensors + ``fsync``.
@@ -108,15 +109,18 @@ def measure(mb: int, root: Path) -> dict:
     assert all(t[0].item() == float(i) for i, t in enumerate(tensors.values()))
     shutil.rmtree(root / "sync")
 
-    asyn = CheckpointManager(str(root / "async"), keep=1, async_save=True)
-    asyn.save(1, state)     # warm-up: a first save allocates the host staging buffers
-    asyn.wait()
-    t0 = time.perf_counter()
-    asyn.save(2, state)
-    out["stall_s"] = time.perf_counter() - t0
-    asyn.wait()
-    out["async_total_s"] = time.perf_counter() - t0
-    asyn.close()
+    for key, threads in (("stall_1thread_s", 1), ("stall_s", None)):
+        asyn = CheckpointManager(str(root / f"async{key}"), keep=1, async_save=True, copy_threads=threads)
+        asyn.save(1, state)     # warm-up: a first save allocates the host staging buffers
+        asyn.wait()
+        t0 = time.perf_counter()
+        asyn.save(2, state)
+        out[key] = time.perf_counter() - t0
+        asyn.wait()
+        if threads is None:
+            out["async_total_s"] = time.perf_counter() - t0
+            out["copy_threads"] = asyn.copy_threads
+        asyn.close()
     shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -162,13 +166,14 @@ def write_outputs(rows, out: Path, args) -> None:
                                                     indent=1))
     lines = [f"Checkpoint of a state of float32 tensors, one process, medians of {args.repeats} repeats "
              "(seconds; GB/s = 10^9 bytes/s).  Ratios are medians of per-repeat ratios.\n",
-             "| state | disk write+fsync | sync save | sync / disk bandwidth | async stall | stall / sync "
-             "| async total | restore | torch.save+fsync | torch.save / sync time |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| state | disk write+fsync | sync save | sync / disk bandwidth | async stall (copy threads) "
+             "| stall / sync | stall, 1 thread | async total | restore | torch.save+fsync | torch.save / sync time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mb']} MB | {r['disk_s']:.3f} s ({r['disk_gbps']:.2f} GB/s) | {r['sync_s']:.3f} s "
-                     f"({r['sync_gbps']:.2f} GB/s) | {r['sync_vs_disk']:.0%} | {r['stall_s']:.3f} s | "
-                     f"{r['stall_vs_sync']:.1%} | {r['async_total_s']:.3f} s | {r['restore_s']:.3f} s | "
+                     f"({r['sync_gbps']:.2f} GB/s) | {r['sync_vs_disk']:.0%} | {r['stall_s']:.3f} s "
+                     f"({r['copy_threads']}) | {r['stall_vs_sync']:.1%} | {r['stall_1thread_s']:.3f} s | "
+                     f"{r['async_total_s']:.3f} s | {r['restore_s']:.3f} s | "
                      f"{r['torch_save_s']:.3f} s | {r['torch_save_vs_sync']:.2f} |")
     table = "\n".join(lines)
     (out / "checkpoint.md").write_text(table + "\n")

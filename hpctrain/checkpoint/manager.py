@@ -49,6 +49,7 @@ import numpy as np
 from ..agreement import check_same
 from ..comm.signature import format_ranks
 from ..errors import HpctrainError
+from .hostcopy import HostCopier, default_copy_threads
 from .state import decode, encode, load_entry
 from .tensorfile import CorruptFileError, read_tensors, write_tensors
 
@@ -123,18 +124,23 @@ class CheckpointManager:
             that differ (BatchNorm statistics without SyncBatchNorm, a
             rank-specific RNG) are saved from rank 0; mark such state
             :class:`Sharded` instead.
+        copy_threads: threads that copy the state to host memory for an
+            asynchronous save (the training stall); default: this rank's
+            share of its cores (cores / ranks on the node), at most 8.
         comm: the communicator (default: the world).
 
     Cost of a save: one pass over the state bytes to encode (a copy into
     reused host buffers with ``async_save``, so that memory stays allocated
-    between saves), one write with CRC-32 and fsync, a few small collectives.
+    between saves, made by ``copy_threads`` threads), one write with CRC-32
+    and fsync, a few small collectives.
     ``save()`` calls that do not save cost nothing, or one 3-integer all-reduce
     per call while a write is in flight, ``every_seconds`` is set or preemption
     handling is on.
     """
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True, every_steps: Optional[int] = None,
-                 every_seconds: Optional[float] = None, verify_replicas: str = "warn", comm=None):
+                 every_seconds: Optional[float] = None, verify_replicas: str = "warn",
+                 copy_threads: Optional[int] = None, comm=None):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
@@ -154,6 +160,10 @@ class CheckpointManager:
         self._pending: Optional[_Pending] = None
         self._staging: Dict[str, Dict[str, np.ndarray]] = {"replicated": {}, "sharded": {}}   # host copies, reused
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint")
+        topology = getattr(comm, "topology", None)
+        self.copy_threads = (copy_threads if copy_threads is not None
+                             else default_copy_threads(topology.local_size if topology else 1))
+        self._copier = HostCopier(self.copy_threads)
         self._last_save_time = time.monotonic()
         self._last_step: Optional[int] = None
         self.signal_received: Optional[int] = None   # set by on_preemption's handler
@@ -251,6 +261,7 @@ class CheckpointManager:
         """Wait for the save in flight and stop the writer thread."""
         self.wait()
         self._pool.shutdown(wait=True)
+        self._copier.close()
 
     def restore(self, state: Mapping[str, Any], step: Optional[int] = None) -> Optional[int]:
         """Load the newest valid checkpoint (or that of ``step``) into ``state``; return its step or None.
@@ -342,10 +353,12 @@ class CheckpointManager:
         jobs, err = [], None
         try:
             if comm.rank == 0 or verify:
-                tensors, tree = encode(replicated, copy=self.async_save, staging=self._staging["replicated"])
+                tensors, tree = encode(replicated, copy=self.async_save, staging=self._staging["replicated"],
+                                       copier=self._copier)
                 jobs.append(("replicated.safetensors", tensors, tree, comm.rank == 0))
             if writes_shard:
-                tensors, tree = encode(sharded, copy=self.async_save, staging=self._staging["sharded"])
+                tensors, tree = encode(sharded, copy=self.async_save, staging=self._staging["sharded"],
+                                       copier=self._copier)
                 jobs.append((f"shard-{my_shard}.safetensors", tensors, tree, True))
         except Exception as exc:  # noqa: BLE001 - reported on every rank
             err = f"{type(exc).__name__}: {exc}"

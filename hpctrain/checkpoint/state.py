@@ -7,7 +7,8 @@ What a state entry may be, and how it is saved and restored:
   :class:`~hpctrain.checkpoint.RNGState`): its state dict is saved and handed
   back to ``load_state_dict``;
 * objects with a ``variables`` list (Keras 3 models and optimizers,
-  ``tf.Module``): the variable values, assigned back in order (shapes must match);
+  ``tf.Module``) and ``tf.train.Checkpoint`` objects: the variable values,
+  assigned back in order (shapes must match; see :func:`variables_of`);
 * a numpy array or torch tensor: copied back into the same object, in place;
 * plain values (None, bool, int, float, str, and lists, tuples and dicts of
   them, of arrays and of tensors): the entry of the state dict is replaced.
@@ -21,13 +22,14 @@ checkpoint never needs pickle to load.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from .hostcopy import HostCopier
 from .tensorfile import dtype_name
 
-__all__ = ["encode", "decode", "snapshot_entry", "load_entry"]
+__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "variables_of"]
 
 _TENSOR, _TUPLE, _DICT, _VARS = "$tensor", "$tuple", "$dict", "$variables"
 
@@ -41,14 +43,35 @@ def _is_torch_tensor(x) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
+def variables_of(obj: Any) -> Optional[List[Any]]:
+    """Return the variables an entry is saved as, in a fixed order, or None if it is not that kind.
+
+    A Keras 3 model or optimizer, or a ``tf.Module``: its ``variables`` list.
+    A ``tf.train.Checkpoint``: every variable reachable from it (models,
+    optimizers, plain ``tf.Variable`` attributes), in the breadth-first order
+    of TensorFlow's own checkpoint traversal, which depends only on the
+    object graph.
+    """
+    if isinstance(obj, (dict, list, tuple)):
+        return None
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(obj, tf.train.Checkpoint):
+        return [x for x in tf.train.TrackableView(obj).descendants()
+                if hasattr(x, "assign") and hasattr(x, "numpy") and hasattr(x, "shape")]
+    variables = getattr(obj, "variables", None)
+    if variables is None or callable(variables):
+        return None
+    return list(variables)
+
+
 def snapshot_entry(obj: Any) -> Tuple[str, Any]:
     """Return (kind, value) for one top-level entry: what is saved for it."""
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return "state_dict", obj.state_dict()
     if isinstance(obj, (np.ndarray,)) or _is_torch_tensor(obj):
         return "array", obj
-    variables = getattr(obj, "variables", None)
-    if variables is not None and not callable(variables) and not isinstance(obj, (dict, list, tuple)):
+    variables = variables_of(obj)
+    if variables is not None:
         return "variables", {_VARS: [np.asarray(v.numpy()) for v in variables]}
     return "value", obj
 
@@ -68,6 +91,7 @@ class Encoder:
         self.copy = copy
         self.staging = staging if staging is not None else {}
         self.tensors: Dict[str, Tuple[np.ndarray, str]] = {}
+        self.copies: List[Tuple[np.ndarray, np.ndarray]] = []    # (staging buffer, live array), done by encode
 
     def add(self, x: Any) -> Dict[str, str]:
         name = f"t{len(self.tensors)}"
@@ -89,7 +113,7 @@ class Encoder:
             buf = self.staging.get(name)
             if buf is None or buf.shape != arr.shape or buf.dtype != arr.dtype:
                 buf = self.staging[name] = np.empty_like(arr, order="C")
-            np.copyto(buf, arr)
+            self.copies.append((buf, arr))
             arr = buf
         self.tensors[name] = (arr, dt)
         return {_TENSOR: name, "kind": kind}
@@ -118,11 +142,12 @@ class Encoder:
                         f"so that loading never runs code)")
 
 
-def encode(entries: Mapping[str, Any], copy: bool, staging: Optional[Dict[str, np.ndarray]] = None
-           ) -> Tuple[Dict[str, Tuple[np.ndarray, str]], Dict[str, Any]]:
+def encode(entries: Mapping[str, Any], copy: bool, staging: Optional[Dict[str, np.ndarray]] = None,
+           copier: Optional[HostCopier] = None) -> Tuple[Dict[str, Tuple[np.ndarray, str]], Dict[str, Any]]:
     """Encode ``{key: object}``; return (tensors for the file, JSON tree {key: {"kind", "value"}}).
 
-    See :class:`Encoder` for ``copy`` and ``staging``.
+    See :class:`Encoder` for ``copy`` and ``staging``; the copies are made
+    before returning, by ``copier`` (several threads) when given.
     """
     enc = Encoder(copy, staging)
     tree = {}
@@ -133,6 +158,7 @@ def encode(entries: Mapping[str, Any], copy: bool, staging: Optional[Dict[str, n
         else:
             value = enc.tree(value, key)
         tree[key] = {"kind": kind, "value": value}
+    (copier or HostCopier(1)).copy(enc.copies)
     return enc.tensors, tree
 
 
@@ -179,7 +205,7 @@ def load_entry(state: dict, key: str, kind: str, value: Any) -> None:
             obj[...] = value.numpy() if _is_torch_tensor(value) else value
     elif kind == "variables":
         saved = value[_VARS]
-        variables = list(obj.variables)
+        variables = variables_of(obj) or []
         if len(variables) != len(saved):
             raise ValueError(f"state[{key!r}] has {len(variables)} variables, the checkpoint {len(saved)}"
                              + (" (build a Keras optimizer first: optimizer.build(model.trainable_variables))"

@@ -290,3 +290,28 @@ def test_a_signal_on_one_rank_makes_every_rank_save_the_same_step(comm, ckdir):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def test_tf_train_checkpoint_round_trip(comm, ckdir):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(1e-2, momentum=0.9)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = np.random.default_rng(0).normal(size=(16, 4)), np.ones((16, 1))
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    epoch = tf.Variable(2, dtype=tf.int64)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt, epoch=epoch)
+    everything = lambda: [v.numpy().copy() for v in model.variables + opt.variables] + [epoch.numpy()]  # noqa: E731
+    expect = everything()
+    manager = CheckpointManager(ckdir)
+    manager.save(2, {"ckpt": ckpt})
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    epoch.assign(3)
+    manager.wait()
+    assert not all(np.array_equal(a, b) for a, b in zip(everything(), expect))
+    assert manager.restore({"ckpt": ckpt}) == 2
+    assert all(np.array_equal(a, b) for a, b in zip(everything(), expect))
