@@ -21,6 +21,7 @@ from typing import Dict, Optional
 
 import keras
 
+from ..collectives.ops import check_gradient_reduction
 from ..metrics import average_metrics
 from ..world import comm_or_world
 from .ops import broadcast_variables, reduce_gradients
@@ -66,10 +67,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-    if compression is not None:
-        raise ValueError("gradient compression is not available yet; pass compression=None")
-    if op not in ("avg", "sum"):
-        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    check_gradient_reduction(op, compression)
     cls = type(optimizer)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Distributed{cls.__name__}", (_DistributedMixin, cls), {"__module__": __name__})

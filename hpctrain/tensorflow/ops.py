@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..agreement import check_same
+from ..collectives.ops import check_gradient_reduction
 from ..metrics import average_metrics
 from ..world import comm_or_world
 
@@ -71,8 +72,7 @@ def reduce_gradients(grads: Sequence[Any], op: str = "avg", comm=None, sparse_as
     Cost: ``2 (N-1)/N`` x dense bytes per rank for ring-like all-reduces; the
     sparse rows of all ranks for each gathered gradient.
     """
-    if op not in ("avg", "sum"):
-        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    check_gradient_reduction(op)
     comm = comm_or_world(comm)
     grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g for g in grads]
     if comm.size == 1:

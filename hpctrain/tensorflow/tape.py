@@ -5,6 +5,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from ..collectives.ops import check_gradient_reduction
 from .ops import reduce_gradients
 
 __all__ = ["DistributedGradientTape"]
@@ -45,10 +46,7 @@ class DistributedGradientTape:
                  comm=None):
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
-        if compression is not None:
-            raise ValueError("gradient compression is not available yet; pass compression=None")
-        if op not in ("avg", "sum"):
-            raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+        check_gradient_reduction(op, compression)
         self._tape, self._op, self._sparse_as_dense, self._comm = tape, op, sparse_as_dense, comm
 
     def gradient(self, target, sources, output_gradients=None,

@@ -35,6 +35,7 @@ import torch
 
 from ..agreement import check_same
 from ..collectives.buckets import plan_buckets
+from ..collectives.ops import check_gradient_reduction
 
 __all__ = ["DistributedOptimizer"]
 
@@ -71,10 +72,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if compression is not None:
-        raise ValueError("gradient compression is not available yet; pass compression=None")
-    if op not in ("avg", "sum"):
-        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    check_gradient_reduction(op, compression)
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
     if bucket_mb < 0:
