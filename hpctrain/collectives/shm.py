@@ -46,7 +46,7 @@ import numpy as np
 from .ops import _UFUNCS, segment_bounds
 from .ring import ring_allreduce
 
-__all__ = ["Flat", "shm_allreduce", "shm_reduce_scatter", "shm_allgather"]
+__all__ = ["Flat", "shm_allreduce", "shm_allreduce_shared_buffer", "shm_reduce_scatter", "shm_allgather"]
 
 _BLOCK_BYTES = 1 << 18   # reduce in cache-sized blocks: the output block stays in cache across the inputs
 
@@ -167,6 +167,46 @@ def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, 
     step = max(parts, sh.max_elems(dtype.itemsize))
     for a in range(0, x.size, step):
         _piece(x, out, a, min(step, x.size - a), dtype, op, sh, parts, cross, chunk_elems)
+
+
+def shm_allreduce_shared_buffer(buf, op: str, parts: Optional[int] = None, cross=None,
+                                chunk_elems: int = 1 << 18) -> None:
+    """All-reduce, in place, a buffer that already lives in shared memory (a ``SharedBuffer``).
+
+    Every local rank's buffer is visible to its peers, so nothing is copied in
+    first: after a fence, reducing rank ``p`` reads segment ``p`` of every
+    rank's buffer, reduces it in rank order into its own buffer (the
+    hierarchical form then all-reduces it with the other nodes), and writes
+    it into segment ``p`` of every peer's buffer; a second fence ends the call.
+    No rank touches another's segment, so two fences suffice, and the result
+    has the same bits as :func:`shm_allreduce`.  Cost per rank for ``N``
+    elements on ``L`` ranks: reads ``N`` and writes ``N`` (one memory pass
+    each way, against about 2.5 for the arena path plus the copies in and
+    out of it).  Formula: ``buf = x_0 (op) ... (op) x_{L-1}`` (``avg`` is
+    finished by the caller).
+    """
+    arrays, r = buf.arrays, buf.rank
+    parts = len(arrays) if parts is None else parts
+    n = buf.count
+    buf.fence()                                                  # every input is complete
+    if r < parts:
+        bounds = segment_bounds(n, parts)
+        lo, hi = int(bounds[r]), int(bounds[r + 1])
+        if hi > lo:
+            own = arrays[r]
+            scratch = np.empty(min(hi - lo, _BLOCK_BYTES // own.itemsize), dtype=own.dtype)
+
+            def own_block(a, b):
+                np.copyto(scratch[:b - a], own[a:b])
+                return scratch[:b - a]
+
+            _reduce_segment(arrays, r, own_block, lo, hi, own[lo:hi], op)
+            if cross is not None:
+                ring_allreduce(own[lo:hi], op, cross, chunk_elems)
+            for k, peer in enumerate(arrays):
+                if k != r:
+                    peer[lo:hi] = own[lo:hi]
+    buf.fence()                                                  # every segment is everywhere
 
 
 def shm_reduce_scatter(x: np.ndarray, bounds: np.ndarray, acc_dtype, op: str, sh) -> np.ndarray:

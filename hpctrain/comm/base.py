@@ -59,7 +59,8 @@ def _copy_back_into(x: Any, arr: np.ndarray, restore: Callable[[Any], Any]) -> C
     kind = framework_of(x)
     if kind == "tensorflow":
         raise ValueError("allreduce(inplace=True) cannot write into a TensorFlow tensor (they are immutable)")
-    if kind == "numpy" and not (isinstance(x, np.ndarray) and x.flags.writeable and np.may_share_memory(arr, x)):
+    if kind == "numpy" and not (isinstance(x, np.ndarray) and x.flags.writeable
+                                and (x.size == 0 or np.may_share_memory(arr, x))):
         raise ValueError("allreduce(inplace=True) needs a writable C-contiguous numpy array")
 
     view = kind == "numpy" or (x.device.type == "cpu" and x.is_contiguous())  # is ``arr`` x's memory?
@@ -301,6 +302,26 @@ class Communicator(abc.ABC):
             return Call("split", seq), lambda: self._split(color, int(key)), _same
         return self._run(self._build("split", build))
 
+    def shared_empty(self, count: int, dtype: Any = np.float32) -> np.ndarray:
+        """Return an uninitialised 1-D buffer whose in-place all-reduce copies nothing in or out.
+
+        Collective: every rank calls it with the same count and dtype.  On
+        the MPI backend with several ranks on a node the buffer lives in a
+        shared-memory window of the node, so ``allreduce(buf, inplace=True)``
+        (algorithm "shm"/"hierarchical", or "auto" choosing them) reduces
+        straight from the peers' buffers into every rank's: one memory pass
+        each way instead of a copy into the shared arena, the arena algorithm
+        and a copy out.  Elsewhere it is ``numpy.empty``.  Wrap it with
+        ``torch.from_numpy`` to use it as a tensor.  It stays valid until the
+        communicator is freed (``hpctrain.shutdown()`` for the world).
+        """
+        def build(seq):
+            dt = np.dtype(dtype)
+            if not isinstance(count, (int, np.integer)) or count < 0:
+                raise ValueError(f"count must be a non-negative int, got {count!r}")
+            return Call("shared_empty", seq, str(dt), (int(count),)), lambda: self._shared_empty(int(count), dt), _same
+        return self._run(self._build("shared_empty", build))
+
     def free(self) -> None:
         """Release the backend resources of this communicator (not of the world)."""
         self._free()
@@ -354,9 +375,14 @@ class Communicator(abc.ABC):
             arr, restore = to_numpy(x)
             check_op(op, arr.dtype)
             alg = self._choose_allreduce(algorithm, arr.nbytes)
-            call = Call("allreduce", seq, str(arr.dtype), arr.shape, op=op, algorithm=alg)
+            shared = (inplace and alg in _SHARED and self._size > 1 and arr.size > 0
+                      and accumulation_dtype(arr.dtype) == arr.dtype and self._shared_buffer_of(arr) is not None)
+            call = Call("allreduce", seq, str(arr.dtype), arr.shape, op=op, algorithm=alg,
+                        layout="shared buffer" if shared else None)
             if inplace:
                 restore = _copy_back_into(x, arr, restore)
+            if shared:
+                return call, lambda: self._allreduce_shared_buffer(arr, op), restore
             return call, lambda: self._do_allreduce(arr, op, alg, inplace), restore
         return self._build("allreduce", build, op=op, algorithm=algorithm)
 
@@ -373,6 +399,11 @@ class Communicator(abc.ABC):
             else:
                 acc = self._allreduce_native(acc, op)
         return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
+
+    def _allreduce_shared_buffer(self, arr: np.ndarray, op: str) -> np.ndarray:
+        """In-place all-reduce of a buffer from :meth:`shared_empty`: no copies in or out (see its docstring)."""
+        self._reduce_shared_buffer(self._shared_buffer_of(arr), op)
+        return finish(arr.reshape(-1), op, self._size, arr.dtype).reshape(arr.shape)
 
     def _shared_reduction(self, arr: np.ndarray, op: str, alg: str,
                           into: Optional[np.ndarray] = None) -> np.ndarray:
@@ -562,6 +593,16 @@ class Communicator(abc.ABC):
     def _allgather_shared(self, raw: np.ndarray, counts: List[int]) -> Optional[np.ndarray]:
         """Return the shared-memory all-gather of bytes, or None where it does not apply (several nodes)."""
         return None
+
+    def _shared_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        return np.empty(count, dtype=dtype)
+
+    def _shared_buffer_of(self, arr: np.ndarray):
+        """The shared buffer that ``arr`` is (from :meth:`shared_empty`), or None."""
+        return None
+
+    def _reduce_shared_buffer(self, buf, op: str) -> None:
+        raise NotImplementedError
 
     def _release_shared(self) -> None:
         """Free shared-memory resources (collective over the node)."""

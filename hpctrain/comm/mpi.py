@@ -12,16 +12,16 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from ..env import detect_launcher
 from ..errors import BackendUnavailableError
 from ..tensors import dtype_from_name
-from ..collectives.shm import Flat, shm_allgather, shm_allreduce, shm_reduce_scatter
+from ..collectives.shm import Flat, shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
 from .base import ALLREDUCE_ALGORITHMS, Communicator, Handle, Topology
-from .mpi_node import NodeGroups, SharedArena
+from .mpi_node import NodeGroups, SharedArena, SharedBuffer
 from .runtime import Config, Runtime
 from .signature import DESC_BYTES, Call, format_ranks, judge
 
@@ -79,6 +79,7 @@ class MPICommunicator(Communicator):
         world_ranks = list(world_ranks)
         self._nodes = NodeGroups(comm, world_ranks[comm.Get_rank()], MPI)
         self._arena: Optional[SharedArena] = None
+        self._buffers: Dict[int, SharedBuffer] = {}     # data address -> buffer from shared_empty
         self._cross = _Ring(self._nodes.cross, MPI) if self._nodes.cross is not None else None
         g = self._nodes
         topology = Topology(g.local_rank, g.local_size, g.node_rank, g.num_nodes)
@@ -156,10 +157,30 @@ class MPICommunicator(Communicator):
             return None
         return shm_allgather(raw, counts, self._shared())
 
+    def _shared_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        if self._size == 1 or count == 0:     # (a node of one rank still needs one: every rank takes one path)
+            return np.empty(count, dtype=dtype)
+        buf = SharedBuffer(self._nodes.node, self._MPI, count, dtype)
+        self._buffers[buf.own.ctypes.data] = buf
+        return buf.own
+
+    def _shared_buffer_of(self, arr: np.ndarray):
+        buf = self._buffers.get(arr.ctypes.data)
+        if buf is None or arr.size != buf.count or arr.dtype != buf.dtype or not arr.flags.c_contiguous:
+            return None
+        return buf
+
+    def _reduce_shared_buffer(self, buf, op: str) -> None:
+        shm_allreduce_shared_buffer(buf, op, parts=self._nodes.parts, cross=self._cross,
+                                    chunk_elems=self._chunk_elems(buf.dtype.itemsize))
+
     def _release_shared(self) -> None:
         if self._arena is not None:
             self._arena.free()
             self._arena = None
+        for buf in self._buffers.values():
+            buf.free()
+        self._buffers = {}
 
     def _allgather_ints(self, value: int) -> List[int]:
         out = np.empty(self._size, dtype=np.int64)

@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["NodeGroups", "SharedArena"]
+__all__ = ["NodeGroups", "SharedArena", "SharedBuffer"]
 
 def _fake_node_size() -> Optional[int]:
     value = os.environ.get("HPCTRAIN_RANKS_PER_NODE")
@@ -67,6 +67,33 @@ class NodeGroups:
         self.node = self.cross = None
 
 
+def _shared_window(node, MPI, nbytes: int):
+    """Allocate ``nbytes`` per local rank in one MPI-3 shared window (collective over ``node``), locked for access.
+
+    Returns the window and each local rank's memory as a buffer.
+    """
+    info = MPI.Info.Create()
+    info.Set("alloc_shared_noncontig", "true")
+    try:
+        win = MPI.Win.Allocate_shared(nbytes, 1, info, comm=node)
+    finally:
+        info.Free()
+    win.Lock_all(MPI.MODE_NOCHECK)
+    return win, [win.Shared_query(k)[0] for k in range(node.Get_size())]
+
+
+def _window_fence(win, node) -> None:
+    """Return when every local rank has arrived, with their writes to ``win`` visible (MPI_Win_sync + barrier)."""
+    win.Sync()
+    node.Barrier()
+    win.Sync()
+
+
+def _release_window(win) -> None:
+    win.Unlock_all()
+    win.Free()
+
+
 class SharedArena:
     """Per-rank input and result areas in one MPI-3 shared window of the node (see :mod:`hpctrain.collectives.shm`).
 
@@ -95,14 +122,7 @@ class SharedArena:
         MPI = self._MPI
         cap = 1 << max(16, (nbytes - 1).bit_length())
         self.free()
-        info = MPI.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")
-        try:
-            self._win = MPI.Win.Allocate_shared(cap, 1, info, comm=self._node)
-        finally:
-            info.Free()
-        self._win.Lock_all(MPI.MODE_NOCHECK)
-        self._bases = [self._win.Shared_query(k)[0] for k in range(self.size)]
+        self._win, self._bases = _shared_window(self._node, MPI, cap)
         self._capacity = cap
 
     def views(self, n_in: int, n_res: int, dtype) -> List[Tuple[np.ndarray, np.ndarray]]:
@@ -128,14 +148,41 @@ class SharedArena:
 
     def fence(self) -> None:
         """Return when every local rank has arrived, with their writes visible (MPI_Win_sync + barrier)."""
-        self._win.Sync()
-        self._node.Barrier()
-        self._win.Sync()
+        _window_fence(self._win, self._node)
 
     def free(self) -> None:
         """Release the window (collective over the node)."""
         if self._win is not None:
             self._bases, self._last_key, self._last_views = [], None, []
-            self._win.Unlock_all()
-            self._win.Free()
+            _release_window(self._win)
             self._win, self._capacity = None, 0
+
+
+class SharedBuffer:
+    """One buffer per local rank in an MPI-3 shared window: each rank's own, and views of its peers'.
+
+    Made by :meth:`hpctrain.comm.mpi.MPICommunicator.shared_empty` (collective
+    over the node).  An in-place all-reduce of the own buffer then runs
+    without copying it anywhere first (see
+    :func:`hpctrain.collectives.shm.shm_allreduce_shared_buffer`).
+    """
+
+    def __init__(self, node, MPI, count: int, dtype):
+        self.dtype, self.count = np.dtype(dtype), int(count)
+        nbytes = max(1, self.count * self.dtype.itemsize)
+        self._node = node
+        self._win, bases = _shared_window(node, MPI, nbytes)
+        self.rank = node.Get_rank()
+        self.arrays = [np.frombuffer(base, dtype=self.dtype, count=self.count) for base in bases]
+        self.own = self.arrays[self.rank]
+
+    def fence(self) -> None:
+        """Return when every local rank has arrived, with their writes to the buffers visible."""
+        _window_fence(self._win, self._node)
+
+    def free(self) -> None:
+        """Release the window (collective over the node); the arrays must not be used afterwards."""
+        if self._win is not None:
+            self.arrays, self.own = [], None
+            _release_window(self._win)
+            self._win = None

@@ -492,3 +492,46 @@ def test_shared_memory_in_place_over_several_pieces(comm):
         expect = reference([data(r, count, np.float32) for r in range(n)], "sum", n)
         assert comm.allreduce(x, algorithm=alg, inplace=True) is x
         np.testing.assert_array_equal(x, expect)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_shared_buffer_reduces_in_place_with_the_bits_of_the_arena_path(comm, op):
+    """A buffer from shared_empty: in-place all-reduce without the arena, same bits as the ordinary path.
+
+    Sizes include 0, 1, fewer elements than ranks, and one that does not
+    divide; float64 too; the buffer is reused across calls (as an
+    optimizer's bucket is).
+    """
+    n, r = comm.size, comm.rank
+    for dtype in (np.float32, np.float64):
+        for count in (0, 1, max(1, n - 1), 100_003):
+            buf = comm.shared_empty(count, dtype)
+            assert buf.shape == (count,) and buf.dtype == dtype
+            for call in range(2):
+                x = np.random.default_rng([5, r, count, call]).standard_normal(count).astype(dtype)
+                buf[...] = x
+                plain = comm.allreduce(x, op=op)             # the ordinary path, copy in and out
+                assert comm.allreduce(buf, op=op, inplace=True) is buf
+                assert buf.tobytes() == plain.tobytes(), f"{dtype.__name__}[{count}] call {call}"
+                exact = data(r, count, dtype, op)
+                buf[...] = exact
+                comm.allreduce_async(buf, op=op, inplace=True).wait()
+                np.testing.assert_array_equal(buf, reference([data(k, count, dtype, op) for k in range(n)], op, n))
+    assert same_on_all_ranks(comm, buf)
+
+
+def test_shared_buffer_as_torch_tensor_and_mismatch_with_a_plain_buffer(comm):
+    import torch
+
+    n, r = comm.size, comm.rank
+    t = torch.from_numpy(comm.shared_empty(1000, np.float32))
+    t.fill_(r + 1)
+    comm.allreduce(t, op="avg", inplace=True)
+    assert torch.all(t == (n + 1) / 2)
+    buf = comm.shared_empty(64, np.float32)
+    if n > 1 and "shm" in comm.allreduce_algorithms():
+        x = buf if r == 0 else np.zeros(64, np.float32)      # rank 0 alone passes its shared buffer
+        with pytest.raises(hpctrain.CollectiveMismatchError, match="shared buffer"):
+            comm.allreduce(x, inplace=True, algorithm="hierarchical" if comm.topology.num_nodes > 1 else "shm")
+    with pytest.raises(hpctrain.CollectiveMismatchError if n > 1 else ValueError, match="count must be"):
+        comm.shared_empty(-1)
