@@ -3,6 +3,7 @@
     python examples/tf_digits.py                       # one process
     hpctrain launch -n 4 python examples/tf_digits.py  # four ranks (mpirun, or srun under Slurm)
     ... --checkpoint-dir ckpt                          # checkpoint every epoch; rerun to resume
+    ... --compression topk:ratio=0.01                  # compress the gradients (hpctrain.compression)
 
 Keras 3 with the TensorFlow backend.  The data (1797 real 8x8 images) ships
 inside scikit-learn; nothing is downloaded.  The global batch is fixed
@@ -33,9 +34,10 @@ from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
 import hpctrain  # noqa: E402                                        # hpctrain
+import hpctrain.compression  # noqa: E402                            # hpctrain
 import hpctrain.tensorflow as htf  # noqa: E402                      # hpctrain
 import hpctrain.tensorflow.keras as hk  # noqa: E402                 # hpctrain
-from hpctrain.checkpoint import CheckpointManager  # noqa: E402      # hpctrain
+from hpctrain.checkpoint import CheckpointManager, Sharded  # noqa: E402  # hpctrain
 from hpctrain.data import DistributedSampler  # noqa: E402           # hpctrain
 
 
@@ -87,6 +89,10 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=36)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compression", help="gradient compressor, e.g. fp16, topk:ratio=0.01, powersgd:rank=2 "
+                                          "(see hpctrain.compression)")
+    ap.add_argument("--compress-min-numel", type=int, default=1024,
+                    help="tensors with fewer values stay uncompressed (biases and norms always do)")
     ap.add_argument("--min-accuracy", type=float, default=0.0, help="exit with an error below this test accuracy")
     ap.add_argument("--out", help="write a JSON summary here (rank 0)")
     ap.add_argument("--checkpoint-dir", help="checkpoint here every epoch; resume from it")
@@ -106,7 +112,10 @@ def main() -> None:
     sampler = DistributedSampler(len(y_train), seed=args.seed)                    # hpctrain
     steps_per_epoch = -(-len(sampler) // (args.global_batch // n))
     lr = keras.optimizers.schedules.CosineDecay(args.lr, decay_steps=args.epochs * steps_per_epoch)
-    optimizer = hk.DistributedOptimizer(keras.optimizers.Adam(lr))                # hpctrain
+    compressor = hpctrain.compression.from_spec(args.compression) if args.compression else None
+    optimizer = hk.DistributedOptimizer(                                      # hpctrain
+        keras.optimizers.Adam(lr), compression=compressor,
+        compression_policy=hpctrain.compression.Policy(args.compress_min_numel))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     initial_epoch = 0
@@ -115,6 +124,8 @@ def main() -> None:
     if args.checkpoint_dir:
         optimizer.build(model.trainable_variables)   # restore needs the optimizer's variables
         state = {"model": model, "optimizer": optimizer}
+        if compressor is not None:
+            state["compressor"] = Sharded(compressor)   # residuals differ per rank      # hpctrain
         manager = CheckpointManager(args.checkpoint_dir, keep=2)                  # hpctrain
         initial_epoch = manager.restore(state) or 0                               # hpctrain
         if rank == 0 and initial_epoch:
@@ -136,7 +147,9 @@ def main() -> None:
     identical = len(set(comm.allgather_object(digest))) == 1
     summary = {"ranks": n, "epochs": args.epochs, "global_batch": args.global_batch, "test_accuracy": accuracy,
                "replicas_identical": identical, "train_seconds": elapsed,
-               "final_loss": (history.history.get("loss") or [None])[-1]}
+               "final_loss": (history.history.get("loss") or [None])[-1],
+               "steps": (args.epochs - initial_epoch) * steps_per_epoch,
+               "compression": optimizer.compression_stats() if compressor is not None else None}
     if rank == 0:
         print(f"test accuracy {accuracy:.4f} on {len(y_test)} images after {args.epochs} epochs "
               f"on {n} rank(s) in {elapsed:.1f} s; replicas identical: {identical}")

@@ -4,6 +4,7 @@
     hpctrain launch -n 4 python examples/torch_digits.py  # four ranks (mpirun, or srun under Slurm)
     mpirun -n 4 python examples/torch_digits.py           # the same, by hand
     ... --checkpoint-dir ckpt                             # checkpoint every epoch; rerun to resume
+    ... --compression topk:ratio=0.01                     # compress the gradients (hpctrain.compression)
 
 The data (1797 real 8x8 images of hand-written digits) ships inside
 scikit-learn; nothing is downloaded.  The global batch is fixed
@@ -33,6 +34,7 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import hpctrain                                  # hpctrain
+import hpctrain.compression                      # hpctrain
 import hpctrain.torch as ht                      # hpctrain
 from hpctrain.checkpoint import CheckpointManager, RNGState, Sharded, on_preemption  # hpctrain
 from hpctrain.data import DistributedSampler     # hpctrain
@@ -77,6 +79,10 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=48)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compression", help="gradient compressor, e.g. fp16, topk:ratio=0.01, powersgd:rank=2 "
+                                          "(see hpctrain.compression)")
+    ap.add_argument("--compress-min-numel", type=int, default=1024,
+                    help="tensors with fewer values stay uncompressed (biases and norms always do)")
     ap.add_argument("--min-accuracy", type=float, default=0.0, help="exit with an error below this test accuracy")
     ap.add_argument("--out", help="write a JSON summary here (rank 0)")
     ap.add_argument("--checkpoint-dir", help="checkpoint here every epoch (and on SIGUSR2/SIGTERM); resume from it")
@@ -93,7 +99,10 @@ def main() -> None:
     x_train, y_train, x_test, y_test = load_data(args.seed)
     model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    optimizer = ht.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())  # hpctrain
+    compressor = hpctrain.compression.from_spec(args.compression) if args.compression else None
+    optimizer = ht.DistributedOptimizer(                                                      # hpctrain
+        optimizer, named_parameters=model.named_parameters(), compression=compressor,
+        compression_policy=hpctrain.compression.Policy(args.compress_min_numel))
     ht.broadcast_parameters(model.state_dict(), root=0)                                       # hpctrain
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     sampler = DistributedSampler(len(y_train), seed=args.seed)                                # hpctrain
@@ -103,6 +112,8 @@ def main() -> None:
     total_steps = args.epochs * steps_per_epoch
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler,
              "rng": Sharded(RNGState(), missing="skip")}
+    if compressor is not None:
+        state["compressor"] = Sharded(compressor)   # residuals differ per rank                   # hpctrain
     manager, step = None, 0
     if args.checkpoint_dir:
         manager = CheckpointManager(args.checkpoint_dir, keep=2,                              # hpctrain
@@ -146,7 +157,7 @@ def main() -> None:
     identical = len(set(comm.allgather_object(digest))) == 1
     summary = {"ranks": n, "epochs": args.epochs, "global_batch": args.global_batch,
                "test_accuracy": accuracy, "replicas_identical": identical, "train_seconds": elapsed,
-               "steps": step}
+               "steps": step, "compression": optimizer.compression_stats() if compressor is not None else None}
     if rank == 0:
         print(f"test accuracy {accuracy:.4f} on {len(y_test)} images after {args.epochs} epochs "
               f"on {n} rank(s) in {elapsed:.1f} s; replicas identical: {identical}")

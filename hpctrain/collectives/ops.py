@@ -32,14 +32,6 @@ def check_op(op: str, dtype: np.dtype) -> str:
     return op
 
 
-def check_gradient_reduction(op: str, compression=None) -> None:
-    """Refuse what the adapters' gradient averaging does not take: an op other than avg/sum, a compressor."""
-    if compression is not None:
-        raise ValueError("gradient compression is not available yet; pass compression=None")
-    if op not in ("avg", "sum"):
-        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
-
-
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:
     """Return the dtype in which values of ``dtype`` are reduced.
 

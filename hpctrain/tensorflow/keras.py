@@ -21,10 +21,11 @@ from typing import Dict, Optional
 
 import keras
 
-from ..collectives.ops import check_gradient_reduction
+from ..compression import gradient_compressor, reducer_for
 from ..metrics import average_metrics
 from ..world import comm_or_world
 from .ops import broadcast_variables, reduce_gradients
+from .tape import _name
 
 __all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateWarmupCallback"]
@@ -36,13 +37,27 @@ class _DistributedMixin:
     """Reduces the gradients over ranks in ``apply`` (which ``apply_gradients`` and ``model.fit`` call)."""
 
     def apply(self, grads, trainable_variables=None):
-        grads = reduce_gradients(list(grads), op=self._hpctrain_op, comm=self._hpctrain_comm,
-                                 sparse_as_dense=self._hpctrain_sparse_as_dense)
+        grads = list(grads)
+        names = None
+        if self._hpctrain_compressor is not None:
+            variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+            names = [_name(v, i) for i, v in enumerate(variables)]
+        grads = reduce_gradients(grads, op=self._hpctrain_op, comm=self._hpctrain_comm,
+                                 sparse_as_dense=self._hpctrain_sparse_as_dense,
+                                 compression=self._hpctrain_compressor, names=names,
+                                 compression_policy=self._hpctrain_policy)
         return super().apply(grads, trainable_variables)
+
+    def compression_stats(self) -> dict:
+        """The compressor's traffic figures (``CompressedReducer.stats``); needs ``compression``."""
+        if self._hpctrain_compressor is None:
+            raise RuntimeError("this DistributedOptimizer has no compressor")
+        return reducer_for(self._hpctrain_compressor, comm_or_world(self._hpctrain_comm)).stats()
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None, op: str = "avg",
-                         sparse_as_dense: bool = False, comm=None) -> keras.optimizers.Optimizer:
+                         sparse_as_dense: bool = False, comm=None,
+                         compression_policy=None) -> keras.optimizers.Optimizer:
     """Make a Keras 3 optimizer average its gradients over ranks before every update.
 
     The optimizer object itself is returned with its class changed to a
@@ -58,22 +73,26 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
 
     Args:
         optimizer: any ``keras.optimizers.Optimizer``.
-        compression: reserved for gradient compressors; only ``None`` today.
+        compression: a compressor of :mod:`hpctrain.compression` (or its
+            name); gradients are named by their variables' paths.
         op: ``"avg"`` or ``"sum"``.
         sparse_as_dense: densify ``IndexedSlices`` gradients before reducing.
         comm: the communicator (default: the world).
+        compression_policy: which gradients are compressed (default
+            :class:`hpctrain.compression.Policy`).
     """
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-    check_gradient_reduction(op, compression)
+    compressor = gradient_compressor(op, compression)
     cls = type(optimizer)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Distributed{cls.__name__}", (_DistributedMixin, cls), {"__module__": __name__})
     optimizer.__class__ = _CLASSES[cls]
     optimizer._hpctrain_op, optimizer._hpctrain_comm = op, comm
     optimizer._hpctrain_sparse_as_dense = sparse_as_dense
+    optimizer._hpctrain_compressor, optimizer._hpctrain_policy = compressor, compression_policy
     return optimizer
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..agreement import check_same
-from ..collectives.ops import check_gradient_reduction
+from ..compression import Policy, gradient_compressor, reducer_for
 from ..metrics import average_metrics
 from ..world import comm_or_world
 
@@ -57,7 +57,9 @@ def allreduce(tensor: Any, op: str = "avg", comm=None) -> tf.Tensor:
     return out
 
 
-def reduce_gradients(grads: Sequence[Any], op: str = "avg", comm=None, sparse_as_dense: bool = False) -> List[Any]:
+def reduce_gradients(grads: Sequence[Any], op: str = "avg", comm=None, sparse_as_dense: bool = False,
+                     compression=None, names: Optional[Sequence[str]] = None,
+                     compression_policy: Optional[Policy] = None) -> List[Any]:
     """Return the gradients reduced over ranks: dense ones fused, ``IndexedSlices`` gathered; None stays None.
 
     Dense gradients go through one :meth:`Communicator.grouped_allreduce`
@@ -71,11 +73,21 @@ def reduce_gradients(grads: Sequence[Any], op: str = "avg", comm=None, sparse_as
 
     Cost: ``2 (N-1)/N`` x dense bytes per rank for ring-like all-reduces; the
     sparse rows of all ranks for each gathered gradient.
+
+    ``compression``: a compressor of :mod:`hpctrain.compression` (or its name)
+    for the dense gradients, named by ``names`` (the variables' paths; the
+    compressor keeps per-name state and ``compression_policy`` picks tensors
+    by name) or ``grad<i>``.  It runs on one rank too, so a 1-rank run trains
+    with the same method.  Sparse gradients are not compressed.  Its traffic:
+    ``hpctrain.compression.reducer_for(compressor, comm).stats()``.
     """
-    check_gradient_reduction(op)
+    compressor = gradient_compressor(op, compression)
     comm = comm_or_world(comm)
     grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g for g in grads]
-    if comm.size == 1:
+    if names is not None and len(names) != len(grads):
+        raise ValueError(f"reduce_gradients got {len(names)} names for {len(grads)} gradients")
+    reducer = reducer_for(compressor, comm, compression_policy) if compressor is not None else None
+    if comm.size == 1 and reducer is None:
         return grads
     dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
     sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
@@ -86,8 +98,18 @@ def reduce_gradients(grads: Sequence[Any], op: str = "avg", comm=None, sparse_as
         return grads
     nd, size = len(dense), comm.size
 
+    keys = [str(names[i]) if names is not None else f"grad{i}" for i in dense]
+
+    def reduce_dense(arrays):
+        if reducer is None:
+            return list(comm.grouped_allreduce([np.ascontiguousarray(a) for a in arrays], op=op))
+        copies = [np.array(a, copy=True, order="C") for a in arrays]
+        reducer.reduce(list(zip(keys, copies)), op=op)
+        reducer.count_step()
+        return copies
+
     def communicate(*arrays):
-        out = list(comm.grouped_allreduce([np.ascontiguousarray(a) for a in arrays[:nd]], op=op)) if nd else []
+        out = reduce_dense(arrays[:nd]) if nd else []
         for k in range(nd, len(arrays), 2):
             values = comm.allgather(np.ascontiguousarray(arrays[k]))
             out += [(values / size).astype(values.dtype) if op == "avg" else values,

@@ -5,7 +5,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from ..collectives.ops import check_gradient_reduction
+from ..compression import gradient_compressor, reducer_for
+from ..world import comm_or_world
 from .ops import reduce_gradients
 
 __all__ = ["DistributedGradientTape"]
@@ -36,18 +37,28 @@ class DistributedGradientTape:
 
     Args:
         tape: the ``tf.GradientTape``.
-        compression: reserved for gradient compressors; only ``None`` today.
+        compression: a compressor of :mod:`hpctrain.compression` (or its
+            name); gradients are named by their variables' paths.
         op: ``"avg"`` (default) or ``"sum"``.
         sparse_as_dense: densify ``IndexedSlices`` gradients before reducing.
         comm: the communicator (default: the world).
+        compression_policy: which gradients are compressed (default
+            :class:`hpctrain.compression.Policy`).
     """
 
     def __init__(self, tape: tf.GradientTape, compression=None, op: str = "avg", sparse_as_dense: bool = False,
-                 comm=None):
+                 comm=None, compression_policy=None):
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
-        check_gradient_reduction(op, compression)
+        self._compressor = gradient_compressor(op, compression)
         self._tape, self._op, self._sparse_as_dense, self._comm = tape, op, sparse_as_dense, comm
+        self._policy = compression_policy
+
+    def compression_stats(self) -> dict:
+        """The compressor's traffic figures (``CompressedReducer.stats``); needs ``compression``."""
+        if self._compressor is None:
+            raise RuntimeError("this DistributedGradientTape has no compressor")
+        return reducer_for(self._compressor, comm_or_world(self._comm)).stats()
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE) -> Any:
@@ -55,7 +66,11 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        reduced = reduce_gradients(flat, op=self._op, comm=self._comm, sparse_as_dense=self._sparse_as_dense)
+        names = None
+        if self._compressor is not None:
+            names = [_name(v, i) for i, v in enumerate(tf.nest.flatten(sources, expand_composites=False))]
+        reduced = reduce_gradients(flat, op=self._op, comm=self._comm, sparse_as_dense=self._sparse_as_dense,
+                                   compression=self._compressor, names=names, compression_policy=self._policy)
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
 
     def __enter__(self) -> "DistributedGradientTape":
@@ -67,3 +82,8 @@ class DistributedGradientTape:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tape, name)
+
+
+def _name(variable, i: int) -> str:
+    """A variable's path (Keras 3) or name, else its position; used to key compressor state."""
+    return str(getattr(variable, "path", None) or getattr(variable, "name", None) or f"grad{i}")

@@ -24,6 +24,13 @@ one all-reduce per bucket (2 (N-1)/N x bytes on the wire for ring-like
 algorithms).  Memory: one flat buffer per bucket (the size of the gradients).
 On one rank nothing is copied or sent: gradients are only averaged over the
 accumulated passes (and sparse ones densified) in place.
+
+With a compressor (``compression=``, see :mod:`hpctrain.compression`) each
+bucket is compressed as soon as it is ready, while backward goes on, and its
+payloads travel asynchronously; ``step()`` decompresses.  The has-gradient
+flags travel uncompressed.  On one rank the compressor still runs (so a
+1-rank run trains with the same method).  CUDA and bfloat16 buckets are
+staged through a float32 host copy for the compressor.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import torch
 
 from ..agreement import check_same
 from ..collectives.buckets import plan_buckets
-from ..collectives.ops import check_gradient_reduction
+from ..compression import Policy, gradient_compressor, reducer_for
 
 __all__ = ["DistributedOptimizer"]
 
@@ -44,7 +51,8 @@ _CLASSES: Dict[type, type] = {}
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                          compression=None, op: str = "avg", backward_passes_per_step: int = 1,
-                         bucket_mb: float = 25, comm=None) -> torch.optim.Optimizer:
+                         bucket_mb: float = 25, comm=None, compression_policy: Optional[Policy] = None
+                         ) -> torch.optim.Optimizer:
     """Make ``optimizer`` average its gradients across ranks before every step.
 
     The optimizer object itself is returned, its class changed to a subclass
@@ -57,7 +65,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``model.named_parameters()``, used to name
             parameters in error messages; every optimizer parameter must appear.
-        compression: reserved for gradient compressors; only ``None`` today.
+        compression: a compressor from :mod:`hpctrain.compression` (or its
+            name, e.g. ``"fp16"``); ``None`` sends float32.  Its state
+            (residuals, ...) lives in the compressor object: checkpoint it as
+            ``Sharded(compressor)``.  Parameters are named in the compressor by
+            their ``named_parameters`` names (``param<i>`` without them).
         op: ``"avg"`` (default) or ``"sum"`` over ranks.  With ``"avg"`` the
             gradients of k accumulated backward passes (``no_sync`` or
             ``backward_passes_per_step=k``) are averaged too, so k passes of
@@ -67,12 +79,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         bucket_mb: bucket size in MiB; larger buckets mean fewer messages,
             smaller ones start communicating earlier in backward.
         comm: the communicator to average over (default: the world).
+        compression_policy: which parameters are compressed (default
+            :class:`hpctrain.compression.Policy`: not biases, norms or tensors
+            under 1024 values).
     """
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    check_gradient_reduction(op, compression)
+    compressor = gradient_compressor(op, compression)
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
     if bucket_mb < 0:
@@ -85,8 +100,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     if cls is None:
         cls = _CLASSES[base] = type(f"Distributed{base.__name__}", (_DistributedMixin, base),
                                     {"__module__": __name__, "__doc__": base.__doc__})
+    reducer = reducer_for(compressor, comm, compression_policy) if compressor is not None else None
     sync = _GradientSync(optimizer, named_parameters, comm, op, backward_passes_per_step,
-                         int(bucket_mb * 2 ** 20))
+                         int(bucket_mb * 2 ** 20), reducer)
     optimizer.__class__ = cls
     optimizer._hpctrain = sync
     patched = optimizer.__dict__.get("step")
@@ -144,12 +160,21 @@ class _DistributedMixin:
         """Detach the gradient hooks (the optimizer then no longer communicates)."""
         self._hpctrain.remove_hooks()
 
+    def compression_stats(self) -> dict:
+        """Bytes of gradient payload sent and received, per step and in total (see ``CompressedReducer.stats``).
+
+        Without a compressor: the float32 bytes of the buckets.
+        """
+        return self._hpctrain.stats()
+
 
 class _GradientSync:
     """The reducer behind one DistributedOptimizer: buckets, hooks and the per-step state."""
 
-    def __init__(self, optimizer, named_parameters, comm, op: str, passes_per_step: int, cap_bytes: int):
-        self.comm, self.op, self.k = comm, op, passes_per_step
+    def __init__(self, optimizer, named_parameters, comm, op: str, passes_per_step: int, cap_bytes: int,
+                 reducer=None):
+        self.comm, self.op, self.k, self.reducer = comm, op, passes_per_step, reducer
+        self.steps = 0
         params: List[torch.Tensor] = []
         seen = set()
         for group in optimizer.param_groups:
@@ -168,12 +193,24 @@ class _GradientSync:
         for b in self.buckets:
             for m in b.members:
                 self.bucket_of[m] = b.index
-        self.flat = [torch.zeros(b.numel + len(b.members), dtype=b.kind[0], device=b.kind[1])
-                     for b in self.buckets] if comm.size > 1 else []   # one rank sends nothing
+        self.flat = [self._bucket_buffer(b) for b in self.buckets] if comm.size > 1 or reducer else []
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         self.skip = self.no_sync = False
         self.join_flag = False          # set by hpctrain.torch.Join
         self.reset()
+
+    def _bucket_buffer(self, bucket) -> torch.Tensor:
+        """A zeroed flat buffer for ``bucket``: in node-shared memory when it is a CPU float32/float64 bucket.
+
+        Shared memory (:meth:`Communicator.shared_empty`) lets the all-reduce
+        read the peers' buffers in place, with no copy in or out.
+        """
+        dtype, device = bucket.kind
+        n = bucket.numel + len(bucket.members)
+        if device.type == "cpu" and dtype in (torch.float32, torch.float64) and self.reducer is None:
+            flat = torch.from_numpy(self.comm.shared_empty(n, np.float32 if dtype == torch.float32 else np.float64))
+            return flat.zero_()
+        return torch.zeros(n, dtype=dtype, device=device)
 
     @staticmethod
     def _names(params, named_parameters) -> List[str]:
@@ -239,15 +276,22 @@ class _GradientSync:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        if self.comm.size == 1:
-            self._local(bucket)
-        else:
+        if self.flat:
             self._pack(bucket, self.flat[b])
+        else:
+            self._local(bucket)
         if b == 0 and self.join_flag:
             self.flag_handle = self.comm.allreduce_async(np.ones(1, dtype=np.int64))
-        if self.comm.size > 1:
-            self.handles[b] = self.comm.allreduce_async(self.flat[b], op=self.op, inplace=True)
+        if self.flat:
+            self.handles[b] = self._reduce_async(b)
         self.launched = b + 1
+
+    def _reduce_async(self, b: int):
+        """Start reducing bucket ``b``'s flat buffer; the handle's ``wait()`` returns the reduced buffer."""
+        flat = self.flat[b]
+        if self.reducer is None:
+            return self.comm.allreduce_async(flat, op=self.op, inplace=True)
+        return _CompressedBucket(self, b, flat)
 
     def _local(self, bucket) -> None:
         """One rank: the reduction is the identity, so only densify and average over the passes, in place."""
@@ -268,8 +312,9 @@ class _GradientSync:
                     flat[off:off + n].zero_()
                     flat[bucket.numel + j] = 0
                 else:
-                    flat[off:off + n].copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
-                    flat[bucket.numel + j] = 1
+                    if g.is_sparse or g.data_ptr() != flat[off:off + n].data_ptr() or g.dtype != flat.dtype:
+                        flat[off:off + n].copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+                    flat[bucket.numel + j] = 1        # (else: the gradient is already its bucket's view)
             if self.op == "avg" and self.passes > 1:
                 flat[:bucket.numel].div_(self.passes)
 
@@ -284,31 +329,82 @@ class _GradientSync:
             if h is not None:       # None: one rank, nothing was sent
                 self.apply(b, h.wait())
         self.synchronized = True
+        self._count_step()
+
+    def _count_step(self) -> None:
+        self.steps += 1
+        if self.reducer is not None:
+            self.reducer.count_step()
+
+    def stats(self) -> dict:
+        """The compressor's traffic figures, or the float32 bucket bytes without one."""
+        if self.reducer is not None:
+            return self.reducer.stats()
+        nbytes = sum(b.numel * self.params[b.members[0]].element_size() for b in self.buckets) \
+            if self.comm.size > 1 else 0
+        return {"compressor": None, "steps": self.steps, "sent_bytes_per_step": nbytes,
+                "received_bytes_per_step": nbytes, "dense_bytes_per_step": nbytes, "ratio_to_fp32": 1.0}
 
     def apply(self, b: int, reduced: torch.Tensor) -> None:
-        """Write bucket ``b``'s reduced buffer into the gradients (None where no rank had one)."""
+        """Point the gradients at bucket ``b``'s reduced buffer (None where no rank had one).
+
+        When the reduction ran in the bucket's own buffer, each gradient
+        becomes a view of it (as DDP's ``gradient_as_bucket_view``): nothing is
+        copied back, and a backward pass after ``zero_grad(set_to_none=False)``
+        accumulates straight into the bucket, so packing copies nothing
+        either.  The views are overwritten by the next step's reduction.
+        """
         bucket = self.buckets[b]
         flags = reduced[bucket.numel:].tolist()
+        own = self.flat and reduced.data_ptr() == self.flat[b].data_ptr()
         with torch.no_grad():
             for j, (i, off, n) in enumerate(zip(bucket.members, bucket.offsets, bucket.numels)):
                 p = self.params[i]
+                view = reduced[off:off + n].view_as(p)
                 if flags[j] == 0:
                     p.grad = None
+                elif own and view.dtype == p.dtype and view.stride() == p.stride():
+                    if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
                 elif p.grad is None or p.grad.is_sparse:
-                    p.grad = reduced[off:off + n].view_as(p).clone()
+                    p.grad = view.clone()
                 else:
-                    p.grad.copy_(reduced[off:off + n].view_as(p))
+                    p.grad.copy_(view)
 
     def shadow(self) -> None:
         """Take part in one step with zero gradients (a rank that has run out of data)."""
         for flat in self.flat:
             flat.zero_()
-        handles = [self.comm.allreduce_async(flat, op=self.op, inplace=True) for flat in self.flat]
+        handles = [self._reduce_async(b) for b in range(len(self.flat))]
         for b, h in enumerate(handles):
             self.apply(b, h.wait())
+        self._count_step()
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks."""
         for h in self.hooks:
             h.remove()
         self.hooks = []
+
+
+class _CompressedBucket:
+    """One bucket through the compressor: its gradients by name, its has-gradient flags uncompressed."""
+
+    def __init__(self, sync: _GradientSync, b: int, flat: torch.Tensor):
+        bucket = sync.buckets[b]
+        self.flat = flat
+        staged = flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64, torch.float16)
+        self.host = flat.detach().to("cpu", torch.float32, copy=True) if staged else flat.detach()
+        arr = self.host.numpy()
+        entries = [(sync.names[i], arr[off:off + n].reshape(tuple(sync.params[i].shape)))
+                   for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels)]
+        self.pending = sync.reducer.start(entries, op=sync.op)
+        self.flags = sync.comm.allreduce_async(arr[bucket.numel:], op=sync.op, inplace=True)
+        self.staged = staged
+
+    def wait(self) -> torch.Tensor:
+        self.pending.wait()
+        self.flags.wait()
+        if self.staged:
+            self.flat.copy_(self.host)
+        return self.flat
