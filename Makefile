@@ -23,6 +23,7 @@ bench: setup
 	$(PY) benchmarks/scaling.py --ranks 1 2 4 --out results/scaling
 	$(PY) benchmarks/scaling.py --framework tf --ranks 1 2 4 --out results/scaling-tf
 	$(PY) benchmarks/checkpoint.py --out results/checkpoint
+	$(PY) benchmarks/compression.py --out results/compression
 
 clean:
 	rm -rf results .pytest_cache

@@ -32,3 +32,23 @@ def test_digits_example_reaches_97_percent_and_resumes(example, n, tmp_path):
     resumed = EXAMPLES[example].format(**summary)
     assert re.search(rf"{resumed}\b", again.stdout), again.stdout[-3000:]
     assert json.loads(out.read_text())["test_accuracy"] == summary["test_accuracy"]
+
+
+HYBRID = {1: [[]], 2: [["--pp", "2"], ["--tp", "2"]], 3: [["--pp", "3"]],
+          4: [["--dp", "2", "--pp", "2"], ["--dp", "2", "--tp", "2"]]}
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_hybrid_example_trains_with_every_layout(n, tmp_path):
+    """examples/hybrid_torch.py: pipeline and tensor-parallel layouts reach >= 93% and agree with each other."""
+    accuracies = []
+    for layout in HYBRID[n]:
+        out = tmp_path / "summary.json"
+        cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / "hybrid_torch.py"),
+                               "--min-accuracy", "0.93", "--out", str(out)] + layout
+        result = run(cmd, base_env(), timeout=300)
+        assert result.returncode == 0, result.stdout[-4000:]
+        summary = json.loads(out.read_text())
+        assert summary["ranks"] == n and summary["test_accuracy"] >= 0.93
+        accuracies.append(summary["test_accuracy"])
+    assert len(set(accuracies)) == 1, f"the same model split two ways trained differently: {accuracies}"

@@ -4,7 +4,8 @@ import pytest
 from harness import RANK_COUNTS, run_pytest_on_ranks
 
 FILES = ["test_collectives.py", "test_safety.py", "test_frameworks.py", "test_torch_training.py",
-         "test_tf_training.py", "test_checkpoint.py"]
+         "test_tf_training.py", "test_checkpoint.py", "test_compression.py", "test_compression_training.py",
+         "test_pipeline.py", "test_tensor_parallel.py", "test_tf_pipeline.py"]
 
 
 @pytest.mark.parametrize("n", RANK_COUNTS)

@@ -12,7 +12,10 @@ and :class:`hpctrain.data.DistributedSampler` gives each rank its share of the d
 from .broadcast import allreduce, average_metrics, broadcast_optimizer_state, broadcast_parameters
 from .join import Join
 from .optimizer import DistributedOptimizer
+from .pipeline import Pipeline, PipelineError
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from .tensor_parallel import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "allreduce",
-           "average_metrics", "Join", "SyncBatchNorm", "convert_sync_batchnorm"]
+           "average_metrics", "Join", "SyncBatchNorm", "convert_sync_batchnorm", "Pipeline", "PipelineError",
+           "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention"]

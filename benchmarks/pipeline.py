@@ -1,0 +1,173 @@
+"""Pipeline parallelism: measured efficiency against the bubble, GPipe against 1F1B, memory per rank.
+
+    python benchmarks/pipeline.py                  # 2 ranks (one per core), m = 1 2 4 8 16
+    python benchmarks/pipeline.py --rounds 3 --micro-batches 1 4 16
+
+A compute-bound MLP (``--layers`` Linear(width, width) + ReLU, batch
+``--batch``) runs on one rank with the same ``m`` micro-batches (the reference
+time T1(m)) and as a 2-stage ``hpctrain.torch.Pipeline`` (each launch on its
+own).  Efficiency = T1(m) / (p T_pipe), against the theory
+``1 - (p-1)/(m+p-1)``.  The reference uses the same micro-batches because
+small micro-batches make each matrix product slower on one rank too (the
+theory assumes they cost ``1/m`` each); the whole batch on one rank is
+reported beside it.  Memory: the growth of the peak resident set of each rank during
+training (its activations and optimizer state), and the most micro-batches
+whose activations a stage held at once.  Medians over ``--rounds`` launches
+of ``--windows`` windows; peers alternate order between rounds.  Writes
+``pipeline.json``, ``pipeline.md`` and ``pipeline.png`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import launch_worker  # noqa: E402
+
+
+def worker(schedule: str, m: int, layers: int, width: int, batch: int, steps: int, windows: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import hpctrain
+    import hpctrain.torch as ht
+    from hpctrain.parallel import ParallelLayout
+
+    torch.set_num_threads(1)
+    comm = hpctrain.init()
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(layers)]
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(width, 10))
+    x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
+    if comm.size == 1 and schedule == "none":
+        run = model
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step():
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    else:
+        layout = ParallelLayout(pp=comm.size, comm=comm)
+        run = ht.Pipeline(model, layout, micro_batches=m, schedule=schedule)
+        opt = torch.optim.SGD(run.parameters(), lr=1e-3)
+
+        def step():
+            opt.zero_grad()
+            run.train_step(x, y)
+            opt.step()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step()
+    step()
+    times = []
+    for _ in range(windows):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        comm.barrier()
+        times.append((time.perf_counter() - t0) / steps)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024    # KiB -> MiB
+    peaks = comm.allgather_object({"rss_growth_mib": grown, "in_flight": getattr(run, "peak_in_flight", 1)})
+    if comm.rank == 0:
+        print("RESULT " + json.dumps({"step_s": times, "ranks": peaks}), flush=True)
+    hpctrain.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default="results/pipeline")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--m", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    shape = [str(args.layers), str(args.width), str(args.batch), str(args.steps), str(args.windows)]
+    if args.worker:
+        worker(args.worker, args.m, *(int(v) for v in shape))
+        return
+    # references: the whole batch on one rank, and the same micro-batches on one rank (a 1-stage pipeline):
+    # small micro-batches make each matrix product slower, which is not the pipeline's doing
+    refs = [("none", 1, 1)] + [("1f1b", m, 1) for m in args.micro_batches]
+    peers = refs + [(s, m, args.stages) for s in args.schedules for m in args.micro_batches]
+    results = {p: [] for p in peers}
+    for rnd in range(args.rounds):
+        for schedule, m, n in (peers if rnd % 2 == 0 else peers[::-1]):
+            print(f"[round {rnd + 1}/{args.rounds}] {schedule} m={m} on {n} rank(s)", file=sys.stderr, flush=True)
+            argv = [__file__, "--worker", schedule, "--m", str(m), "--layers", shape[0], "--width", shape[1],
+                    "--batch", shape[2], "--steps", shape[3], "--windows", shape[4]]
+            results[(schedule, m, n)].append(launch_worker(n, argv))
+    t1 = statistics.median(t for r in results[peers[0]] for t in r["step_s"])
+    p = args.stages
+    rows = []
+    for schedule, m, n in peers[len(refs):]:
+        runs = results[(schedule, m, n)]
+        t = statistics.median(s for r in runs for s in r["step_s"])
+        t1m = statistics.median(s for r in results[("1f1b", m, 1)] for s in r["step_s"])
+        theory = 1 - (p - 1) / (m + p - 1)
+        measured = t1m / (p * t)
+        rows.append({"schedule": schedule, "micro_batches": m, "step_s": t, "efficiency": measured,
+                     "one_rank_same_micro_batches_s": t1m, "efficiency_vs_whole_batch": t1 / (p * t),
+                     "theory": theory, "ratio_to_theory": measured / theory,
+                     "rss_growth_mib": [statistics.median(r["ranks"][k]["rss_growth_mib"] for r in runs)
+                                        for k in range(n)],
+                     "in_flight": [runs[0]["ranks"][k]["in_flight"] for k in range(n)]})
+    single_rss = statistics.median(r["ranks"][0]["rss_growth_mib"] for r in results[peers[0]])
+    write_outputs(rows, t1, single_rss, Path(args.out), args)
+
+
+def write_outputs(rows, t1: float, single_rss: float, out: Path, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipeline.json").write_text(json.dumps({"rows": rows, "single_step_s": t1, "single_rss_growth_mib": single_rss,
+                                                   "args": vars(args)}, indent=1))
+    lines = [f"{args.stages}-stage pipeline of {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
+             f"one thread per rank; one rank runs the whole model in {t1 * 1e3:.1f} ms/step (peak RSS growth "
+             f"{single_rss:.0f} MiB). Efficiency = T1(m) / (p T), T1(m) the same m micro-batches on one rank "
+             f"(the whole batch at once: 'vs T1'); theory = 1 - (p-1)/(m+p-1); medians of "
+             f"{args.rounds} rounds x {args.windows} windows.\n",
+             "| schedule | m | ms/step | T1(m) ms | efficiency | vs T1 | theory | measured/theory "
+             "| RSS growth per rank (MiB) | micro-batches in flight per stage |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['schedule']} | {r['micro_batches']} | {r['step_s'] * 1e3:.1f} | "
+                     f"{r['one_rank_same_micro_batches_s'] * 1e3:.1f} | {r['efficiency']:.1%} | "
+                     f"{r['efficiency_vs_whole_batch']:.1%} | {r['theory']:.1%} | {r['ratio_to_theory']:.2f} | "
+                     f"{' / '.join(f'{v:.0f}' for v in r['rss_growth_mib'])} | "
+                     f"{' / '.join(str(v) for v in r['in_flight'])} |")
+    table = "\n".join(lines)
+    (out / "pipeline.md").write_text(table + "\n")
+    print(table)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ms = sorted({r["micro_batches"] for r in rows})
+    ax.plot(ms, [1 - (args.stages - 1) / (m + args.stages - 1) for m in ms], "k--", label="theory")
+    for schedule in dict.fromkeys(r["schedule"] for r in rows):
+        pts = [(r["micro_batches"], r["efficiency"]) for r in rows if r["schedule"] == schedule]
+        ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=schedule)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("pipeline efficiency")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "pipeline.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

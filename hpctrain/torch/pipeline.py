@@ -1,0 +1,220 @@
+"""Pipeline parallelism for PyTorch: an ``nn.Sequential`` split into stages, run by a schedule.
+
+Each rank of a :class:`~hpctrain.parallel.ParallelLayout` pipeline group holds
+one stage.  ``train_step(inputs, targets)`` splits the batch into ``m``
+micro-batches (``torch.tensor_split``: sizes differ by at most one) and runs
+the schedule's actions (:mod:`hpctrain.parallel.schedule`): activations go to
+the next stage and their gradients come back by point-to-point messages on the
+pipeline communicator; sends are asynchronous.  Micro-batch ``i`` of ``b_i``
+samples contributes ``(b_i / B) loss_i`` (``loss_fn`` a mean), so the
+gradients equal those of the whole batch of ``B`` on one process.  The loss
+comes back on every rank of the pipeline.
+
+With a :func:`hpctrain.torch.DistributedOptimizer` on the data-parallel group
+(pass it to ``train_step``), the micro-batch backward passes but the last run
+inside its ``no_sync()``, so the data-parallel all-reduce happens once per step,
+after the last micro-batch; the optimizer's division by the number of passes
+is undone in the loss scale.
+
+An exception in a stage (a shape that does not fit the next stage, say) is
+sent along the pipeline in place of every message the stage still owed, so
+every rank raises :class:`PipelineError` naming the stage that failed, instead
+of waiting forever.  The pipeline cannot be used after that.
+
+Memory: GPipe keeps the activations of all ``m`` micro-batches; 1F1B at most
+``p - s`` on stage ``s``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..parallel.schedule import schedule as make_schedule
+
+__all__ = ["Pipeline", "PipelineError", "balance_by_parameters"]
+
+_ERROR = b"\x00HPCTRAIN-PIPELINE-ERROR\x00"
+
+
+class PipelineError(RuntimeError):
+    """A stage of the pipeline failed; raised on every rank of the pipeline."""
+
+
+def balance_by_parameters(layers: Sequence[torch.nn.Module], stages: int) -> List[int]:
+    """Layer counts per stage splitting ``layers`` (in order) so the largest stage's parameter count is smallest.
+
+    Exact by dynamic programming over contiguous splits (O(n^2 p)); every
+    stage gets at least one layer.
+    """
+    n = len(layers)
+    if n < stages:
+        raise ValueError(f"cannot split {n} layers into {stages} pipeline stages")
+    weight = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    prefix = np.concatenate([[0], np.cumsum(weight)])
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    counts, j = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
+
+
+class Pipeline(torch.nn.Module):
+    """One stage of a pipeline-parallel ``nn.Sequential`` on this rank.
+
+    Args:
+        module_or_stages: an ``nn.Sequential`` (split here) or a list of
+            ``p`` modules, one per stage.
+        layout: the :class:`~hpctrain.parallel.ParallelLayout`; its pipeline
+            group runs the stages in order of its ``pp`` coordinate.
+        micro_batches: ``m``, the micro-batches per step.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        balance: layer counts per stage (default: balanced by parameter count).
+        loss_fn: ``loss_fn(output, target)``, a mean over the samples.
+    """
+
+    def __init__(self, module_or_stages, layout, micro_batches: int, schedule: str = "1f1b",
+                 balance: Optional[Sequence[int]] = None, loss_fn: Optional[Callable] = None):
+        super().__init__()
+        p, s = layout.num_stages, layout.stage
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        make_schedule(schedule, p, micro_batches, s)               # validates the name
+        if isinstance(module_or_stages, torch.nn.Sequential):
+            layers = list(module_or_stages)
+            counts = list(balance) if balance is not None else balance_by_parameters(layers, p)
+            if len(counts) != p or sum(counts) != len(layers) or min(counts) < 1:
+                raise ValueError(f"balance {counts} must give each of the {p} stages at least one of the "
+                                 f"{len(layers)} layers")
+            start = sum(counts[:s])
+            self.stage_module = torch.nn.Sequential(*layers[start:start + counts[s]])
+        else:
+            stages = list(module_or_stages)
+            if len(stages) != p:
+                raise ValueError(f"got {len(stages)} stage modules for a pipeline of {p} stages")
+            self.stage_module = stages[s]
+        self.layout, self.comm = layout, layout.pp_comm
+        self.stage, self.stages, self.micro_batches = s, p, micro_batches
+        self.schedule_name = schedule
+        self.actions = make_schedule(schedule, p, micro_batches, s)
+        self.loss_fn = loss_fn if loss_fn is not None else torch.nn.functional.cross_entropy
+        self.peak_in_flight = 0       # the most micro-batches whose activations were held at once
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def forward(self, x):
+        """This stage's module alone (no communication)."""
+        return self.stage_module(x)
+
+    # -- messages -------------------------------------------------------------------
+    def _recv(self, source: int, tag: int) -> torch.Tensor:
+        arr = self.comm.recv(source, tag=tag)
+        if arr.dtype == np.uint8 and bytes(arr[:len(_ERROR)]) == _ERROR:
+            raise PipelineError(bytes(arr[len(_ERROR):]).decode(errors="replace"))
+        return torch.from_numpy(np.array(arr))
+
+    def _poison(self, remaining, message: str) -> None:
+        """Send ``message`` in place of every message this stage still owes its neighbours."""
+        payload = np.frombuffer(_ERROR + message.encode(), dtype=np.uint8)
+        handles = []
+        for a in remaining:
+            if a.kind == "F" and not self.last:
+                handles.append(self.comm.send_async(payload, self.stage + 1, tag=2 * a.micro))
+            if a.kind == "B" and not self.first:
+                handles.append(self.comm.send_async(payload, self.stage - 1, tag=2 * a.micro + 1))
+        for h in handles:
+            h.wait()
+
+    @torch.no_grad()
+    def infer(self, inputs: Optional[torch.Tensor]) -> torch.Tensor:
+        """The whole model's output for ``inputs`` (needed on the first stage), on every rank of the pipeline."""
+        x = inputs if self.first else self._recv(self.stage - 1, 0)
+        out = self.stage_module(x)
+        if not self.last:
+            self.comm.send(out, self.stage + 1, tag=0)
+            return self._result_from_last(None)
+        return self._result_from_last(out)
+
+    def _result_from_last(self, out: Optional[torch.Tensor]) -> torch.Tensor:
+        meta = self.comm.broadcast_object(tuple(out.shape) if out is not None else None, root=self.stages - 1)
+        buf = out.contiguous() if out is not None else torch.zeros(meta)
+        return self.comm.broadcast(buf, root=self.stages - 1)
+
+    # -- one training step ------------------------------------------------------------
+    def train_step(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor], optimizer=None
+                   ) -> torch.Tensor:
+        """Run forward and backward of one batch through the pipeline; return the batch's loss on every rank.
+
+        ``inputs`` is needed on the first stage and ``targets`` on the last
+        (other ranks may pass None).  Gradients accumulate in this stage's
+        parameters; call ``optimizer.step()`` afterwards.
+        """
+        m = self.micro_batches
+        xs = list(torch.tensor_split(inputs, m)) if self.first else None
+        ys = list(torch.tensor_split(targets, m)) if self.last else None
+        if self.last:
+            sizes = [len(y) for y in ys]
+            if min(sizes) == 0:
+                raise ValueError(f"a batch of {sum(sizes)} samples cannot make {m} micro-batches")
+        dist = optimizer is not None and hasattr(optimizer, "no_sync") and hasattr(optimizer, "_hpctrain")
+        held, outs, losses, sends = {}, {}, [], []
+        last_b = max(i for i, a in enumerate(self.actions) if a.kind == "B")
+        for k, action in enumerate(self.actions):
+            i = action.micro
+            try:
+                if action.kind == "F":
+                    if self.first:
+                        x = xs[i]
+                    else:
+                        x = self._recv(self.stage - 1, 2 * i).requires_grad_(True)
+                    out = self.stage_module(x)
+                    held[i] = x
+                    self.peak_in_flight = max(self.peak_in_flight, len(held))
+                    if self.last:
+                        scale = len(ys[i]) / sum(sizes) * (m if dist else 1)
+                        outs[i] = self.loss_fn(out, ys[i]) * scale
+                        losses.append(outs[i].detach() / (m if dist else 1))
+                    else:
+                        outs[i] = out
+                        sends.append(self.comm.send_async(out.detach(), self.stage + 1, tag=2 * i))
+                else:
+                    grad = None if self.last else self._recv(self.stage + 1, 2 * i + 1)
+                    ctx = optimizer.no_sync() if dist and k != last_b else contextlib.nullcontext()
+                    with ctx:
+                        torch.autograd.backward(outs.pop(i), grad)
+                    x = held.pop(i)
+                    if not self.first:
+                        g = x.grad if x.grad is not None else torch.zeros_like(x)
+                        sends.append(self.comm.send_async(g, self.stage - 1, tag=2 * i + 1))
+            except Exception as exc:
+                text = (f"stage {self.stage} (rank {self.layout.comm.rank}) failed in {action.kind} of "
+                        f"micro-batch {i}: {type(exc).__name__}: {exc}")
+                if isinstance(exc, PipelineError):
+                    text = str(exc)
+                # this action's message and every later one are owed; earlier sends may never be
+                # received now, so they are not waited for (the pipeline cannot go on after this)
+                self._poison(self.actions[k:], text)
+                raise PipelineError(text) from exc
+        for h in sends:
+            h.wait()
+        total = torch.stack(losses).sum() if self.last else torch.zeros(())
+        return self.comm.broadcast(total.reshape(1), root=self.stages - 1).reshape(())

@@ -1,0 +1,145 @@
+"""Process layouts and pipeline-parallel PyTorch training against one process training the whole model.
+
+Layouts: every factorisation of this launch's size into dp x pp x tp, in two
+orders, against the documented mixed-radix formula and the groups the
+sub-communicators really hold.  Pipelines: pp = N stages (and dp=2 x pp=2 at
+4 ranks), GPipe and 1F1B, micro-batch counts 1, 2 and 3 (3 leaves a
+remainder: a batch of 8 becomes 3+3+2); after 10 steps of SGD with momentum
+the stage's parameters equal the same layers of a single-process model
+trained on the data-parallel replicas' batches concatenated, within 1e-5
+relative, and the loss each step equals the reference loss of the replica's
+batch.  A stage whose input shape does not fit makes every rank raise.
+"""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import hpctrain.torch as ht
+from hpctrain.parallel import ParallelLayout
+
+B, STEPS = 8, 10
+
+
+def factorisations(n):
+    return [(dp, pp, tp) for dp, pp, tp in itertools.product(range(1, n + 1), repeat=3) if dp * pp * tp == n]
+
+
+@pytest.mark.parametrize("order", ["tp-pp-dp", "dp-pp-tp"])
+def test_layout_coordinates_and_groups_follow_the_formula(comm, order):
+    n, r = comm.size, comm.rank
+    axes = order.split("-")
+    for dp, pp, tp in factorisations(n):
+        sizes = {"dp": dp, "pp": pp, "tp": tp}
+        layout = ParallelLayout(dp=dp, pp=pp, tp=tp, order=order, comm=comm)
+        want = {axes[0]: r % sizes[axes[0]], axes[1]: r // sizes[axes[0]] % sizes[axes[1]],
+                axes[2]: r // (sizes[axes[0]] * sizes[axes[1]])}
+        assert layout.coords == want
+        assert layout.rank_of(**layout.coords) == r
+        for axis in ("dp", "pp", "tp"):
+            sub = layout.comm_of(axis)
+            members = sub.allgather_object(r)
+            assert members == layout.group(axis), (axis, members, layout.group(axis))
+            assert sub.rank == layout.coords[axis] and sub.size == sizes[axis]
+            others = {a: c for a, c in layout.coords.items() if a != axis}
+            assert all({a: c for a, c in layout.coords_of(m).items() if a != axis} == others for m in members)
+        layout.free()
+
+
+def test_bad_layouts_are_refused_with_the_reason(comm):
+    n = comm.size
+    with pytest.raises(ValueError, match=rf"dp\*pp\*tp = {n}\*2\*1 = {2 * n} ranks, but the communicator"):
+        ParallelLayout(dp=n, pp=2, comm=comm)
+    with pytest.raises(ValueError, match="unknown: \\['ep'\\]"):
+        ParallelLayout(dp=n, order="tp-ep-dp", comm=comm)
+    with pytest.raises(ValueError, match="must name each of dp, pp, tp once"):
+        ParallelLayout(dp=n, order="tp-tp-dp", comm=comm)
+    with pytest.raises(ValueError, match="pp must be a positive int"):
+        ParallelLayout(dp=n, pp=0, comm=comm)
+
+
+def make_model(seed=0):
+    """Five blocks with parameters, so every split into up to 5 stages gives each stage some."""
+    torch.manual_seed(seed)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(6 if i == 0 else 16, 16), torch.nn.Tanh()) for i in range(4)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(16, 3))
+
+
+def batch(step, replica):
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    return torch.randn(B, 6, generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+def layouts(n):
+    out = [(1, n)] if n <= 5 else []
+    if n == 4:
+        out.append((2, 2))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_pipeline_training_equals_one_process(comm, schedule, m):
+    for dp, pp in layouts(comm.size):
+        layout = ParallelLayout(dp=dp, pp=pp, comm=comm)
+        reference = make_model()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        pipe = ht.Pipeline(make_model(), layout, micro_batches=m, schedule=schedule)
+        opt = ht.DistributedOptimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9),
+                                      comm=layout.dp_comm)
+        replica = layout.coords["dp"]
+        for step in range(STEPS):
+            x, y = batch(step, replica)
+            opt.zero_grad()
+            loss = pipe.train_step(x, y, optimizer=opt)
+            opt.step()
+            xs, ys = zip(*(batch(step, k) for k in range(dp)))
+            ref_opt.zero_grad()
+            with torch.no_grad():
+                want_loss = torch.nn.functional.cross_entropy(reference(x), y)
+            torch.nn.functional.cross_entropy(reference(torch.cat(xs)), torch.cat(ys)).backward()
+            ref_opt.step()
+            assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss)), (step, loss, want_loss)
+        counts = ht.pipeline.balance_by_parameters(list(make_model()), pp)
+        start = sum(counts[:layout.stage])
+        want = torch.cat([p.detach().reshape(-1) for p in
+                          torch.nn.Sequential(*list(reference)[start:start + counts[layout.stage]]).parameters()])
+        got = torch.cat([p.detach().reshape(-1) for p in pipe.parameters()])
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err <= 1e-5, f"dp={dp} pp={pp} {schedule} m={m}: relative error {err:.3g}"
+        x, _ = batch(STEPS, replica)
+        with torch.no_grad():
+            want_out = reference(x)
+        got_out = pipe.infer(x)
+        assert float((got_out - want_out).abs().max() / want_out.abs().max()) <= 1e-5
+        peak = pipe.peak_in_flight
+        assert peak == (m if schedule == "gpipe" else min(m, pp - layout.stage)), peak
+        layout.free()
+
+
+def test_balance_by_parameter_count():
+    layers = [torch.nn.Linear(10, 10), torch.nn.ReLU(), torch.nn.Linear(10, 100), torch.nn.Linear(100, 10),
+              torch.nn.Linear(10, 10)]
+    assert ht.pipeline.balance_by_parameters(layers, 2) == [3, 2]     # 110+0+1100 | 1010+110
+    assert ht.pipeline.balance_by_parameters(layers, 5) == [1, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="cannot split 5 layers into 6"):
+        ht.pipeline.balance_by_parameters(layers, 6)
+
+
+def test_a_stage_that_does_not_fit_makes_every_rank_raise(comm):
+    """Stage 1 expects 7 features where stage 0 sends 16: every rank raises PipelineError naming stage 1."""
+    if comm.size < 2:
+        pytest.skip("needs two pipeline stages")
+    layout = ParallelLayout(pp=comm.size, comm=comm)
+    stages = [torch.nn.Linear(6, 16)] + [torch.nn.Linear(7, 16)] + \
+        [torch.nn.Linear(16, 16) for _ in range(comm.size - 3)] + ([torch.nn.Linear(16, 3)] if comm.size > 2 else [])
+    stages[-1] = torch.nn.Linear(7 if comm.size == 2 else 16, 3)
+    pipe = ht.Pipeline(stages, layout, micro_batches=2, schedule="1f1b")
+    x, y = batch(0, 0)
+    with pytest.raises(ht.PipelineError, match=r"stage 1 \(rank 1\) failed in F of micro-batch 0: RuntimeError"):
+        pipe.train_step(x, y)
+    with pytest.raises(ValueError, match="got 1 stage modules for a pipeline"):
+        ht.Pipeline([torch.nn.Linear(2, 2)], layout, micro_batches=1)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        ht.Pipeline(stages, layout, micro_batches=1, schedule="zigzag")
