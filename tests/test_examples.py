@@ -52,3 +52,19 @@ def test_hybrid_example_trains_with_every_layout(n, tmp_path):
         assert summary["ranks"] == n and summary["test_accuracy"] >= 0.93
         accuracies.append(summary["test_accuracy"])
     assert len(set(accuracies)) == 1, f"the same model split two ways trained differently: {accuracies}"
+
+
+HYBRID_TF = {1: [], 2: ["--pp", "2"], 3: ["--pp", "3"], 4: ["--dp", "2", "--pp", "2"]}
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_hybrid_tf_example_trains(n, tmp_path):
+    """examples/hybrid_tf.py: Keras pipeline stages (with data parallelism at 4 ranks) reach >= 93%."""
+    out = tmp_path / "summary.json"
+    cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / "hybrid_tf.py"),
+                           "--min-accuracy", "0.93", "--out", str(out)] + HYBRID_TF[n]
+    result = run(cmd, base_env(), timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    summary = json.loads(out.read_text())
+    want_pp = int(HYBRID_TF[n][HYBRID_TF[n].index("--pp") + 1]) if HYBRID_TF[n] else 1
+    assert summary["ranks"] == n and summary["pp"] == want_pp and summary["test_accuracy"] >= 0.93

@@ -271,11 +271,20 @@ class Communicator(abc.ABC):
         """Send ``x`` to rank ``dest`` (its shape and dtype travel with it); return when it may be reused."""
         self.send_async(x, dest, tag).wait()
 
-    def send_async(self, x: Any, dest: int, tag: int = 0) -> Handle:
-        """Start sending a copy of ``x`` to ``dest`` and return a :class:`Handle` (non-blocking, like MPI_Isend)."""
+    def send_async(self, x: Any, dest: int, tag: int = 0, header: bool = True) -> Handle:
+        """Start sending a copy of ``x`` to ``dest`` and return a :class:`Handle` (non-blocking, like MPI_Isend).
+
+        With ``header=False`` only the bytes travel (one message, no dtype or
+        shape): the receiver takes them with :meth:`recv_bytes` and must know
+        what they are.  For repeated messages of a known layout (pipeline
+        activations); cost is one message of ``x.nbytes`` instead of two.
+        """
         arr, _ = to_numpy(x)
         self._check_peer(dest, "dest")
-        return self._isend(np.array(arr, copy=True, order="C"), int(dest), int(tag))
+        arr = np.array(arr, copy=True, order="C")
+        if header:
+            return self._isend(arr, int(dest), int(tag))
+        return self._isend_bytes(arr.reshape(-1).view(np.uint8), int(dest), int(tag))
 
     def recv(self, source: int, tag: int = 0, like: Any = None) -> Any:
         """Receive what rank ``source`` sent with ``tag``; a numpy array, or ``like``'s type if given."""
@@ -288,6 +297,12 @@ class Communicator(abc.ABC):
         text = f"recv from rank {source} (tag {tag}) on {self.name}"
         fut = self._rt.receives.submit(lambda: self._recv(int(source), int(tag)), text)
         return Handle(fut, restore)
+
+    def recv_bytes(self, source: int, tag: int = 0) -> np.ndarray:
+        """Receive a message sent with ``send_async(..., header=False)``: its bytes, as a flat uint8 array."""
+        self._check_peer(source, "source")
+        text = f"recv of bytes from rank {source} (tag {tag}) on {self.name}"
+        return Handle(self._rt.receives.submit(lambda: self._recv_bytes(int(source), int(tag)), text), _same).wait()
 
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
         """Return the sub-communicator of the ranks that passed the same ``color``, ordered by ``key``.
@@ -662,6 +677,14 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _recv(self, source: int, tag: int) -> np.ndarray:
         """Receive an array sent by :meth:`_send`."""
+
+    def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int) -> Handle:
+        """Start sending the flat uint8 array ``raw`` (owned by the call) alone; return a handle."""
+        raise NotImplementedError(f"the {self.backend} backend has no header-less point-to-point messages")
+
+    def _recv_bytes(self, source: int, tag: int) -> np.ndarray:
+        """Receive a message sent by :meth:`_isend_bytes`, as a flat uint8 array of its length."""
+        raise NotImplementedError(f"the {self.backend} backend has no header-less point-to-point messages")
 
     @abc.abstractmethod
     def _split(self, color: Optional[int], key: int) -> Optional["Communicator"]:

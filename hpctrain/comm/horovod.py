@@ -125,6 +125,11 @@ class HorovodCommunicator(Communicator):
     def _recv(self, source: int, tag: int) -> np.ndarray:
         return self._isend(np.empty(0), source, tag)
 
+    _recv_bytes = _recv
+
+    def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int):
+        return self._isend(raw, dest, tag)
+
     def _split(self, color: Optional[int], key: int) -> Optional[Communicator]:
         if self.name != "world":
             raise ValueError("the horovod backend can only split the world communicator "

@@ -73,6 +73,12 @@ class LocalCommunicator(Communicator):
                                f"this would wait forever")
         return self._mailbox[tag].popleft()
 
+    def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int) -> Handle:
+        return self._isend(raw, dest, tag)
+
+    def _recv_bytes(self, source: int, tag: int) -> np.ndarray:
+        return self._recv(source, tag)
+
     def _split(self, color: Optional[int], key: int) -> Optional[Communicator]:
         return None if color is None else LocalCommunicator(self._rt, f"{self.name}.split({color})")
 

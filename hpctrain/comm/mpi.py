@@ -240,6 +240,16 @@ class MPICommunicator(Communicator):
         self._p2p.Recv(out.reshape(-1).view(np.uint8), source, tag)
         return out
 
+    def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int) -> Handle:
+        return _RequestHandle([self._p2p.Isend(raw, dest, tag)], (raw,), self._MPI)
+
+    def _recv_bytes(self, source: int, tag: int) -> np.ndarray:
+        status = self._MPI.Status()
+        self._p2p.Probe(source, tag, status)
+        out = np.empty(status.Get_count(self._MPI.BYTE), dtype=np.uint8)
+        self._p2p.Recv(out, source, tag)
+        return out
+
     def _split(self, color: Optional[int], key: int) -> Optional[Communicator]:
         MPI = self._MPI
         sub = self._base.Split(MPI.UNDEFINED if color is None else int(color), key)

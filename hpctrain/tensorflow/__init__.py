@@ -16,8 +16,8 @@ inside ``tf.function`` (not under XLA); see :mod:`hpctrain.tensorflow.ops`.
 """
 from .data import distributed_dataset
 from .ops import allreduce, average_metrics, broadcast_variables, reduce_gradients
-from .pipeline import Pipeline
+from .pipeline import Pipeline, PipelineError
 from .tape import DistributedGradientTape
 
 __all__ = ["allreduce", "average_metrics", "broadcast_variables", "reduce_gradients", "DistributedGradientTape",
-           "distributed_dataset", "Pipeline"]
+           "distributed_dataset", "Pipeline", "PipelineError"]

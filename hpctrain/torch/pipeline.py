@@ -5,7 +5,8 @@ one stage.  ``train_step(inputs, targets)`` splits the batch into ``m``
 micro-batches (``torch.tensor_split``: sizes differ by at most one) and runs
 the schedule's actions (:mod:`hpctrain.parallel.schedule`): activations go to
 the next stage and their gradients come back by point-to-point messages on the
-pipeline communicator; sends are asynchronous.  Micro-batch ``i`` of ``b_i``
+pipeline communicator (:mod:`hpctrain.parallel.links`: shapes travel with the
+first message of each link only); sends are asynchronous.  Micro-batch ``i`` of ``b_i``
 samples contributes ``(b_i / B) loss_i`` (``loss_fn`` a mean), so the
 gradients equal those of the whole batch of ``B`` on one process.  The loss
 comes back on every rank of the pipeline.
@@ -32,15 +33,11 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from ..parallel.links import PipelineError, StageLinks
+from ..tensors import to_numpy
 from ..parallel.schedule import schedule as make_schedule
 
 __all__ = ["Pipeline", "PipelineError", "balance_by_parameters"]
-
-_ERROR = b"\x00HPCTRAIN-PIPELINE-ERROR\x00"
-
-
-class PipelineError(RuntimeError):
-    """A stage of the pipeline failed; raised on every rank of the pipeline."""
 
 
 def balance_by_parameters(layers: Sequence[torch.nn.Module], stages: int) -> List[int]:
@@ -112,6 +109,7 @@ class Pipeline(torch.nn.Module):
         self.actions = make_schedule(schedule, p, micro_batches, s)
         self.loss_fn = loss_fn if loss_fn is not None else torch.nn.functional.cross_entropy
         self.peak_in_flight = 0       # the most micro-batches whose activations were held at once
+        self.links = StageLinks(self.comm, s)
 
     @property
     def first(self) -> bool:
@@ -126,28 +124,35 @@ class Pipeline(torch.nn.Module):
         return self.stage_module(x)
 
     # -- messages -------------------------------------------------------------------
-    def _recv(self, source: int, tag: int) -> torch.Tensor:
-        arr = self.comm.recv(source, tag=tag)
-        if arr.dtype == np.uint8 and bytes(arr[:len(_ERROR)]) == _ERROR:
-            raise PipelineError(bytes(arr[len(_ERROR):]).decode(errors="replace"))
-        return torch.from_numpy(np.array(arr))
+    def _recv(self, kind: str, micro: int) -> torch.Tensor:
+        """Receive micro-batch ``micro``'s activation ("F") or its gradient ("B"), on this stage's device.
+
+        Messages travel through host memory (a CUDA stage pays one copy each way).
+        """
+        source = self.stage - 1 if kind == "F" else self.stage + 1
+        t = torch.from_numpy(self.links.recv(source, 2 * micro + (kind == "B"), kind))
+        device = next((p.device for p in self.stage_module.parameters()), t.device)
+        return t if device.type == "cpu" else t.to(device)
+
+    def _send(self, t: torch.Tensor, kind: str, micro: int):
+        dest = self.stage + 1 if kind == "F" else self.stage - 1
+        return self.links.send_async(to_numpy(t.detach())[0], dest, 2 * micro + (kind == "B"), kind)
 
     def _poison(self, remaining, message: str) -> None:
         """Send ``message`` in place of every message this stage still owes its neighbours."""
-        payload = np.frombuffer(_ERROR + message.encode(), dtype=np.uint8)
         handles = []
         for a in remaining:
             if a.kind == "F" and not self.last:
-                handles.append(self.comm.send_async(payload, self.stage + 1, tag=2 * a.micro))
+                handles.append(self.links.fail(self.stage + 1, 2 * a.micro, "F", message))
             if a.kind == "B" and not self.first:
-                handles.append(self.comm.send_async(payload, self.stage - 1, tag=2 * a.micro + 1))
+                handles.append(self.links.fail(self.stage - 1, 2 * a.micro + 1, "B", message))
         for h in handles:
             h.wait()
 
     @torch.no_grad()
     def infer(self, inputs: Optional[torch.Tensor]) -> torch.Tensor:
         """The whole model's output for ``inputs`` (needed on the first stage), on every rank of the pipeline."""
-        x = inputs if self.first else self._recv(self.stage - 1, 0)
+        x = inputs if self.first else torch.from_numpy(self.comm.recv(self.stage - 1, tag=0))
         out = self.stage_module(x)
         if not self.last:
             self.comm.send(out, self.stage + 1, tag=0)
@@ -185,7 +190,7 @@ class Pipeline(torch.nn.Module):
                     if self.first:
                         x = xs[i]
                     else:
-                        x = self._recv(self.stage - 1, 2 * i).requires_grad_(True)
+                        x = self._recv("F", i).requires_grad_(True)
                     out = self.stage_module(x)
                     held[i] = x
                     self.peak_in_flight = max(self.peak_in_flight, len(held))
@@ -195,16 +200,18 @@ class Pipeline(torch.nn.Module):
                         losses.append(outs[i].detach() / (m if dist else 1))
                     else:
                         outs[i] = out
-                        sends.append(self.comm.send_async(out.detach(), self.stage + 1, tag=2 * i))
+                        sends.append(self._send(out, "F", i))
                 else:
-                    grad = None if self.last else self._recv(self.stage + 1, 2 * i + 1)
+                    grad = None if self.last else self._recv("B", i)
                     ctx = optimizer.no_sync() if dist and k != last_b else contextlib.nullcontext()
-                    with ctx:
-                        torch.autograd.backward(outs.pop(i), grad)
+                    out = outs.pop(i)
+                    if out.requires_grad:             # (a first stage without parameters has nothing to do)
+                        with ctx:
+                            torch.autograd.backward(out, grad)
                     x = held.pop(i)
                     if not self.first:
                         g = x.grad if x.grad is not None else torch.zeros_like(x)
-                        sends.append(self.comm.send_async(g, self.stage - 1, tag=2 * i + 1))
+                        sends.append(self._send(g, "B", i))
             except Exception as exc:
                 text = (f"stage {self.stage} (rank {self.layout.comm.rank}) failed in {action.kind} of "
                         f"micro-batch {i}: {type(exc).__name__}: {exc}")

@@ -336,6 +336,22 @@ def test_send_recv(comm, dtype):
     np.testing.assert_array_equal(large, np.arange(1_000_003, dtype=np.float32) + left)
 
 
+def test_send_without_header_arrives_as_its_bytes(comm):
+    n, r = comm.size, comm.rank
+    if comm.backend == "horovod":
+        with pytest.raises(ValueError, match="point-to-point"):
+            comm.send_async(np.ones(1), dest=0, header=False)
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    for rows in (5, 0, 2):                      # the length alone tells the receiver how many rows came
+        x = data(r, rows * 6, np.float32, seed=rows, shape=(rows, 6))
+        h = comm.send_async(x, dest=right, tag=3, header=False)
+        got = comm.recv_bytes(source=left, tag=3)
+        h.wait()
+        assert got.dtype == np.uint8 and got.shape == (rows * 24,)
+        assert got.tobytes() == data(left, rows * 6, np.float32, seed=rows, shape=(rows, 6)).tobytes()
+
+
 def test_ring_unavailable_on_horovod(comm):
     if comm.backend != "horovod":
         assert "ring" in comm.allreduce_algorithms()

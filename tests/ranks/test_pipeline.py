@@ -143,3 +143,26 @@ def test_a_stage_that_does_not_fit_makes_every_rank_raise(comm):
         ht.Pipeline([torch.nn.Linear(2, 2)], layout, micro_batches=1)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         ht.Pipeline(stages, layout, micro_batches=1, schedule="zigzag")
+
+
+def test_shapes_travel_once_and_only_the_first_dimension_may_change(comm):
+    """Later steps send bytes alone: other micro-batch sizes work; a new row shape is refused on every rank."""
+    if comm.size < 2:
+        pytest.skip("needs two pipeline stages")
+    layout = ParallelLayout(pp=comm.size, comm=comm)
+    torch.manual_seed(3)
+    stages = [torch.nn.Identity()] + [torch.nn.Linear(6, 6) for _ in range(comm.size - 2)] + [torch.nn.Linear(6, 3)]
+    reference = torch.nn.Sequential(*stages[1:])
+    pipe = ht.Pipeline(stages, layout, micro_batches=3, schedule="1f1b")
+    for size in (8, 5, 9):                     # micro-batches of 3,3,2 then 2,2,1 then 3,3,3 rows
+        x, y = batch(size, 0)
+        x, y = x[:size], y[:size]
+        with torch.no_grad():
+            want = torch.nn.functional.cross_entropy(reference(x), y)
+        got = pipe.train_step(x, y)
+        assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (size, got, want)
+        assert [type(v) for v in pipe.links._sent.values()] == [tuple] * len(pipe.links._sent)
+    with pytest.raises(ht.PipelineError, match=r"stage 0 \(rank 0\) failed in F of micro-batch 0: ValueError: "
+                                               r"stage 0: a activation of rows \(1, 6\) float32 for stage 1, but the "
+                                               r"first step sent rows \(6,\) float32"):
+        pipe.train_step(x.reshape(len(x), 1, 6), y)

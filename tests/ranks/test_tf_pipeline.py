@@ -82,3 +82,16 @@ def test_bad_pipeline_arguments_are_refused(comm):
         htf.Pipeline(make_stages(comm.size) + [keras.layers.Dense(2)], layout, micro_batches=2)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         htf.Pipeline(make_stages(comm.size), layout, micro_batches=2, schedule="zigzag")
+
+
+def test_a_stage_that_does_not_fit_makes_every_rank_raise(comm):
+    """Stage 1 expects 7 features where stage 0 sends 16: every rank raises PipelineError naming stage 1."""
+    if comm.size < 2:
+        pytest.skip("needs two pipeline stages")
+    layout = ParallelLayout(pp=comm.size, comm=comm)
+    stages = make_stages(comm.size)
+    stages[1] = keras.Sequential([keras.Input((7,)), keras.layers.Dense(16 if comm.size > 2 else 3)])
+    pipe = htf.Pipeline(stages, layout, micro_batches=2, schedule="1f1b")
+    x, y = data(0, 0)
+    with pytest.raises(htf.PipelineError, match=r"stage 1 \(rank 1\) failed in F of micro-batch 0"):
+        pipe.train_step(x, y)
