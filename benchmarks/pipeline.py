@@ -10,9 +10,15 @@ own).  Efficiency = T1(m) / (p T_pipe), against the theory
 ``1 - (p-1)/(m+p-1)``.  The reference uses the same micro-batches because
 small micro-batches make each matrix product slower on one rank too (the
 theory assumes they cost ``1/m`` each); the whole batch on one rank is
-reported beside it.  Memory: the growth of the peak resident set of each rank during
-training (its activations and optimizer state), and the most micro-batches
-whose activations a stage held at once.  Medians over ``--rounds`` launches
+reported beside it.  A second reference, T1(m) "beside others", runs the same
+one-rank job on every core at once (no communication): the theory assumes a
+stage computes as fast as a lone process, but on a small machine the other
+busy cores slow it (shared caches and memory bandwidth), which is not the
+schedule's doing either; "measured/theory, loaded reference" divides that out.
+Memory: the peak bytes of the activations autograd holds for backward on
+each rank (saved tensors, parameters left out, counted by
+``saved_tensors_hooks``), the growth of the peak resident set, and the most
+micro-batches whose activations a stage held at once.  Medians over ``--rounds`` launches
 of ``--windows`` windows; peers alternate order between rounds.  Writes
 ``pipeline.json``, ``pipeline.md`` and ``pipeline.png`` under ``--out``.
 """
@@ -40,6 +46,11 @@ def worker(schedule: str, m: int, layers: int, width: int, batch: int, steps: in
 
     torch.set_num_threads(1)
     comm = hpctrain.init()
+    world = comm
+    if schedule.startswith("alone-"):
+        # every rank runs the whole model as a 1-stage pipeline on its own, at the same time as the
+        # others: the one-rank reference under the same load of the machine (shared caches, memory)
+        schedule, comm = schedule[len("alone-"):], comm.split(comm.rank)
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(layers)]
     model = torch.nn.Sequential(*blocks, torch.nn.Linear(width, 10))
@@ -61,22 +72,70 @@ def worker(schedule: str, m: int, layers: int, width: int, batch: int, steps: in
             opt.zero_grad()
             run.train_step(x, y)
             opt.step()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = _SavedBytes(params)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step()
-    step()
-    times = []
-    for _ in range(windows):
-        comm.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        comm.barrier()
-        times.append((time.perf_counter() - t0) / steps)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        step()
+        step()
+        times = []
+        for _ in range(windows):
+            world.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            world.barrier()
+            times.append((time.perf_counter() - t0) / steps)
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024    # KiB -> MiB
-    peaks = comm.allgather_object({"rss_growth_mib": grown, "in_flight": getattr(run, "peak_in_flight", 1)})
-    if comm.rank == 0:
+    peaks = world.allgather_object({"rss_growth_mib": grown, "in_flight": getattr(run, "peak_in_flight", 1),
+                                    "activation_mib": saved.peak / 2**20})
+    if world.rank == 0:
         print("RESULT " + json.dumps({"step_s": times, "ranks": peaks}), flush=True)
     hpctrain.shutdown()
+
+
+class _SavedBytes:
+    """Peak bytes of the tensors autograd saves for backward (activations), parameters left out.
+
+    Counted by storage, so views of one tensor count once; a storage is
+    released when the last saved reference to it is freed (its graph is gone).
+    """
+
+    def __init__(self, exclude):
+        self.exclude, self.refs, self.live, self.peak = exclude, {}, 0, 0
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        if key in self.exclude or t.device.type != "cpu":
+            return t
+        count, size = self.refs.get(key, (0, t.untyped_storage().nbytes()))
+        if count == 0:
+            self.live += size
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = (count + 1, size)
+        return _Saved(t, key, self)
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Saved) else h
+
+    def release(self, key):
+        count, size = self.refs[key]
+        if count == 1:
+            del self.refs[key]
+            self.live -= size
+        else:
+            self.refs[key] = (count - 1, size)
+
+
+class _Saved:
+    __slots__ = ("t", "key", "owner")
+
+    def __init__(self, t, key, owner):
+        self.t, self.key, self.owner = t, key, owner
+
+    def __del__(self):
+        self.owner.release(self.key)
 
 
 def main() -> None:
@@ -100,7 +159,8 @@ def main() -> None:
         return
     # references: the whole batch on one rank, and the same micro-batches on one rank (a 1-stage pipeline):
     # small micro-batches make each matrix product slower, which is not the pipeline's doing
-    refs = [("none", 1, 1)] + [("1f1b", m, 1) for m in args.micro_batches]
+    refs = [("none", 1, 1)] + [("1f1b", m, 1) for m in args.micro_batches] + \
+        [("alone-1f1b", m, args.stages) for m in args.micro_batches]
     peers = refs + [(s, m, args.stages) for s in args.schedules for m in args.micro_batches]
     results = {p: [] for p in peers}
     for rnd in range(args.rounds):
@@ -116,11 +176,17 @@ def main() -> None:
         runs = results[(schedule, m, n)]
         t = statistics.median(s for r in runs for s in r["step_s"])
         t1m = statistics.median(s for r in results[("1f1b", m, 1)] for s in r["step_s"])
+        t1c = statistics.median(s for r in results[("alone-1f1b", m, p)] for s in r["step_s"])
         theory = 1 - (p - 1) / (m + p - 1)
         measured = t1m / (p * t)
+        loaded = t1c / (p * t)
         rows.append({"schedule": schedule, "micro_batches": m, "step_s": t, "efficiency": measured,
                      "one_rank_same_micro_batches_s": t1m, "efficiency_vs_whole_batch": t1 / (p * t),
+                     "one_rank_beside_others_s": t1c, "efficiency_vs_loaded": loaded,
                      "theory": theory, "ratio_to_theory": measured / theory,
+                     "loaded_ratio_to_theory": loaded / theory,
+                     "activation_mib": [statistics.median(r["ranks"][k]["activation_mib"] for r in runs)
+                                        for k in range(n)],
                      "rss_growth_mib": [statistics.median(r["ranks"][k]["rss_growth_mib"] for r in runs)
                                         for k in range(n)],
                      "in_flight": [runs[0]["ranks"][k]["in_flight"] for k in range(n)]})
@@ -138,12 +204,15 @@ def write_outputs(rows, t1: float, single_rss: float, out: Path, args) -> None:
              f"(the whole batch at once: 'vs T1'); theory = 1 - (p-1)/(m+p-1); medians of "
              f"{args.rounds} rounds x {args.windows} windows.\n",
              "| schedule | m | ms/step | T1(m) ms | efficiency | vs T1 | theory | measured/theory "
-             "| RSS growth per rank (MiB) | micro-batches in flight per stage |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| T1(m) beside others ms | measured/theory, loaded reference "
+             "| peak activations per rank (MiB) | RSS growth per rank (MiB) | micro-batches in flight per stage |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['schedule']} | {r['micro_batches']} | {r['step_s'] * 1e3:.1f} | "
                      f"{r['one_rank_same_micro_batches_s'] * 1e3:.1f} | {r['efficiency']:.1%} | "
                      f"{r['efficiency_vs_whole_batch']:.1%} | {r['theory']:.1%} | {r['ratio_to_theory']:.2f} | "
+                     f"{r['one_rank_beside_others_s'] * 1e3:.1f} | {r['loaded_ratio_to_theory']:.2f} | "
+                     f"{' / '.join(f'{v:.1f}' for v in r['activation_mib'])} | "
                      f"{' / '.join(f'{v:.0f}' for v in r['rss_growth_mib'])} | "
                      f"{' / '.join(str(v) for v in r['in_flight'])} |")
     table = "\n".join(lines)
