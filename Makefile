@@ -24,6 +24,7 @@ bench: setup
 	$(PY) benchmarks/scaling.py --framework tf --ranks 1 2 4 --out results/scaling-tf
 	$(PY) benchmarks/checkpoint.py --out results/checkpoint
 	$(PY) benchmarks/compression.py --out results/compression
+	$(PY) benchmarks/pipeline.py --out results/pipeline
 
 clean:
 	rm -rf results .pytest_cache
