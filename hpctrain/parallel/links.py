@@ -82,6 +82,17 @@ class StageLinks:
         payload = np.frombuffer(_ERROR + message.encode(), dtype=np.uint8)
         return self.comm.send_async(payload, dest, tag=tag, header=(dest, kind) not in self._sent)
 
+    def fail_remaining(self, actions, stages: int, message: str) -> None:
+        """Send ``message`` in place of every message the schedule ``actions`` still owe the neighbours; wait."""
+        handles = []
+        for a in actions:
+            if a.kind == "F" and self.stage < stages - 1:
+                handles.append(self.fail(self.stage + 1, 2 * a.micro, "F", message))
+            if a.kind == "B" and self.stage > 0:
+                handles.append(self.fail(self.stage - 1, 2 * a.micro + 1, "B", message))
+        for h in handles:
+            h.wait()
+
 
 def _what(kind: str) -> str:
     return "activation" if kind == "F" else "activation gradient"

@@ -119,23 +119,10 @@ class Pipeline:
                 text = str(exc) if isinstance(exc, PipelineError) else (
                     f"stage {self.stage} (rank {self.layout.comm.rank}) failed in {action.kind} of micro-batch "
                     f"{i}: {type(exc).__name__}: {exc}")
-                self._fail(self.actions[k:], text)
+                self.links.fail_remaining(self.actions[k:], self.stages, text)
                 raise PipelineError(text) from exc
         for h in sends:
             h.wait()
-        if grads is None:
-            grads = [tf.zeros_like(v) for v in self.trainable_variables]
         loss = np.array([sum(losses)], dtype=np.float64)
         loss = self.comm.broadcast(loss, root=self.stages - 1)
         return float(loss[0]), grads
-
-    def _fail(self, remaining, message: str) -> None:
-        """Send ``message`` in place of every message this stage still owes its neighbours."""
-        handles = []
-        for a in remaining:
-            if a.kind == "F" and self.stage < self.stages - 1:
-                handles.append(self.links.fail(self.stage + 1, 2 * a.micro, "F", message))
-            if a.kind == "B" and self.stage > 0:
-                handles.append(self.links.fail(self.stage - 1, 2 * a.micro + 1, "B", message))
-        for h in handles:
-            h.wait()

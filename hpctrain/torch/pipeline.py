@@ -138,17 +138,6 @@ class Pipeline(torch.nn.Module):
         dest = self.stage + 1 if kind == "F" else self.stage - 1
         return self.links.send_async(to_numpy(t.detach())[0], dest, 2 * micro + (kind == "B"), kind)
 
-    def _poison(self, remaining, message: str) -> None:
-        """Send ``message`` in place of every message this stage still owes its neighbours."""
-        handles = []
-        for a in remaining:
-            if a.kind == "F" and not self.last:
-                handles.append(self.links.fail(self.stage + 1, 2 * a.micro, "F", message))
-            if a.kind == "B" and not self.first:
-                handles.append(self.links.fail(self.stage - 1, 2 * a.micro + 1, "B", message))
-        for h in handles:
-            h.wait()
-
     @torch.no_grad()
     def infer(self, inputs: Optional[torch.Tensor]) -> torch.Tensor:
         """The whole model's output for ``inputs`` (needed on the first stage), on every rank of the pipeline."""
@@ -219,7 +208,7 @@ class Pipeline(torch.nn.Module):
                     text = str(exc)
                 # this action's message and every later one are owed; earlier sends may never be
                 # received now, so they are not waited for (the pipeline cannot go on after this)
-                self._poison(self.actions[k:], text)
+                self.links.fail_remaining(self.actions[k:], self.stages, text)
                 raise PipelineError(text) from exc
         for h in sends:
             h.wait()
