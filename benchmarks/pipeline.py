@@ -4,7 +4,9 @@
     python benchmarks/pipeline.py --rounds 3 --micro-batches 1 4 16
 
 A compute-bound MLP (``--layers`` Linear(width, width) + ReLU, batch
-``--batch``) runs on one rank with the same ``m`` micro-batches (the reference
+``--batch``; 16 x 544 by default: many equal layers, so the split by parameter
+count also splits the compute evenly; the first stage skips its input's
+gradient, one matrix product in 24) runs on one rank with the same ``m`` micro-batches (the reference
 time T1(m)) and as a 2-stage ``hpctrain.torch.Pipeline`` (each launch on its
 own).  Efficiency = T1(m) / (p T_pipe), against the theory
 ``1 - (p-1)/(m+p-1)``.  The reference uses the same micro-batches because
@@ -143,8 +145,8 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--width", type=int, default=544)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--windows", type=int, default=3)

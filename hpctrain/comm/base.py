@@ -287,8 +287,15 @@ class Communicator(abc.ABC):
         return self._isend_bytes(arr.reshape(-1).view(np.uint8), int(dest), int(tag))
 
     def recv(self, source: int, tag: int = 0, like: Any = None) -> Any:
-        """Receive what rank ``source`` sent with ``tag``; a numpy array, or ``like``'s type if given."""
-        return self.recv_async(source, tag, like).wait()
+        """Receive what rank ``source`` sent with ``tag``; a numpy array, or ``like``'s type if given.
+
+        Runs on the caller's thread, after the receives started before it with
+        :meth:`recv_async` (no thread hand-off: that cost about 0.3 ms a message here).
+        """
+        restore = to_numpy(like)[1] if like is not None else _same
+        self._check_peer(source, "source")
+        text = f"recv from rank {source} (tag {tag}) on {self.name}"
+        return restore(self._rt.receives.run(lambda: self._recv(int(source), int(tag)), text))
 
     def recv_async(self, source: int, tag: int = 0, like: Any = None) -> Handle:
         """Start :meth:`recv` and return a :class:`Handle`; receives complete in the order they were posted."""
@@ -302,7 +309,7 @@ class Communicator(abc.ABC):
         """Receive a message sent with ``send_async(..., header=False)``: its bytes, as a flat uint8 array."""
         self._check_peer(source, "source")
         text = f"recv of bytes from rank {source} (tag {tag}) on {self.name}"
-        return Handle(self._rt.receives.submit(lambda: self._recv_bytes(int(source), int(tag)), text), _same).wait()
+        return self._rt.receives.run(lambda: self._recv_bytes(int(source), int(tag)), text)
 
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
         """Return the sub-communicator of the ranks that passed the same ``color``, ordered by ``key``.

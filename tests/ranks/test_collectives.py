@@ -334,6 +334,13 @@ def test_send_recv(comm, dtype):
     h1.wait(), h2.wait()
     assert small.tolist() == [left]
     np.testing.assert_array_equal(large, np.arange(1_000_003, dtype=np.float32) + left)
+    # a blocking receive (run on the caller's thread) waits for the receives started before it
+    h1 = comm.send_async(np.array([r, 5]), dest=right, tag=5)
+    h2 = comm.send_async(np.array([r, 4]), dest=right, tag=4)
+    pending = comm.recv_async(source=left, tag=4)
+    now = comm.recv(source=left, tag=5)
+    assert pending.test() and pending.wait().tolist() == [left, 4] and now.tolist() == [left, 5]
+    h1.wait(), h2.wait()
 
 
 def test_send_without_header_arrives_as_its_bytes(comm):
