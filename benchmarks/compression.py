@@ -5,14 +5,18 @@
 
 Each run is one launch of ``examples/torch_digits.py`` or ``examples/tf_digits.py``
 (the digits CNN, Adam, fixed global batch) with ``--compression SPEC``, so the
-figures are what a user of the examples gets.  Every weight is compressed
+figures are what a user of the examples gets.  Repeat ``r`` uses seed ``r``
+(initial weights, data split and order), the same for every method, so each
+method's accuracy change is paired with the uncompressed run of the same seed:
+the table gives the median over seeds of those differences (one test sample
+is 0.28 points of the 360-sample test set, so one seed alone is noisy).  Every weight is compressed
 (``--compress-min-numel 0``: on this small CNN the default 1024-value floor
 would keep a third of the bytes dense); biases stay dense except for the
 casts, which take every tensor.  Per run: final test accuracy; payload bytes
 this rank sent per step against fp32 (``x fewer``) and against fp16; time per
 training step; compress + decompress time per step.  Methods are run in an
-order that alternates between repeats; times are medians over repeats
-(accuracy is deterministic for a given rank count).  Writes
+order that alternates between repeats; times are medians over repeats.
+Training runs 30 epochs by default (the examples' own default: to convergence).  Writes
 ``compression.json``, ``compression.md`` and ``compression.png`` under ``--out``.
 """
 from __future__ import annotations
@@ -41,12 +45,12 @@ METHODS = {
 TARGETS = {"topk": (40, 1.0), "powersgd": (20, 1.0), "onebit": (25, 2.0), "efsignsgd": (25, 2.0), "fp16": (2, 0.3)}
 
 
-def run_example(framework: str, n: int, spec: str, epochs: int) -> dict:
+def run_example(framework: str, n: int, spec: str, epochs: int, seed: int) -> dict:
     from hpctrain.launch import build_command
 
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp:
         out = Path(tmp) / "summary.json"
-        argv = [sys.executable, str(EXAMPLES[framework]), "--epochs", str(epochs), "--compression", spec,
+        argv = [sys.executable, str(EXAMPLES[framework]), "--epochs", str(epochs), "--seed", str(seed), "--compression", spec,
                 "--compress-min-numel", "0", "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
         proc = subprocess.run(build_command(n, argv, env=env), capture_output=True, text=True, env=env,
@@ -61,8 +65,8 @@ def main() -> None:
     ap.add_argument("--frameworks", nargs="+", choices=sorted(EXAMPLES), default=["torch", "tf"])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3, help="seeds 0 .. repeats-1")
     ap.add_argument("--out", default="results/compression")
     args = ap.parse_args()
     methods = ["none"] + [m for m in args.methods if m != "none"]      # the reference always runs
@@ -74,21 +78,22 @@ def main() -> None:
                 for m in (methods if rep % 2 == 0 else methods[::-1]):
                     print(f"[{framework}, {n} ranks, repeat {rep + 1}/{args.repeats}] {METHODS[m]}",
                           file=sys.stderr, flush=True)
-                    runs[m].append(run_example(framework, n, METHODS[m], args.epochs))
-            base = statistics.median(r["test_accuracy"] for r in runs["none"])
+                    runs[m].append(run_example(framework, n, METHODS[m], args.epochs, seed=rep))
+            base = [r["test_accuracy"] for r in runs["none"]]          # by seed
             for m in methods:
                 rows.append(summarize(framework, n, m, runs[m], base))
             write_outputs(rows, Path(args.out), args)      # after every group: a stopped run keeps what it has
 
 
-def summarize(framework: str, n: int, method: str, runs, base_accuracy: float) -> dict:
-    """One table row: medians over the repeats of one method."""
+def summarize(framework: str, n: int, method: str, runs, base_accuracy) -> dict:
+    """One table row: medians over the repeats of one method; accuracy change paired by seed with ``base_accuracy``."""
     stats = [r["compression"] for r in runs]
     sent = statistics.median(s["sent_bytes_per_step"] for s in stats)
     dense = statistics.median(s["dense_bytes_per_step"] for s in stats)
     acc = statistics.median(r["test_accuracy"] for r in runs)
     row = {"framework": framework, "ranks": n, "method": method, "spec": METHODS[method],
-           "accuracy": acc, "accuracy_delta_points": 100 * (acc - base_accuracy),
+           "accuracy": acc, "accuracy_delta_points": 100 * statistics.median(
+               r["test_accuracy"] - b for r, b in zip(runs, base_accuracy)),
            "sent_bytes_per_step": sent, "received_bytes_per_step": statistics.median(
                s["received_bytes_per_step"] for s in stats),
            "fewer_than_fp32": dense / sent if sent else float("inf"),
@@ -108,7 +113,8 @@ def write_outputs(rows, out: Path, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "compression.json").write_text(json.dumps({"rows": rows, "epochs": args.epochs,
                                                       "repeats": args.repeats}, indent=1))
-    lines = [f"Digits CNN (examples/), Adam, {args.epochs} epochs; medians of {args.repeats} repeats. "
+    lines = [f"Digits CNN (examples/), Adam, {args.epochs} epochs; medians of {args.repeats} repeats (seeds "
+             f"0-{args.repeats - 1}; Δ points: median of the differences to the uncompressed run of the same seed). "
              "x fewer: fp32 bytes / payload bytes sent per rank per step; vs fp16: payload / fp16 bytes; "
              "codec: compress + decompress time per step.\n"]
     for framework in dict.fromkeys(r["framework"] for r in rows):
