@@ -155,6 +155,16 @@ def test_powersgd_at_full_rank_reproduces_the_matrix_and_is_cheaper_at_low_rank(
     assert low.stats()["sent_bytes_per_step"] == 4 * (40 + 30)
 
 
+def test_powersgd_views_conv_kernels_of_both_frameworks_as_the_same_matrix():
+    comp = C.get("powersgd", rank=2, start_iter=0)
+    assert comp.matrix_shape((16, 1, 3, 3)) == (16, 9)          # PyTorch conv: out x in kh kw
+    assert comp.matrix_shape((3, 3, 1, 16)) == (9, 16)          # Keras conv: kh kw in x out
+    assert comp.matrix_shape((3, 3, 16, 32)) == (144, 32)
+    assert comp.matrix_shape((40, 30)) == (40, 30) and comp.matrix_shape((7,)) == (7, 0)
+    # 9 x 16 at rank 2 compresses 144 values to 50; the first-dimension view (3 x 48) would not pass rate 2
+    assert comp.compresses((3, 3, 1, 16), step=0) and comp.compresses((16, 1, 3, 3), step=0)
+
+
 def test_pack_unpack_round_trip_with_every_wire_dtype():
     rng = np.random.default_rng(5)
     payloads = [[rng.standard_normal(3).astype(np.float32), np.arange(5, dtype=np.int32)],

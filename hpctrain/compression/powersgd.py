@@ -1,6 +1,7 @@
 """PowerSGD (Vogels et al. 2019): a rank-r approximation of each gradient matrix from one power iteration.
 
-For a gradient viewed as an ``n x m`` matrix ``M`` (dim 0 by the rest),
+For a gradient viewed as an ``n x m`` matrix ``M`` (its first or last
+dimension by the rest, see :meth:`PowerSGD.matrix_shape`),
 compensated with the error-feedback residual ``C = M + E``:
 
 1. ``P = C Q`` (``Q``: ``m x r``, the previous step's when ``warm_start``, else
@@ -66,10 +67,19 @@ class PowerSGD(Compressor):
                 f"{self.min_compression_rate}, warm_start={self.warm_start}, error_feedback={self.error_feedback}")
 
     def matrix_shape(self, shape: Tuple[int, ...]) -> Tuple[int, int]:
-        """``(n, m)``: dim 0 by the product of the others; ``(n, 0)`` for tensors of fewer than two dims."""
+        """``(n, m)``: the tensor as a matrix whose one side is its first or its last dimension.
+
+        Whichever compresses more (larger ``n m / (n + m)``; the first on a
+        tie): PyTorch keeps output channels first (a conv kernel ``(out, in,
+        kh, kw)`` becomes ``out x in kh kw``), Keras last (``(kh, kw, in,
+        out)`` becomes ``kh kw in x out``), so both frameworks approximate the
+        same matrix.  ``(n, 0)`` for tensors of fewer than two dims.
+        """
         if len(shape) < 2:
             return (int(np.prod(shape)) if shape else 1, 0)
-        return int(shape[0]), int(np.prod(shape[1:]))
+        first = int(shape[0]), int(np.prod(shape[1:]))
+        last = int(np.prod(shape[:-1])), int(shape[-1])
+        return max((first, last), key=lambda nm: nm[0] * nm[1] / (nm[0] + nm[1]))
 
     def compresses(self, shape: Tuple[int, ...], step: int) -> bool:
         """Whether a tensor of ``shape`` is approximated at ``step`` (else reduced exactly)."""
