@@ -161,6 +161,7 @@ def test_powersgd_views_conv_kernels_of_both_frameworks_as_the_same_matrix():
     assert comp.matrix_shape((3, 3, 1, 16)) == (9, 16)          # Keras conv: kh kw in x out
     assert comp.matrix_shape((3, 3, 16, 32)) == (144, 32)
     assert comp.matrix_shape((40, 30)) == (40, 30) and comp.matrix_shape((7,)) == (7, 0)
+    assert comp.matrix_shape((0, 0)) == (0, 0) and not comp.compresses((0, 0), step=0)
     # 9 x 16 at rank 2 compresses 144 values to 50; the first-dimension view (3 x 48) would not pass rate 2
     assert comp.compresses((3, 3, 1, 16), step=0) and comp.compresses((16, 1, 3, 3), step=0)
 

@@ -73,13 +73,13 @@ class PowerSGD(Compressor):
         tie): PyTorch keeps output channels first (a conv kernel ``(out, in,
         kh, kw)`` becomes ``out x in kh kw``), Keras last (``(kh, kw, in,
         out)`` becomes ``kh kw in x out``), so both frameworks approximate the
-        same matrix.  ``(n, 0)`` for tensors of fewer than two dims.
+        same matrix (transposed).  ``(n, 0)`` for tensors of fewer than two dims.
         """
         if len(shape) < 2:
             return (int(np.prod(shape)) if shape else 1, 0)
         first = int(shape[0]), int(np.prod(shape[1:]))
         last = int(np.prod(shape[:-1])), int(shape[-1])
-        return max((first, last), key=lambda nm: nm[0] * nm[1] / (nm[0] + nm[1]))
+        return max((first, last), key=lambda nm: nm[0] * nm[1] / max(1, nm[0] + nm[1]))
 
     def compresses(self, shape: Tuple[int, ...], step: int) -> bool:
         """Whether a tensor of ``shape`` is approximated at ``step`` (else reduced exactly)."""
