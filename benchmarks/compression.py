@@ -9,8 +9,8 @@ figures are what a user of the examples gets.  Repeat ``r`` uses seed ``r``
 (initial weights, data split and order), the same for every method, so each
 method's accuracy change is paired with the uncompressed run of the same seed:
 the table gives the median over seeds of those differences (one test sample
-is 0.28 points of the 360-sample test set, so one seed alone is noisy).  Every weight is compressed
-(``--compress-min-numel 0``: on this small CNN the default 1024-value floor
+is 0.28 points of the 360-sample test set, so one seed alone is noisy).
+Every weight is compressed (``--compress-min-numel 0``: on this small CNN the default 1024-value floor
 would keep a third of the bytes dense); biases stay dense except for the
 casts, which take every tensor.  Per run: final test accuracy; payload bytes
 this rank sent per step against fp32 (``x fewer``) and against fp16; time per
@@ -50,8 +50,8 @@ def run_example(framework: str, n: int, spec: str, epochs: int, seed: int) -> di
 
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp:
         out = Path(tmp) / "summary.json"
-        argv = [sys.executable, str(EXAMPLES[framework]), "--epochs", str(epochs), "--seed", str(seed), "--compression", spec,
-                "--compress-min-numel", "0", "--out", str(out)]
+        argv = [sys.executable, str(EXAMPLES[framework]), "--epochs", str(epochs), "--seed", str(seed),
+                "--compression", spec, "--compress-min-numel", "0", "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
         proc = subprocess.run(build_command(n, argv, env=env), capture_output=True, text=True, env=env,
                               timeout=1800)

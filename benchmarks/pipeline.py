@@ -6,8 +6,8 @@
 A compute-bound MLP (``--layers`` Linear(width, width) + ReLU, batch
 ``--batch``; 16 x 544 by default: many equal layers, so the split by parameter
 count also splits the compute evenly; the first stage skips its input's
-gradient, one matrix product in 24) runs on one rank with the same ``m`` micro-batches (the reference
-time T1(m)) and as a 2-stage ``hpctrain.torch.Pipeline`` (each launch on its
+gradient, one matrix product in 24) runs on one rank with the same ``m``
+micro-batches (the reference time T1(m)) and as a 2-stage ``hpctrain.torch.Pipeline`` (each launch on its
 own).  Efficiency = T1(m) / (p T_pipe), against the theory
 ``1 - (p-1)/(m+p-1)``.  The reference uses the same micro-batches because
 small micro-batches make each matrix product slower on one rank too (the

@@ -293,17 +293,17 @@ class Communicator(abc.ABC):
         :meth:`recv_async` (no thread hand-off: that cost about 0.3 ms a message here).
         """
         restore = to_numpy(like)[1] if like is not None else _same
-        self._check_peer(source, "source")
-        text = f"recv from rank {source} (tag {tag}) on {self.name}"
-        return restore(self._rt.receives.run(lambda: self._recv(int(source), int(tag)), text))
+        return restore(self._rt.receives.run(*self._recv_call(source, tag)))
 
     def recv_async(self, source: int, tag: int = 0, like: Any = None) -> Handle:
         """Start :meth:`recv` and return a :class:`Handle`; receives complete in the order they were posted."""
         restore = to_numpy(like)[1] if like is not None else _same
+        return Handle(self._rt.receives.submit(*self._recv_call(source, tag)), restore)
+
+    def _recv_call(self, source: int, tag: int):
+        """The receive of (``source``, ``tag``) as the receive lane takes it: ``(call, text for the watchdog)``."""
         self._check_peer(source, "source")
-        text = f"recv from rank {source} (tag {tag}) on {self.name}"
-        fut = self._rt.receives.submit(lambda: self._recv(int(source), int(tag)), text)
-        return Handle(fut, restore)
+        return (lambda: self._recv(int(source), int(tag))), f"recv from rank {source} (tag {tag}) on {self.name}"
 
     def recv_bytes(self, source: int, tag: int = 0) -> np.ndarray:
         """Receive a message sent with ``send_async(..., header=False)``: its bytes, as a flat uint8 array."""
