@@ -21,7 +21,8 @@ try:  # ml_dtypes gives numpy a bfloat16; it comes with TensorFlow.
 except ImportError:  # pragma: no cover - depends on the install
     BFLOAT16 = None
 
-__all__ = ["BFLOAT16", "SUPPORTED_DTYPES", "to_numpy", "framework_of", "check_dtype", "dtype_from_name"]
+__all__ = ["BFLOAT16", "SUPPORTED_DTYPES", "to_numpy", "framework_of", "check_dtype", "dtype_name",
+           "dtype_from_name"]
 
 SUPPORTED_DTYPES = tuple(
     np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_)
@@ -47,6 +48,17 @@ def check_dtype(dtype: np.dtype) -> np.dtype:
         names = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
         raise TypeError(f"dtype {dtype} is not supported by hpctrain collectives; supported: {names}")
     return dtype
+
+
+_NAMES: dict = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """Return ``str(dtype)`` ("float32", "bfloat16"), remembered per dtype (``str`` of a dtype is slow)."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype)
+    return name
 
 
 def dtype_from_name(name: str) -> np.dtype:

@@ -37,12 +37,18 @@ def accumulation_dtype(dtype: np.dtype) -> np.dtype:
 
     float16 and bfloat16 accumulate in float32; bool in uint8; others as is.
     """
-    dtype = np.dtype(dtype)
-    if dtype == np.float16 or (BFLOAT16 is not None and dtype == BFLOAT16):
-        return np.dtype(np.float32)
-    if dtype == np.bool_:
-        return np.dtype(np.uint8)
-    return dtype
+    acc = _ACC.get(dtype)
+    if acc is None:
+        acc = np.dtype(dtype)
+        if acc == np.float16 or (BFLOAT16 is not None and acc == BFLOAT16):
+            acc = np.dtype(np.float32)
+        elif acc == np.bool_:
+            acc = np.dtype(np.uint8)
+        _ACC[dtype] = acc
+    return acc
+
+
+_ACC: dict = {}
 
 
 def to_accumulator(buf: np.ndarray) -> np.ndarray:

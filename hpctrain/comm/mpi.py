@@ -2,10 +2,12 @@
 
 Each communicator duplicates its MPI communicator three times so that the
 call check, hpctrain's algorithms and the user's point-to-point messages can
-never match each other's messages.  The call check is a gather to rank 0 and
+never match each other's messages.  On one node the call check is one
+exchange through shared memory (:mod:`hpctrain.comm.mailbox`), which small
+all-reduce inputs ride along with.  Across nodes it is a gather to rank 0 and
 a reply (``2 (n-1)`` messages of at most 512 bytes), done with non-blocking
-receives so that rank 0 always knows which ranks have not joined yet; the
-watchdog shows that list when a collective stalls.
+receives so that rank 0 always knows which ranks have not joined yet.  Either
+way the watchdog shows the ranks not yet joined when a collective stalls.
 """
 from __future__ import annotations
 
@@ -19,11 +21,14 @@ import numpy as np
 from ..env import detect_launcher
 from ..errors import BackendUnavailableError
 from ..tensors import dtype_from_name
-from ..collectives.shm import Flat, shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
-from .base import ALLREDUCE_ALGORITHMS, Communicator, Handle, Topology
+from ..collectives.ops import accumulation_dtype, finish
+from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_allreduce_small,
+                               shm_reduce_scatter)
+from .base import ALLREDUCE_ALGORITHMS, Communicator, Handle, Riding, Topology
+from .mailbox import Mailbox
 from .mpi_node import NodeGroups, SharedArena, SharedBuffer
 from .runtime import Config, Runtime
-from .signature import DESC_BYTES, Call, format_ranks, judge
+from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
 
 __all__ = ["MPICommunicator", "init_world"]
 
@@ -88,9 +93,14 @@ class MPICommunicator(Communicator):
         self._descs = np.zeros((self._size if self._rank == 0 else 1, DESC_BYTES), dtype=np.uint8)
         self._verdict = np.zeros(VERDICT_BYTES, dtype=np.uint8)
         self._ring = _Ring(self._coll, MPI)
+        one_node = g.num_nodes == 1 and self._size > 1
+        self._mailbox = (Mailbox(g.node, MPI, 2 * runtime.config.shm_small_bytes, self._p2p.Iprobe) if one_node
+                         else None)
 
     # -- call check ---------------------------------------------------------
-    def _exchange_calls(self, call: Call) -> str:
+    def _exchange_calls(self, call: Call, riding: Optional[Riding] = None) -> str:
+        if self._mailbox is not None:
+            return self._exchange_on_node(call, riding)
         MPI, n, rt = self._MPI, self._size, self._rt
         own = np.frombuffer(call.encode(), dtype=np.uint8)
         self._descs[0, :] = 0
@@ -116,6 +126,29 @@ class MPICommunicator(Communicator):
         MPI.Request.Waitall([self._ctrl.Isend(payload, i, _TAG_VERDICT) for i in range(1, n)])
         return verdict
 
+    def _exchange_on_node(self, call: Call, riding: Optional[Riding]) -> str:
+        key_hash, desc = encoded(call)
+        payload, dtype = (None, None) if riding is None else (riding.payload, riding.dtype)
+        hashes = self._mailbox.exchange(key_hash, desc, payload, dtype, self._note_missing)
+        if not call.error and all(h == key_hash for h in hashes):
+            return ""
+        return judge(self._mailbox.calls(), self.name, call.seq, None if self.name == "world" else self.world_ranks)
+
+    def _note_missing(self, missing: List[int]) -> None:
+        self._rt.note_waiting(f"not yet joined by {format_ranks(missing)} of {self.name} "
+                              f"(world {format_ranks([self.world_ranks[i] for i in missing])})")
+
+    def _riding_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> Optional[Riding]:
+        mb, acc = self._mailbox, accumulation_dtype(arr.dtype)
+        if mb is None or not arr.size or arr.size * acc.itemsize > mb.capacity:
+            return None
+
+        def reduce():
+            out = arr.reshape(-1) if inplace and acc == arr.dtype else np.empty(arr.size, dtype=acc)
+            shm_allreduce_small(mb.payloads(arr.size, acc), out, op)
+            return finish(out, op, self._size, arr.dtype).reshape(arr.shape)
+        return Riding(arr.reshape(-1), acc, reduce)
+
     # -- buffer primitives -----------------------------------------------------
     def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
         self._coll.Allreduce(self._MPI.IN_PLACE, acc, op=self._ops[op])
@@ -136,7 +169,7 @@ class MPICommunicator(Communicator):
     def _auto_allreduce(self, nbytes: int) -> str:
         cfg = self._rt.config
         if self._nodes.num_nodes == 1:
-            return "shm" if nbytes >= cfg.shm_min_bytes else "native"
+            return "shm" if nbytes <= cfg.shm_small_bytes or nbytes >= cfg.shm_min_bytes else "native"
         return "hierarchical" if nbytes >= cfg.hierarchical_min_bytes else "native"
 
     def _shared(self) -> SharedArena:
@@ -260,6 +293,9 @@ class MPICommunicator(Communicator):
 
     def _free(self) -> None:
         self._release_shared()
+        if self._mailbox is not None:
+            self._mailbox.free()
+            self._mailbox = None
         self._nodes.free()
         for c in (self._coll, self._p2p, self._ctrl) + ((self._base,) if self._owns else ()):
             if c != self._MPI.COMM_NULL:

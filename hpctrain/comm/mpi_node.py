@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["NodeGroups", "SharedArena", "SharedBuffer"]
+__all__ = ["NodeGroups", "SharedArena", "SharedBuffer", "shared_window", "release_window"]
 
 def _fake_node_size() -> Optional[int]:
     value = os.environ.get("HPCTRAIN_RANKS_PER_NODE")
@@ -67,7 +67,7 @@ class NodeGroups:
         self.node = self.cross = None
 
 
-def _shared_window(node, MPI, nbytes: int):
+def shared_window(node, MPI, nbytes: int):
     """Allocate ``nbytes`` per local rank in one MPI-3 shared window (collective over ``node``), locked for access.
 
     Returns the window and each local rank's memory as a buffer.
@@ -89,7 +89,7 @@ def _window_fence(win, node) -> None:
     win.Sync()
 
 
-def _release_window(win) -> None:
+def release_window(win) -> None:
     win.Unlock_all()
     win.Free()
 
@@ -122,7 +122,7 @@ class SharedArena:
         MPI = self._MPI
         cap = 1 << max(16, (nbytes - 1).bit_length())
         self.free()
-        self._win, self._bases = _shared_window(self._node, MPI, cap)
+        self._win, self._bases = shared_window(self._node, MPI, cap)
         self._capacity = cap
 
     def views(self, n_in: int, n_res: int, dtype) -> List[Tuple[np.ndarray, np.ndarray]]:
@@ -154,7 +154,7 @@ class SharedArena:
         """Release the window (collective over the node)."""
         if self._win is not None:
             self._bases, self._last_key, self._last_views = [], None, []
-            _release_window(self._win)
+            release_window(self._win)
             self._win, self._capacity = None, 0
 
 
@@ -171,7 +171,7 @@ class SharedBuffer:
         self.dtype, self.count = np.dtype(dtype), int(count)
         nbytes = max(1, self.count * self.dtype.itemsize)
         self._node = node
-        self._win, bases = _shared_window(node, MPI, nbytes)
+        self._win, bases = shared_window(node, MPI, nbytes)
         self.rank = node.Get_rank()
         self.arrays = [np.frombuffer(base, dtype=self.dtype, count=self.count) for base in bases]
         self.own = self.arrays[self.rank]
@@ -184,5 +184,5 @@ class SharedBuffer:
         """Release the window (collective over the node); the arrays must not be used afterwards."""
         if self._win is not None:
             self.arrays, self.own = [], None
-            _release_window(self._win)
+            release_window(self._win)
             self._win = None

@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from ..env import env_flag, env_float
 
@@ -48,6 +48,11 @@ class Config:
             MPI_Allreduce in benchmarks/allreduce.py on the 2-core CI machine).
         hierarchical_min_bytes: HPCTRAIN_HIERARCHICAL_MIN_BYTES: from this size
             on, "auto" uses the hierarchical all-reduce on several nodes (default 256 KiB).
+        shm_small_bytes: HPCTRAIN_SHM_SMALL_BYTES: on one node, all-reduces up to
+            this size ride along with the call check and every rank reduces
+            them itself (:mod:`hpctrain.comm.mailbox`); "auto" uses shared
+            memory for them (default 256 KiB; each communicator keeps twice
+            this per rank and slot, room for float16 accumulated as float32).
         fusion_threshold: HPCTRAIN_FUSION_THRESHOLD: the size of one fusion
             buffer of ``grouped_allreduce`` (default 64 MiB).
         shm_arena_bytes: HPCTRAIN_SHM_ARENA_BYTES: the most one shared-memory
@@ -60,6 +65,7 @@ class Config:
     ring_chunk_bytes: int = 1 << 20
     shm_min_bytes: int = 256 << 10
     hierarchical_min_bytes: int = 256 << 10
+    shm_small_bytes: int = 256 << 10
     fusion_threshold: int = 64 << 20
     shm_arena_bytes: int = 64 << 20
 
@@ -78,17 +84,20 @@ class Config:
             ring_chunk_bytes=size("HPCTRAIN_RING_CHUNK_BYTES", "ring_chunk_bytes"),
             shm_min_bytes=size("HPCTRAIN_SHM_MIN_BYTES", "shm_min_bytes"),
             hierarchical_min_bytes=size("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "hierarchical_min_bytes"),
+            shm_small_bytes=size("HPCTRAIN_SHM_SMALL_BYTES", "shm_small_bytes"),
             fusion_threshold=size("HPCTRAIN_FUSION_THRESHOLD", "fusion_threshold"),
             shm_arena_bytes=size("HPCTRAIN_SHM_ARENA_BYTES", "shm_arena_bytes"),
         )
         if (cfg.stall_warning_s <= 0 or cfg.stall_timeout_s < 0 or cfg.ring_chunk_bytes <= 0
-                or cfg.shm_min_bytes < 0 or cfg.hierarchical_min_bytes < 0 or cfg.fusion_threshold <= 0
+                or cfg.shm_min_bytes < 0 or cfg.hierarchical_min_bytes < 0 or cfg.shm_small_bytes < 0
+                or cfg.fusion_threshold <= 0
                 or cfg.shm_arena_bytes < 4096):
             raise ValueError(f"invalid hpctrain settings: {cfg}")
         return cfg
 
 
-TUNABLE = ("ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "fusion_threshold", "shm_arena_bytes")
+TUNABLE = ("ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "shm_small_bytes", "fusion_threshold",
+           "shm_arena_bytes")
 
 
 def tuning_path() -> str:
@@ -122,14 +131,17 @@ def read_tuning() -> dict:
     return values
 
 
-@dataclass
 class InFlight:
-    """The collective being executed, as the watchdog sees it."""
+    """The collective being executed, as the watchdog sees it (``text`` may be a function that returns it)."""
 
-    text: str
-    start: float
-    waiting_on: str = ""
-    warned: bool = False
+    __slots__ = ("text", "start", "waiting_on", "warned")
+
+    def __init__(self, text: Union[str, Callable[[], str]], start: float):
+        self.text, self.start, self.waiting_on, self.warned = text, start, "", False
+
+    def describe(self) -> str:
+        """Return the call as text (formatted only when someone reads it)."""
+        return self.text() if callable(self.text) else self.text
 
 
 class Lane:
@@ -150,14 +162,15 @@ class Lane:
         self._closed = False
         self._worker: Optional[threading.Thread] = None
 
-    def run(self, fn: Callable[[], object], text: str) -> object:
+    def run(self, fn: Callable[[], object], text: Union[str, Callable[[], str]]) -> object:
         """Run ``fn`` now, after the asynchronous calls issued before it, and return its result."""
-        with self._cv:
-            while self._pending:
-                self._cv.wait()
+        if self._pending:                     # (no lock needed: this thread's earlier submits raised it)
+            with self._cv:
+                while self._pending:
+                    self._cv.wait()
         return self._execute(fn, text)
 
-    def submit(self, fn: Callable[[], object], text: str) -> Future:
+    def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]]) -> Future:
         """Queue ``fn`` for the worker thread and return a Future of its result."""
         fut: Future = Future()
         with self._cv:
@@ -232,11 +245,11 @@ class Runtime:
         self._watchdog = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._watchdog.start()
 
-    def run(self, fn: Callable[[], object], text: str) -> object:
+    def run(self, fn: Callable[[], object], text: Union[str, Callable[[], str]]) -> object:
         """Run a collective now, after the asynchronous ones issued before it."""
         return self.collectives.run(fn, text)
 
-    def submit(self, fn: Callable[[], object], text: str) -> Future:
+    def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]]) -> Future:
         """Queue a collective for the background thread and return a Future of its result."""
         return self.collectives.submit(fn, text)
 
@@ -274,7 +287,7 @@ class Runtime:
                 if elapsed >= cfg.stall_warning_s and not cur.warned:
                     cur.warned = True
                     log.warning("hpctrain: rank %d: %s has not finished after %.0f s%s",
-                                self.world_rank, cur.text, elapsed, detail)
+                                self.world_rank, cur.describe(), elapsed, detail)
                 if cfg.stall_timeout_s and elapsed >= cfg.stall_timeout_s:
-                    self._abort(f"hpctrain: rank {self.world_rank}: {cur.text} stalled for {elapsed:.0f} s "
+                    self._abort(f"hpctrain: rank {self.world_rank}: {cur.describe()} stalled for {elapsed:.0f} s "
                                 f"(HPCTRAIN_STALL_TIMEOUT_S={cfg.stall_timeout_s:g}){detail}; aborting the job")

@@ -7,15 +7,16 @@ becomes one message that lists every rank's call, raised on every rank.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-__all__ = ["Call", "judge", "DESC_BYTES", "format_ranks"]
+__all__ = ["Call", "judge", "DESC_BYTES", "format_ranks", "encoded"]
 
 DESC_BYTES = 512  # fixed size of an encoded call on the wire
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Call:
     """One rank's collective call.
 
@@ -35,6 +36,11 @@ class Call:
     free_dim0: bool = False
     layout: Optional[str] = None
     error: str = ""
+
+    def at(self, seq: int) -> "Call":
+        """Return the same call with sequence number ``seq`` (calls are never modified in place)."""
+        return Call(self.kind, seq, self.dtype, self.shape, self.op, self.root, self.algorithm, self.free_dim0,
+                    self.layout, self.error)
 
     def key(self) -> str:
         """Return what must be identical on every rank."""
@@ -58,6 +64,26 @@ class Call:
         """Return ``key NUL text`` as at most DESC_BYTES bytes (the text is cut if needed)."""
         raw = (self.key() + "\0" + self.text()).encode()
         return raw[:DESC_BYTES]
+
+
+_ENCODED: dict = {}      # a call's fields but seq -> (hash of its key, encode()); a loop repeats a few calls
+
+
+def encoded(call: Call) -> Tuple[int, bytes]:
+    """Return ``(call_hash(call.key()), call.encode())``, computed once per distinct call (the seq does not enter)."""
+    fields = (call.kind, call.dtype, call.shape, call.op, call.root, call.algorithm, call.free_dim0, call.layout,
+              call.error)
+    hit = _ENCODED.get(fields)
+    if hit is None:
+        if len(_ENCODED) > 4096:
+            _ENCODED.clear()
+        hit = _ENCODED[fields] = (call_hash(call.key()), call.encode())
+    return hit
+
+
+def call_hash(key: str) -> int:
+    """Return a signed 64-bit hash of a call's key (equal keys, equal hashes; others differ with odds 2**-64)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def format_ranks(ranks: Sequence[int]) -> str:

@@ -558,3 +558,17 @@ def test_shared_buffer_as_torch_tensor_and_mismatch_with_a_plain_buffer(comm):
             comm.allreduce(x, inplace=True, algorithm="hierarchical" if comm.topology.num_nodes > 1 else "shm")
     with pytest.raises(hpctrain.CollectiveMismatchError if n > 1 else ValueError, match="count must be"):
         comm.shared_empty(-1)
+
+
+def test_large_results_held_by_the_caller_stay_intact(comm):
+    """Large results come from a pool reused across calls; results still held are never written again."""
+    n = comm.size
+    for alg in algorithms(comm):
+        held = [comm.allreduce(np.full(300_001, float(comm.rank + i), np.float32), algorithm=alg)
+                for i in range(4)]                                   # 1.2 MB each, over the pool's 1 MiB
+        for i, out in enumerate(held):
+            np.testing.assert_array_equal(out, np.full(300_001, sum(r + i for r in range(n)), np.float32))
+        del held
+        for i in range(3):                                           # dropped results' memory is reused
+            out = comm.allreduce(np.full(300_001, float(i), np.float32), algorithm=alg)
+            np.testing.assert_array_equal(out, np.full(300_001, float(i * n), np.float32))

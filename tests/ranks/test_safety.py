@@ -113,3 +113,18 @@ def test_mismatch_on_sub_communicator_names_world_ranks(comm):
         assert err is not None and "world.split(0)" in err and "(world" in err
         sub.allreduce(np.ones(2))
     comm.barrier()
+
+
+def test_mismatch_between_a_riding_and_a_large_buffer(comm):
+    """On one node small inputs travel with the call check; a rank whose input is too large for that,
+    or who asks for another algorithm, still meets them there and every rank hears of the mismatch."""
+    if comm.size == 1:
+        pytest.skip("a world of one rank cannot disagree with itself")
+    r, n = comm.rank, comm.size
+    big = 2 * hpctrain.world().config.shm_small_bytes // 4 + 1       # too large to ride even as float32
+    msg = raised_everywhere(comm, lambda: comm.allreduce(np.ones(10 if r < n - 1 else big, dtype=np.float32)))
+    assert f"float32[{big}]" in msg and "float32[10]" in msg
+    msg = raised_everywhere(comm, lambda: comm.allreduce(np.ones(10), algorithm="native" if r == 0 else "shm"))
+    assert "algorithm=native" in msg and "shm" in msg
+    for _ in range(3):                                                  # both slots of the mailbox
+        still_works(comm)

@@ -1,0 +1,153 @@
+"""The call check of a one-node communicator as one write and one read of shared memory, with small inputs riding along.
+
+Each rank of the node owns two *slots* (used alternately, call after call) in
+an MPI-3 shared window.  A slot holds a flag, a 64-bit hash of the call's key,
+the encoded call (``DESC_BYTES``) and up to ``capacity`` bytes of payload.
+One exchange (:meth:`Mailbox.exchange`):
+
+1. the rank writes its hash, call and payload into slot ``k % 2``, a memory
+   barrier (``MPI_Win_sync``), then the flag ``k`` (the exchange's number);
+2. it waits until every peer's flag in that slot has reached ``k`` (spinning,
+   then yielding the core, so oversubscribed ranks still progress), a memory
+   barrier;
+3. it compares every rank's hash with its own.  Every rank reads every call,
+   so on a mismatch every rank builds the same message from them, with no
+   second round.
+
+Alternating slots make one wait per exchange enough: a rank writes slot
+``k % 2`` again at exchange ``k + 2``, only after every peer has posted
+exchange ``k + 1``, which each does after it finished reading exchange ``k``.
+A payload therefore stays readable until the owner's next exchange, which is
+what an all-reduce of a small buffer needs: the inputs are there once the
+check passes, and each rank reduces them itself (see
+:func:`hpctrain.collectives.shm.shm_allreduce_small`).
+
+Cost per exchange: one write of the call and payload, one memory barrier, ``n``
+flag reads per poll, ``n`` hash reads; against a gather to rank 0 and a reply
+(``2 (n - 1)`` MPI messages and two hops) for communicators that span nodes.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from .mpi_node import release_window, shared_window
+from .signature import DESC_BYTES
+
+__all__ = ["Mailbox"]
+
+_HEADER = 64                          # flag, hash, payload bytes, call bytes (int64 each), padding
+_SPINS = 50                           # polls (about 20 µs) before yielding the core, when each rank has one
+
+
+def _cores_per_rank_at_least_one(local_size: int) -> bool:
+    """Guess whether each local rank has a core of its own (a rank bound to one core is assumed to have it)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:                # (not Linux)
+        cores = os.cpu_count() or 1
+    return cores == 1 or cores >= local_size
+_SLEEP_AFTER_S = 0.01                 # after this long, sleep between polls (a peer is far behind)
+
+
+class Mailbox:
+    """Two slots per local rank in one shared window (collective over ``node`` to create and to free).
+
+    Args:
+        node: the MPI communicator of the ranks (all on one node).
+        MPI: the mpi4py module.
+        capacity: the most payload bytes a slot holds.
+        progress: called while a wait runs past the first polls, to let the MPI library move
+            other messages on (a rank waiting here makes no MPI call otherwise, and a peer's
+            send to it may need it to: Open MPI's shared-memory transport does once its
+            per-peer buffer is full).
+    """
+
+    def __init__(self, node, MPI, capacity: int, progress: Callable[[], object]):
+        self._progress = progress
+        self.rank, self.size = node.Get_rank(), node.Get_size()
+        self.capacity = -(-int(capacity) // 64) * 64        # slots stay 64-byte aligned
+        self._stride = _HEADER + DESC_BYTES + self.capacity
+        self._win, bases = shared_window(node, MPI, 2 * self._stride)
+        self._slots = [[np.frombuffer(base, dtype=np.uint8, count=self._stride, offset=s * self._stride)
+                        for base in bases] for s in range(2)]
+        self._heads = [[slot[:_HEADER].view(np.int64) for slot in slots] for slots in self._slots]
+        self._posted = 0
+        # Spinning helps when every rank has a core; oversubscribed, it takes the core from the rank
+        # being waited for, so the wait then yields at once (1 ms per exchange against 0.2 ms at 4
+        # ranks on 2 cores).
+        self._spins = _SPINS if _cores_per_rank_at_least_one(self.size) else 0
+        self._descs: List[Optional[bytes]] = [None, None]    # the call last written into each own slot
+        self._views: dict = {}                               # (slot, count, dtype) -> payload views
+
+    def exchange(self, key_hash: int, desc: bytes, payload: Optional[np.ndarray], dtype,
+                 note: Callable[[List[int]], None]) -> Sequence[int]:
+        """Post this rank's call (and payload, cast to ``dtype``) and wait for every rank's; return their key hashes.
+
+        ``note(missing_ranks)`` is called once if the wait runs past the first
+        polls (the watchdog shows it).  After it returns, :meth:`payloads` and
+        :meth:`calls` read this exchange until the next one.
+        """
+        self._posted += 1
+        k = self._posted
+        s = k & 1
+        own, head = self._slots[s][self.rank], self._heads[s][self.rank]
+        if desc is not self._descs[s]:                      # a loop repeats its calls: skip the copy
+            own[_HEADER:_HEADER + len(desc)] = np.frombuffer(desc, dtype=np.uint8)
+            self._descs[s] = desc
+        nbytes = 0
+        if payload is not None:
+            dtype = np.dtype(dtype)
+            nbytes = payload.size * dtype.itemsize
+            np.copyto(own[_HEADER + DESC_BYTES:_HEADER + DESC_BYTES + nbytes].view(dtype), payload, casting="unsafe")
+        head[1], head[2], head[3] = key_hash, nbytes, len(desc)
+        self._win.Sync()                                   # the call and payload before the flag
+        head[0] = k
+        self._wait(k, self._heads[s], note)
+        self._win.Sync()                                   # the peers' calls after their flags
+        return [int(h[1]) for h in self._heads[s]]
+
+    def _wait(self, k: int, heads, note) -> None:
+        pending = [h for i, h in enumerate(heads) if i != self.rank]
+        polls, since = 0, None
+        while pending:
+            pending = [h for h in pending if h[0] < k]
+            if not pending:
+                return
+            polls += 1
+            if polls < self._spins:
+                continue
+            if since is None:
+                since = time.monotonic()
+                note([i for i, h in enumerate(heads) if h[0] < k])
+            self._progress()
+            if time.monotonic() - since < _SLEEP_AFTER_S:
+                os.sched_yield()                            # (releases the GIL)
+            else:
+                time.sleep(1e-4)
+
+    def calls(self) -> List[bytes]:
+        """Return every rank's encoded call of the last exchange, in rank order."""
+        s = self._posted & 1
+        return [bytes(slot[_HEADER:_HEADER + int(h[3])]) for slot, h in zip(self._slots[s], self._heads[s])]
+
+    def payloads(self, count: int, dtype: np.dtype) -> List[np.ndarray]:
+        """Return every rank's payload of the last exchange as ``count`` values of ``dtype`` (a numpy dtype)."""
+        key = (self._posted & 1, count, dtype)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            views = self._views[key] = [slot[_HEADER + DESC_BYTES:_HEADER + DESC_BYTES + count * dtype.itemsize]
+                                        .view(dtype) for slot in self._slots[key[0]]]
+        return views
+
+    def free(self) -> None:
+        """Release the window (collective over the node)."""
+        if self._win is not None:
+            self._slots, self._heads = [], []
+            release_window(self._win)
+            self._win = None
