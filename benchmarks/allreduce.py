@@ -8,7 +8,10 @@ over rounds of each round's median.  Bus bandwidth as nccl-tests defines it:
 peer (the input is left alone), so allocation costs are alike.  The table also
 gives hpctrain auto's bandwidth over mpi4py's and Horovod's, and its time over
 a single-process memcpy of the same bytes into a preallocated buffer (the
-floor).  Writes JSON, a markdown table and a PNG.
+floor).  "-inplace" peers reduce a persistent buffer in place; hpctrain's
+"-shared" peer reduces, in place, a buffer from ``comm.shared_empty`` (where
+the PyTorch DistributedOptimizer keeps its gradient buckets).  Writes JSON, a
+markdown table and a PNG.
 
     python benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
 """
@@ -27,8 +30,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import launch_worker, oversubscribed  # noqa: E402
 
-PEERS = ("hpctrain-auto", "hpctrain-auto-inplace", "hpctrain-shm", "hpctrain-ring", "hpctrain-native", "mpi4py",
-         "mpi4py-inplace", "torch-gloo", "horovod")
+PEERS = ("hpctrain-auto", "hpctrain-auto-inplace", "hpctrain-auto-shared", "hpctrain-shm", "hpctrain-ring",
+         "hpctrain-native", "mpi4py", "mpi4py-inplace", "torch-gloo", "horovod")
 MIB = 1 << 20
 
 
@@ -53,6 +56,15 @@ def make_op(peer: str):
 
         comm = hpctrain.init("mpi")
         alg = peer.split("-")[1]
+        if peer.endswith("-shared"):   # a buffer from comm.shared_empty, as DistributedOptimizer's buckets
+            shared = {}
+
+            def reduce_shared(x):
+                if x.size not in shared:
+                    shared[x.size] = comm.shared_empty(x.size, x.dtype)
+                    shared[x.size][:] = 0
+                return comm.allreduce(shared[x.size], algorithm=alg, inplace=True)
+            return comm.rank, comm.size, comm.barrier, reduce_shared
         if peer.endswith("-inplace"):
             return comm.rank, comm.size, comm.barrier, lambda x: comm.allreduce(persistent(x), algorithm=alg,
                                                                                 inplace=True)
@@ -183,17 +195,18 @@ def write_outputs(rows, out: Path, args) -> None:
                   "in-place: the same for the -inplace peers; time/memcpy: time over a single-process memcpy of "
                   "the same bytes (lower is better)\n",
                   "| size | " + " | ".join(peers) + " | auto/mpi4py | auto/horovod | auto time/memcpy "
-                  "| in-place auto/mpi4py | in-place time/memcpy |",
-                  "|---" * (len(peers) + 6) + "|"]
+                  "| in-place auto/mpi4py | in-place time/memcpy | shared-buffer time/memcpy |",
+                  "|---" * (len(peers) + 7) + "|"]
         for nbytes in sorted({r["bytes"] for r in rows}):
             cell = {r["peer"]: r for r in rows if r["ranks"] == n and r["bytes"] == nbytes}
             auto, mpi, hvd = (cell.get(k, {}).get("busbw_GBps") for k in ("hpctrain-auto", "mpi4py", "horovod"))
             t_auto, t_copy, t_ip = (cell.get(k, {}).get("time_s") for k in ("hpctrain-auto", "memcpy",
                                                                               "hpctrain-auto-inplace"))
             ip, mpi_ip = (cell.get(k, {}).get("busbw_GBps") for k in ("hpctrain-auto-inplace", "mpi4py-inplace"))
+            t_sh = cell.get("hpctrain-auto-shared", {}).get("time_s")
             lines.append(f"| {human(nbytes)} | " + " | ".join(f"{cell[p]['busbw_GBps']:.2f}" for p in peers)
                          + f" | {ratio(auto, mpi):.2f} | {ratio(auto, hvd):.2f} | {ratio(t_auto, t_copy):.2f}"
-                         + f" | {ratio(ip, mpi_ip):.2f} | {ratio(t_ip, t_copy):.2f} |")
+                         + f" | {ratio(ip, mpi_ip):.2f} | {ratio(t_ip, t_copy):.2f} | {ratio(t_sh, t_copy):.2f} |")
         lines += ["", f"latency in microseconds ({n} ranks)\n", "| size | " + " | ".join(peers)
                   + " | auto/mpi4py time |", "|---" * (len(peers) + 2) + "|"]
         for nbytes in sorted({r["bytes"] for r in rows if r["bytes"] <= 64 * 1024}):
