@@ -431,8 +431,9 @@ class Communicator(abc.ABC):
                         layout="shared buffer" if shared else None)
             if inplace:
                 restore = _copy_back_into(x, arr, restore)
-            if shared:
-                return call, lambda: self._allreduce_shared_buffer(arr, op), restore
+            if shared:    # (a small one rides along with the call check: one exchange, no fences)
+                riding = self._riding_allreduce(arr, op, alg, True)
+                return call, riding or (lambda: self._allreduce_shared_buffer(arr, op)), restore
             if type(x) is np.ndarray and not inplace and x.flags.c_contiguous:
                 if len(self._seen_allreduce) > 256:
                     self._seen_allreduce.clear()

@@ -41,6 +41,7 @@ __all__ = ["Mailbox"]
 
 _HEADER = 64                          # flag, hash, payload bytes, call bytes (int64 each), padding
 _SPINS = 50                           # polls (about 20 µs) before yielding the core, when each rank has one
+_SLEEP_AFTER_S = 0.01                 # after this long, sleep between polls (a peer is far behind)
 
 
 def _cores_per_rank_at_least_one(local_size: int) -> bool:
@@ -50,7 +51,6 @@ def _cores_per_rank_at_least_one(local_size: int) -> bool:
     except AttributeError:                # (not Linux)
         cores = os.cpu_count() or 1
     return cores == 1 or cores >= local_size
-_SLEEP_AFTER_S = 0.01                 # after this long, sleep between polls (a peer is far behind)
 
 
 class Mailbox:
@@ -87,8 +87,8 @@ class Mailbox:
                  note: Callable[[List[int]], None]) -> Sequence[int]:
         """Post this rank's call (and payload, cast to ``dtype``) and wait for every rank's; return their key hashes.
 
-        ``note(missing_ranks)`` is called once if the wait runs past the first
-        polls (the watchdog shows it).  After it returns, :meth:`payloads` and
+        ``note(missing_ranks)`` is called when the wait runs past the first
+        polls, and again whenever a rank arrives (the watchdog shows it).  After it returns, :meth:`payloads` and
         :meth:`calls` read this exchange until the next one.
         """
         self._posted += 1
@@ -112,7 +112,7 @@ class Mailbox:
 
     def _wait(self, k: int, heads, note) -> None:
         pending = [h for i, h in enumerate(heads) if i != self.rank]
-        polls, since = 0, None
+        polls, since, noted = 0, None, -1
         while pending:
             pending = [h for h in pending if h[0] < k]
             if not pending:
@@ -122,6 +122,8 @@ class Mailbox:
                 continue
             if since is None:
                 since = time.monotonic()
+            if len(pending) != noted:
+                noted = len(pending)
                 note([i for i, h in enumerate(heads) if h[0] < k])
             self._progress()
             if time.monotonic() - since < _SLEEP_AFTER_S:
