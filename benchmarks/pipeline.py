@@ -6,23 +6,28 @@
 A compute-bound MLP (``--layers`` Linear(width, width) + ReLU, batch
 ``--batch``; 16 x 544 by default: many equal layers, so the split by parameter
 count also splits the compute evenly; the first stage skips its input's
-gradient, one matrix product in 24) runs on one rank with the same ``m``
-micro-batches (the reference time T1(m)) and as a 2-stage ``hpctrain.torch.Pipeline`` (each launch on its
-own).  Efficiency = T1(m) / (p T_pipe), against the theory
-``1 - (p-1)/(m+p-1)``.  The reference uses the same micro-batches because
-small micro-batches make each matrix product slower on one rank too (the
-theory assumes they cost ``1/m`` each); the whole batch on one rank is
-reported beside it.  A second reference, T1(m) "beside others", runs the same
-one-rank job on every core at once (no communication): the theory assumes a
-stage computes as fast as a lone process, but on a small machine the other
-busy cores slow it (shared caches and memory bandwidth), which is not the
-schedule's doing either; "measured/theory, loaded reference" divides that out.
-Memory: the peak bytes of the activations autograd holds for backward on
-each rank (saved tensors, parameters left out, counted by
-``saved_tensors_hooks``), the growth of the peak resident set, and the most
-micro-batches whose activations a stage held at once.  Medians over ``--rounds`` launches
-of ``--windows`` windows; peers alternate order between rounds.  Writes
-``pipeline.json``, ``pipeline.md`` and ``pipeline.png`` under ``--out``.
+gradient, one matrix product in 24) runs as a 2-stage
+``hpctrain.torch.Pipeline``, and in the same launch, window by window in
+alternating order, as a 1-stage pipeline with the same ``m`` micro-batches and
+schedule on one rank (the reference time T1(m), the other rank idle).
+Efficiency = T1(m) / (p T_pipe) of neighbouring windows, against the theory
+``1 - (p-1)/(m+p-1)``: pairing the windows in time keeps the drift of a shared
+machine (20% over minutes here) out of the ratio.  The reference uses the same
+micro-batches because small micro-batches make each matrix product slower on
+one rank too (the theory assumes they cost ``1/m`` each); the whole batch on
+one rank (its own launch) is reported beside it.  A second reference, T1(m)
+"beside others", runs the same one-rank job on every rank at once (no
+communication): the theory assumes a stage computes as fast as a lone
+process, but on a small machine the other busy cores slow it (shared caches
+and memory bandwidth), which is not the schedule's doing either;
+"measured/theory, loaded reference" divides that out.  Memory (measured in
+the first two steps, before any reference runs): the peak bytes of the
+activations autograd holds for backward on each rank (saved tensors,
+parameters left out, counted by ``saved_tensors_hooks``), the growth of the
+peak resident set, and the most micro-batches whose activations a stage held
+at once.  Medians over ``--rounds`` launches of ``--windows`` windows; the
+launches alternate order between rounds.  Writes ``pipeline.json``,
+``pipeline.md`` and ``pipeline.png`` under ``--out``.
 """
 from __future__ import annotations
 
@@ -35,10 +40,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch_worker  # noqa: E402
+from common import launch_worker, paired_windows  # noqa: E402
 
 
 def worker(schedule: str, m: int, layers: int, width: int, batch: int, steps: int, windows: int) -> None:
+    import copy
+
     import torch
     import torch.nn.functional as F
 
@@ -47,50 +54,60 @@ def worker(schedule: str, m: int, layers: int, width: int, batch: int, steps: in
     from hpctrain.parallel import ParallelLayout
 
     torch.set_num_threads(1)
-    comm = hpctrain.init()
-    world = comm
-    if schedule.startswith("alone-"):
-        # every rank runs the whole model as a 1-stage pipeline on its own, at the same time as the
-        # others: the one-rank reference under the same load of the machine (shared caches, memory)
-        schedule, comm = schedule[len("alone-"):], comm.split(comm.rank)
+    world = hpctrain.init()
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(layers)]
     model = torch.nn.Sequential(*blocks, torch.nn.Linear(width, 10))
     x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
-    if comm.size == 1 and schedule == "none":
-        run = model
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
-        def step():
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-    else:
-        layout = ParallelLayout(pp=comm.size, comm=comm)
-        run = ht.Pipeline(model, layout, micro_batches=m, schedule=schedule)
+    def trainer(run):
         opt = torch.optim.SGD(run.parameters(), lr=1e-3)
 
         def step():
             opt.zero_grad()
-            run.train_step(x, y)
+            if isinstance(run, ht.Pipeline):
+                run.train_step(x, y)
+            else:
+                F.cross_entropy(run(x), y).backward()
             opt.step()
+        return step
+
+    if schedule == "none":                      # the whole batch at once on one rank: time and memory
+        pipe, solo = trainer(model), None
+    else:
+        # this rank's stage of the pipeline, and (for the references) the whole model as a 1-stage
+        # pipeline with the same m micro-batches and schedule on a communicator of its own
+        own = world.split(world.rank)
+        solo = trainer(ht.Pipeline(copy.deepcopy(model), ParallelLayout(pp=1, comm=own), micro_batches=m,
+                                   schedule=schedule))
+        run = ht.Pipeline(model, ParallelLayout(pp=world.size, comm=world), micro_batches=m, schedule=schedule)
+        pipe = trainer(run)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = _SavedBytes(params)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        step()
-        step()
-        times = []
-        for _ in range(windows):
-            world.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            world.barrier()
-            times.append((time.perf_counter() - t0) / steps)
+        for _ in range(2):
+            pipe()
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024    # KiB -> MiB
-    peaks = world.allgather_object({"rss_growth_mib": grown, "in_flight": getattr(run, "peak_in_flight", 1),
-                                    "activation_mib": saved.peak / 2**20})
+    peaks = world.allgather_object({"rss_growth_mib": grown, "activation_mib": saved.peak / 2**20,
+                                    "in_flight": run.peak_in_flight if solo is not None else 1})
+
+    def window(peer: str, n: int) -> float:
+        """Seconds per step of ``peer``: the pipeline, or the one-rank reference alone or beside the others."""
+        world.barrier()
+        t0 = time.perf_counter()
+        if peer == "pipeline":
+            for _ in range(n):
+                pipe()
+        elif peer == "beside others" or world.rank == 0:      # "alone": rank 0 only, the others idle
+            for _ in range(n):
+                solo()
+        took = time.perf_counter() - t0
+        world.barrier()
+        return took / n
+
+    peers = ["pipeline"] if solo is None else ["pipeline", "alone", "beside others"]
+    times = paired_windows(window, peers, windows, steps)
     if world.rank == 0:
         print("RESULT " + json.dumps({"step_s": times, "ranks": peaks}), flush=True)
     hpctrain.shutdown()
@@ -149,7 +166,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=544)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="results/pipeline")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -159,11 +176,8 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.m, *(int(v) for v in shape))
         return
-    # references: the whole batch on one rank, and the same micro-batches on one rank (a 1-stage pipeline):
-    # small micro-batches make each matrix product slower, which is not the pipeline's doing
-    refs = [("none", 1, 1)] + [("1f1b", m, 1) for m in args.micro_batches] + \
-        [("alone-1f1b", m, args.stages) for m in args.micro_batches]
-    peers = refs + [(s, m, args.stages) for s in args.schedules for m in args.micro_batches]
+    # the whole batch on one rank (for reference), then each pipeline with its one-rank references
+    peers = [("none", 1, 1)] + [(s, m, args.stages) for s in args.schedules for m in args.micro_batches]
     results = {p: [] for p in peers}
     for rnd in range(args.rounds):
         for schedule, m, n in (peers if rnd % 2 == 0 else peers[::-1]):
@@ -171,20 +185,24 @@ def main() -> None:
             argv = [__file__, "--worker", schedule, "--m", str(m), "--layers", shape[0], "--width", shape[1],
                     "--batch", shape[2], "--steps", shape[3], "--windows", shape[4]]
             results[(schedule, m, n)].append(launch_worker(n, argv))
-    t1 = statistics.median(t for r in results[peers[0]] for t in r["step_s"])
+    t1 = statistics.median(t for r in results[peers[0]] for t in r["step_s"]["pipeline"])
     p = args.stages
     rows = []
-    for schedule, m, n in peers[len(refs):]:
+    for schedule, m, n in peers[1:]:
         runs = results[(schedule, m, n)]
-        t = statistics.median(s for r in runs for s in r["step_s"])
-        t1m = statistics.median(s for r in results[("1f1b", m, 1)] for s in r["step_s"])
-        t1c = statistics.median(s for r in results[("alone-1f1b", m, p)] for s in r["step_s"])
+
+        def med(peer):
+            return statistics.median(v for r in runs for v in r["step_s"][peer])
+
+        def paired(ref):      # efficiency window by window: T1(m) / (p T) of neighbouring windows
+            return statistics.median(a / (p * t) for r in runs
+                                     for a, t in zip(r["step_s"][ref], r["step_s"]["pipeline"]))
         theory = 1 - (p - 1) / (m + p - 1)
-        measured = t1m / (p * t)
-        loaded = t1c / (p * t)
-        rows.append({"schedule": schedule, "micro_batches": m, "step_s": t, "efficiency": measured,
-                     "one_rank_same_micro_batches_s": t1m, "efficiency_vs_whole_batch": t1 / (p * t),
-                     "one_rank_beside_others_s": t1c, "efficiency_vs_loaded": loaded,
+        measured, loaded = paired("alone"), paired("beside others")
+        rows.append({"schedule": schedule, "micro_batches": m, "step_s": med("pipeline"), "efficiency": measured,
+                     "one_rank_same_micro_batches_s": med("alone"),
+                     "efficiency_vs_whole_batch": t1 / (p * med("pipeline")),
+                     "one_rank_beside_others_s": med("beside others"), "efficiency_vs_loaded": loaded,
                      "theory": theory, "ratio_to_theory": measured / theory,
                      "loaded_ratio_to_theory": loaded / theory,
                      "activation_mib": [statistics.median(r["ranks"][k]["activation_mib"] for r in runs)
@@ -203,8 +221,9 @@ def write_outputs(rows, t1: float, single_rss: float, out: Path, args) -> None:
     lines = [f"{args.stages}-stage pipeline of {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
              f"one thread per rank; one rank runs the whole model in {t1 * 1e3:.1f} ms/step (peak RSS growth "
              f"{single_rss:.0f} MiB). Efficiency = T1(m) / (p T), T1(m) the same m micro-batches on one rank "
-             f"(the whole batch at once: 'vs T1'); theory = 1 - (p-1)/(m+p-1); medians of "
-             f"{args.rounds} rounds x {args.windows} windows.\n",
+             f"in the same launch, window by window (the whole batch at once: 'vs T1'); theory = 1 - (p-1)/(m+p-1); "
+             f"efficiencies are medians of the ratios of neighbouring windows, {args.rounds} rounds x "
+             f"{args.windows} windows.\n",
              "| schedule | m | ms/step | T1(m) ms | efficiency | vs T1 | theory | measured/theory "
              "| T1(m) beside others ms | measured/theory, loaded reference "
              "| peak activations per rank (MiB) | RSS growth per rank (MiB) | micro-batches in flight per stage |",

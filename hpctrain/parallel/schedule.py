@@ -13,7 +13,13 @@ gradient to stage s-1 unless first).
   ``min(p - s - 1, m)`` warm-up forwards, then alternates one forward and one
   backward, then drains the remaining backwards.  At most ``p - s``
   micro-batches are in flight on stage s, so activation memory is bounded by
-  the pipeline depth instead of m.
+  the pipeline depth instead of m.  One change: the first stage (of ``p > 1``)
+  runs one more warm-up forward, so it holds ``min(p + 1, m)``.  Its backward
+  sends nothing, so running the next forward first delays nobody, while the
+  textbook order (backward of i, then forward of i + p) puts the message
+  round trip to stage 1 and back on the critical path of every cycle: at
+  p = 2, stage 1 waited two message latencies per micro-batch for its next
+  input.
 
 Both have the same bubble: the idle fraction of an ideal pipeline of equal
 stages is ``(p - 1) / (m + p - 1)``.  Sends are asynchronous and receives
@@ -51,7 +57,7 @@ def one_f_one_b(stages: int, micro_batches: int, stage: int) -> List[Action]:
     """1F1B: warm-up forwards, then one forward and one backward in turn, then the last backwards."""
     _check(stages, micro_batches, stage)
     m = micro_batches
-    warm = min(stages - stage - 1, m)
+    warm = min(stages - stage - 1 + (stage == 0 and stages > 1), m)
     actions = [Action("F", i) for i in range(warm)]
     f, b = warm, 0
     while f < m:

@@ -23,7 +23,7 @@ every rank raises :class:`PipelineError` naming the stage that failed, instead
 of waiting forever.  The pipeline cannot be used after that.
 
 Memory: GPipe keeps the activations of all ``m`` micro-batches; 1F1B at most
-``p - s`` on stage ``s``.
+``p - s`` on stage ``s`` (``p + 1`` on the first of several: see :mod:`hpctrain.parallel.schedule`).
 """
 from __future__ import annotations
 
