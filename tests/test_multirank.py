@@ -1,7 +1,7 @@
 """Run every multi-rank test file under real mpirun at 1, 2, 3 and 4 ranks."""
 import pytest
 
-from harness import RANK_COUNTS, run_pytest_on_ranks
+from harness import RANK_COUNTS, mpirun_cmd, run_pytest_on_ranks
 
 FILES = ["test_collectives.py", "test_safety.py", "test_frameworks.py", "test_torch_training.py",
          "test_tf_training.py", "test_checkpoint.py", "test_compression.py", "test_compression_training.py",
@@ -19,3 +19,11 @@ def test_collectives_on_fake_nodes(n):
     """The hierarchical (inter-node) path: nodes of 2 ranks, small fusion buffers and shared-memory arena."""
     run_pytest_on_ranks(n, "test_collectives.py", HPCTRAIN_RANKS_PER_NODE=2,
                         HPCTRAIN_FUSION_THRESHOLD=1 << 20, HPCTRAIN_SHM_ARENA_BYTES=1 << 20)
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_without_shared_memory_windows(n):
+    """An MPI whose one-sided layer cannot allocate shared windows (Open MPI without osc/sm)."""
+    def launcher(k):
+        return [a if a != "^ucx" else "^sm,ucx" for a in mpirun_cmd(k)]
+    run_pytest_on_ranks(n, "test_no_shared_windows.py", launcher=launcher)

@@ -26,7 +26,7 @@ from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce
                                shm_reduce_scatter)
 from .base import ALLREDUCE_ALGORITHMS, Communicator, Handle, Riding, Topology
 from .mailbox import Mailbox
-from .mpi_node import NodeGroups, SharedArena, SharedBuffer
+from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from .runtime import Config, Runtime
 from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
 
@@ -93,9 +93,35 @@ class MPICommunicator(Communicator):
         self._descs = np.zeros((self._size if self._rank == 0 else 1, DESC_BYTES), dtype=np.uint8)
         self._verdict = np.zeros(VERDICT_BYTES, dtype=np.uint8)
         self._ring = _Ring(self._coll, MPI)
-        one_node = g.num_nodes == 1 and self._size > 1
-        self._mailbox = (Mailbox(g.node, MPI, 2 * runtime.config.shm_small_bytes, self._p2p.Iprobe) if one_node
-                         else None)
+        self._mailbox: Optional[Mailbox] = None
+        self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
+        if self._size > 1:
+            self._open_windows()
+
+    def _open_windows(self) -> None:
+        """Open the one-node mailbox (or, across nodes, try one shared window); all ranks agree whether it worked.
+
+        An MPI without MPI-3 shared windows (no ``osc/sm`` component, say)
+        fails the allocation on every rank; then the call check uses the
+        gather to rank 0, ``auto`` picks "native", ``shared_empty`` is
+        ``numpy.empty`` and "shm"/"hierarchical" are refused with the reason.
+        Cost: one allocation and one small all-reduce when the communicator is made.
+        """
+        MPI, g, why = self._MPI, self._nodes, ""
+        try:
+            if g.num_nodes == 1:
+                self._mailbox = Mailbox(g.node, MPI, 2 * self._rt.config.shm_small_bytes, self._p2p.Iprobe)
+            elif g.local_size > 1:
+                release_window(shared_window(g.node, MPI, 64)[0])
+        except MPI.Exception as exc:
+            why = f"MPI_Win_allocate_shared failed: {exc}"
+        if self._ctrl.allreduce(not why, op=MPI.LAND):
+            return
+        if self._mailbox is not None:
+            self._mailbox.free()
+            self._mailbox = None
+        self._no_windows = (f"this MPI cannot allocate MPI-3 shared-memory windows on the ranks of {self.name} "
+                            f"({why or 'on another rank'})")
 
     # -- call check ---------------------------------------------------------
     def _exchange_calls(self, call: Call, riding: Optional[Riding] = None) -> str:
@@ -162,12 +188,17 @@ class MPICommunicator(Communicator):
         return ALLREDUCE_ALGORITHMS + ("shm", "hierarchical")
 
     def _check_algorithm(self, alg: str) -> None:
+        if alg in ("shm", "hierarchical") and self._no_windows:
+            raise ValueError(f"algorithm={alg!r} needs shared memory, but {self._no_windows}; "
+                             f"use 'auto' or 'native'")
         if alg == "shm" and self._nodes.num_nodes > 1:
             raise ValueError(f"algorithm='shm' needs every rank of {self.name} on one node, but it spans "
                              f"{self._nodes.num_nodes} nodes; use 'hierarchical' (or 'auto')")
 
     def _auto_allreduce(self, nbytes: int) -> str:
         cfg = self._rt.config
+        if self._no_windows:
+            return "native"
         if self._nodes.num_nodes == 1:
             return "shm" if nbytes <= cfg.shm_small_bytes or nbytes >= cfg.shm_min_bytes else "native"
         return "hierarchical" if nbytes >= cfg.hierarchical_min_bytes else "native"
@@ -186,12 +217,12 @@ class MPICommunicator(Communicator):
         return shm_reduce_scatter(x, bounds, acc_dtype, op, self._shared())
 
     def _allgather_shared(self, raw: np.ndarray, counts: List[int]) -> Optional[np.ndarray]:
-        if self._nodes.num_nodes > 1:
+        if self._nodes.num_nodes > 1 or self._no_windows:
             return None
         return shm_allgather(raw, counts, self._shared())
 
     def _shared_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
-        if self._size == 1 or count == 0:     # (a node of one rank still needs one: every rank takes one path)
+        if self._size == 1 or count == 0 or self._no_windows:   # (a node of one rank still needs one)
             return np.empty(count, dtype=dtype)
         buf = SharedBuffer(self._nodes.node, self._MPI, count, dtype)
         self._buffers[buf.own.ctypes.data] = buf
