@@ -288,17 +288,23 @@ class Communicator(abc.ABC):
         """Send ``x`` to rank ``dest`` (its shape and dtype travel with it); return when it may be reused."""
         self.send_async(x, dest, tag).wait()
 
-    def send_async(self, x: Any, dest: int, tag: int = 0, header: bool = True) -> Handle:
+    def send_async(self, x: Any, dest: int, tag: int = 0, header: bool = True, copy: bool = True) -> Handle:
         """Start sending a copy of ``x`` to ``dest`` and return a :class:`Handle` (non-blocking, like MPI_Isend).
 
         With ``header=False`` only the bytes travel (one message, no dtype or
         shape): the receiver takes them with :meth:`recv_bytes` and must know
         what they are.  For repeated messages of a known layout (pipeline
         activations); cost is one message of ``x.nbytes`` instead of two.
+
+        With ``copy=False`` a CPU array or tensor is sent from its own memory
+        (no copy of ``x.nbytes``): the caller must not modify it until the
+        handle's ``wait()`` returns; the handle keeps it alive.  (A one-rank
+        communicator copies anyway: its message is the array it delivers.)
         """
         arr, _ = to_numpy(x)
         self._check_peer(dest, "dest")
-        arr = np.array(arr, copy=True, order="C")
+        if copy or self._size == 1:
+            arr = np.array(arr, copy=True, order="C")
         if header:
             return self._isend(arr, int(dest), int(tag))
         return self._isend_bytes(arr.reshape(-1).view(np.uint8), int(dest), int(tag))

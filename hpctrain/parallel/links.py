@@ -44,20 +44,24 @@ class StageLinks:
     def __init__(self, comm, stage: int):
         self.comm, self.stage = comm, stage
         self._sent: Dict[Tuple[int, str], Tuple[np.dtype, tuple]] = {}
-        self._received: Dict[Tuple[int, str], Tuple[np.dtype, tuple]] = {}
+        self._received: Dict[Tuple[int, str], Tuple[np.dtype, tuple, int]] = {}    # ... and bytes per row
 
-    def send_async(self, arr: np.ndarray, dest: int, tag: int, kind: str):
-        """Start sending ``arr`` to stage ``dest``; with its header only the first time on this link."""
+    def send_async(self, arr: np.ndarray, dest: int, tag: int, kind: str, copy: bool = True):
+        """Start sending ``arr`` to stage ``dest``; with its header only the first time on this link.
+
+        ``copy=False``: sent from ``arr``'s memory, which must stay unchanged
+        until the returned handle completes (see ``Communicator.send_async``).
+        """
         key, layout = (dest, kind), (arr.dtype, tuple(arr.shape[1:]))
         known = self._sent.get(key)
         if known is None:
             self._sent[key] = layout
-            return self.comm.send_async(arr, dest, tag=tag)
+            return self.comm.send_async(arr, dest, tag=tag, copy=copy)
         if known != layout:
             raise ValueError(f"stage {self.stage}: a {_what(kind)} of rows {layout[1]} {layout[0]} for stage {dest}, "
                              f"but the first step sent rows {known[1]} {known[0]}; shapes are exchanged once, "
                              f"so only the first dimension may change (build a new Pipeline for new shapes)")
-        return self.comm.send_async(arr, dest, tag=tag, header=False)
+        return self.comm.send_async(arr, dest, tag=tag, header=False, copy=copy)
 
     def recv(self, source: int, tag: int, kind: str) -> np.ndarray:
         """Receive from stage ``source``; raise :class:`PipelineError` if it sent a failure message."""
@@ -66,12 +70,12 @@ class StageLinks:
         if known is None:
             arr = self.comm.recv(source, tag=tag)
             if not _failure(arr.reshape(-1).view(np.uint8) if arr.dtype == np.uint8 else None):
-                self._received[key] = (arr.dtype, tuple(arr.shape[1:]))
+                rows = tuple(arr.shape[1:])
+                self._received[key] = (arr.dtype, rows, arr.dtype.itemsize * int(np.prod(rows)))
             return arr
         raw = self.comm.recv_bytes(source, tag=tag)
         _failure(raw)
-        dtype, rows = known
-        row_bytes = dtype.itemsize * int(np.prod(rows))
+        dtype, rows, row_bytes = known
         if row_bytes == 0 or raw.size % row_bytes:
             raise PipelineError(f"stage {self.stage}: {raw.size} bytes from stage {source} are not whole rows of "
                                 f"{rows} {dtype} ({row_bytes} bytes each)")

@@ -110,6 +110,7 @@ class Pipeline(torch.nn.Module):
         self.loss_fn = loss_fn if loss_fn is not None else torch.nn.functional.cross_entropy
         self.peak_in_flight = 0       # the most micro-batches whose activations were held at once
         self.links = StageLinks(self.comm, s)
+        self._device: Optional[torch.device] = None      # this stage's device if not the CPU (set each step)
 
     @property
     def first(self) -> bool:
@@ -131,12 +132,13 @@ class Pipeline(torch.nn.Module):
         """
         source = self.stage - 1 if kind == "F" else self.stage + 1
         t = torch.from_numpy(self.links.recv(source, 2 * micro + (kind == "B"), kind))
-        device = next((p.device for p in self.stage_module.parameters()), t.device)
-        return t if device.type == "cpu" else t.to(device)
+        return t if self._device is None else t.to(self._device)
 
     def _send(self, t: torch.Tensor, kind: str, micro: int):
+        """Start sending ``t`` without a copy: nothing writes to an activation or its gradient once computed,
+        and the handle keeps the memory alive until the message is out (a CUDA tensor is copied to the host)."""
         dest = self.stage + 1 if kind == "F" else self.stage - 1
-        return self.links.send_async(to_numpy(t.detach())[0], dest, 2 * micro + (kind == "B"), kind)
+        return self.links.send_async(to_numpy(t.detach())[0], dest, 2 * micro + (kind == "B"), kind, copy=False)
 
     @torch.no_grad()
     def infer(self, inputs: Optional[torch.Tensor]) -> torch.Tensor:
@@ -163,6 +165,8 @@ class Pipeline(torch.nn.Module):
         parameters; call ``optimizer.step()`` afterwards.
         """
         m = self.micro_batches
+        device = next((p.device for p in self.stage_module.parameters()), None)
+        self._device = device if device is not None and device.type != "cpu" else None   # where messages go
         xs = list(torch.tensor_split(inputs, m)) if self.first else None
         ys = list(torch.tensor_split(targets, m)) if self.last else None
         if self.last:
@@ -186,7 +190,7 @@ class Pipeline(torch.nn.Module):
                     if self.last:
                         scale = len(ys[i]) / sum(sizes) * (m if dist else 1)
                         outs[i] = self.loss_fn(out, ys[i]) * scale
-                        losses.append(outs[i].detach() / (m if dist else 1))
+                        losses.append(outs[i].detach())
                     else:
                         outs[i] = out
                         sends.append(self._send(out, "F", i))
@@ -212,5 +216,5 @@ class Pipeline(torch.nn.Module):
                 raise PipelineError(text) from exc
         for h in sends:
             h.wait()
-        total = torch.stack(losses).sum() if self.last else torch.zeros(())
+        total = torch.stack(losses).sum() / (m if dist else 1) if self.last else torch.zeros(())
         return self.comm.broadcast(total.reshape(1), root=self.stages - 1).reshape(())

@@ -359,6 +359,28 @@ def test_send_without_header_arrives_as_its_bytes(comm):
         assert got.tobytes() == data(left, rows * 6, np.float32, seed=rows, shape=(rows, 6)).tobytes()
 
 
+@pytest.mark.parametrize("header", [True, False], ids=["header", "bytes"])
+def test_send_without_copy(comm, header):
+    """copy=False sends from the caller's memory; after wait() the sender may reuse it and the receiver's data stays."""
+    n, r = comm.size, comm.rank
+    if comm.backend == "horovod":
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    x = data(r, 40_000, np.float32, seed=9, shape=(8, 5000))
+    h = comm.send_async(x, dest=right, tag=11, header=header, copy=False)
+    got = comm.recv(source=left, tag=11) if header else comm.recv_bytes(source=left, tag=11).view(np.float32)
+    h.wait()
+    x[:] = -1.0                                  # reused after wait(): must not reach the receiver (1 rank: itself)
+    want = data(left, 40_000, np.float32, seed=9, shape=(8, 5000))
+    assert got.tobytes() == want.tobytes()
+    # a non-contiguous source is made contiguous first
+    y = data(r, 40, np.float32, seed=3, shape=(8, 5))[:, ::2]
+    h = comm.send_async(y, dest=right, tag=12, copy=False)
+    got = comm.recv(source=left, tag=12)
+    h.wait()
+    assert got.tobytes() == np.ascontiguousarray(data(left, 40, np.float32, seed=3, shape=(8, 5))[:, ::2]).tobytes()
+
+
 def test_ring_unavailable_on_horovod(comm):
     if comm.backend != "horovod":
         assert "ring" in comm.allreduce_algorithms()
