@@ -4,9 +4,9 @@
     python benchmarks/pipeline.py --rounds 3 --micro-batches 1 4 16
 
 A compute-bound MLP (``--layers`` Linear(width, width) + ReLU, batch
-``--batch``; 16 x 544 by default: many equal layers, so the split by parameter
-count also splits the compute evenly; the first stage skips its input's
-gradient, one matrix product in 24) runs as a 2-stage
+``--batch``; 16 x 544, batch 1024 by default: many equal layers, so the split
+by parameter count also splits the compute evenly; the first stage skips its
+input's gradient, one matrix product in 24) runs as a 2-stage
 ``hpctrain.torch.Pipeline``, and in the same launch, window by window in
 alternating order, as a 1-stage pipeline with the same ``m`` micro-batches and
 schedule on one rank (the reference time T1(m), the other rank idle).
@@ -25,7 +25,12 @@ the first two steps, before any reference runs): the peak bytes of the
 activations autograd holds for backward on each rank (saved tensors,
 parameters left out, counted by ``saved_tensors_hooks``), the growth of the
 peak resident set, and the most micro-batches whose activations a stage held
-at once.  Medians over ``--rounds`` launches of ``--windows`` windows; the
+at once.  The batch is large enough that a stage's forward and backward of
+one micro-batch (64 rows at m = 16: about 15 ms) cost some 50 times its
+messages: a message costs 0.1-0.2 ms of Python and MPI on either side here,
+which at ``--batch 256`` (16-row micro-batches, about 7 ms) is 5-10% of a
+step on top of the bubble; pipeline parallelism is for stages whose
+micro-batch compute dwarfs a message.  Medians over ``--rounds`` launches of ``--windows`` windows; the
 launches alternate order between rounds.  Writes ``pipeline.json``,
 ``pipeline.md`` and ``pipeline.png`` under ``--out``.
 """
@@ -164,7 +169,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--width", type=int, default=544)
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
