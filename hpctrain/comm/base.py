@@ -289,7 +289,7 @@ class Communicator(abc.ABC):
         self.send_async(x, dest, tag).wait()
 
     def send_async(self, x: Any, dest: int, tag: int = 0, header: bool = True, copy: bool = True) -> Handle:
-        """Start sending a copy of ``x`` to ``dest`` and return a :class:`Handle` (non-blocking, like MPI_Isend).
+        """Start sending ``x`` (a copy, unless ``copy=False``) to ``dest``; return a :class:`Handle` (like MPI_Isend).
 
         With ``header=False`` only the bytes travel (one message, no dtype or
         shape): the receiver takes them with :meth:`recv_bytes` and must know

@@ -364,6 +364,8 @@ def test_send_without_copy(comm, header):
     """copy=False sends from the caller's memory; after wait() the sender may reuse it and the receiver's data stays."""
     n, r = comm.size, comm.rank
     if comm.backend == "horovod":
+        with pytest.raises(ValueError, match="point-to-point"):
+            comm.send_async(np.ones(1), dest=0, header=header, copy=False)
         return
     right, left = (r + 1) % n, (r - 1) % n
     x = data(r, 40_000, np.float32, seed=9, shape=(8, 5000))
