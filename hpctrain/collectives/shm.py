@@ -178,9 +178,16 @@ def shm_allreduce_small(inputs: Sequence[np.ndarray], out: np.ndarray, op: str) 
     every rank reduces all of them itself instead of one segment each, which
     saves both fences and the copy of the results.  Same order, so the same
     bits as :func:`shm_allreduce`.  Cost per rank for ``N`` elements on ``L``
-    ranks: reads ``L N``, writes ``N``; no synchronisation.
+    ranks: reads ``L N``, writes ``N``; no synchronisation.  ``inputs`` and
+    ``out`` share one shape and dtype (the buffers fit a cache: no blocking).
     """
-    _reduce_segment(inputs, -1, None, 0, out.size, out, op)
+    ufunc = _UFUNCS[op]
+    if len(inputs) == 1:
+        np.copyto(out, inputs[0])
+        return
+    ufunc(inputs[0], inputs[1], out=out)
+    for src in inputs[2:]:
+        ufunc(out, src, out=out)
 
 
 def shm_allreduce_shared_buffer(buf, op: str, parts: Optional[int] = None, cross=None,

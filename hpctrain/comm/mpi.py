@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..env import detect_launcher
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, CollectiveMismatchError
 from ..tensors import dtype_from_name
 from ..collectives.ops import accumulation_dtype, finish
 from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_allreduce_small,
@@ -155,10 +155,13 @@ class MPICommunicator(Communicator):
     def _exchange_on_node(self, call: Call, riding: Optional[Riding]) -> str:
         key_hash, desc = encoded(call)
         payload, dtype = (None, None) if riding is None else (riding.payload, riding.dtype)
-        hashes = self._mailbox.exchange(key_hash, desc, payload, dtype, self._note_missing)
-        if not call.error and all(h == key_hash for h in hashes):
+        if self._mailbox.exchange(key_hash, desc, payload, dtype, self._note_missing) and not call.error:
             return ""
-        return judge(self._mailbox.calls(), self.name, call.seq, None if self.name == "world" else self.world_ranks)
+        return self._mismatch(call.seq)
+
+    def _mismatch(self, seq: int) -> str:
+        """Return the error message for call ``seq`` from every rank's call in the mailbox."""
+        return judge(self._mailbox.calls(), self.name, seq, None if self.name == "world" else self.world_ranks)
 
     def _note_missing(self, missing: List[int]) -> None:
         self._rt.note_waiting(f"not yet joined by {format_ranks(missing)} of {self.name} "
@@ -170,10 +173,38 @@ class MPICommunicator(Communicator):
             return None
 
         def reduce():
-            out = arr.reshape(-1) if inplace and acc == arr.dtype else np.empty(arr.size, dtype=acc)
-            shm_allreduce_small(mb.payloads(arr.size, acc), out, op)
-            return finish(out, op, self._size, arr.dtype).reshape(arr.shape)
-        return Riding(arr.reshape(-1), acc, reduce)
+            out = arr if inplace and acc == arr.dtype else np.empty(arr.shape, dtype=acc)
+            shm_allreduce_small(mb.payloads(arr.shape, acc), out, op)
+            return finish(out, op, self._size, arr.dtype)
+        return Riding(arr, acc, reduce)
+
+    def _lean_allreduce(self, call: Call, arr: np.ndarray, op: str, alg: str):
+        """The small all-reduce riding the call check (:meth:`_riding_allreduce`) with as little Python as it needs.
+
+        About 5 µs a call at 2 ranks for 4 KiB, against about 18 µs through
+        the general path: no call object, plan or closure per call beyond the
+        lane's, the call's hash and encoding computed once.
+        """
+        mb, acc = self._mailbox, accumulation_dtype(arr.dtype)
+        if (mb is None or alg not in ("shm", "hierarchical") or not arr.size
+                or arr.size * acc.itemsize > mb.capacity):
+            return None
+        key_hash, desc = encoded(call)
+        shape, dtype, n, lane, note = arr.shape, arr.dtype, self._size, self._rt.collectives, self._note_missing
+        done = acc == dtype and op != "avg"           # (nothing for finish() to do)
+
+        def task(x: np.ndarray, seq: int) -> np.ndarray:
+            if not mb.exchange(key_hash, desc, x, acc, note):
+                raise CollectiveMismatchError(self._mismatch(seq))
+            out = np.empty(shape, dtype=acc)
+            shm_allreduce_small(mb.payloads(shape, acc), out, op)
+            return out if done else finish(out, op, n, dtype)
+
+        def allreduce(x: np.ndarray) -> np.ndarray:
+            self._seq += 1
+            seq = self._seq
+            return lane.run(lambda: task(x, seq), lambda: f"{call.text()} #{seq} on {self.name}")
+        return allreduce
 
     # -- buffer primitives -----------------------------------------------------
     def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:

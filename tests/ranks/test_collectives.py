@@ -596,3 +596,41 @@ def test_large_results_held_by_the_caller_stay_intact(comm):
         for i in range(3):                                           # dropped results' memory is reused
             out = comm.allreduce(np.full(300_001, float(i), np.float32), algorithm=alg)
             np.testing.assert_array_equal(out, np.full(300_001, float(i * n), np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64, np.bool_], ids=str)
+def test_repeated_small_allreduce_takes_the_lean_path_with_the_same_results(comm, dtype):
+    """A repeated small call (the lean path on one node) gives the reference, the same bits as the first call."""
+    n = comm.size
+    for op in OPS:
+        if not valid(dtype, op):
+            continue
+        for shape in [(7, 3), ()]:
+            count = int(np.prod(shape))
+            expect = reference([data(r, count, dtype, op, shape=shape) for r in range(n)], op, n)
+            first = None
+            for call in range(4):              # the first call plans and checks; the others reuse it
+                x = data(comm.rank, count, dtype, op, shape=shape)
+                out = comm.allreduce(x, op=op)
+                assert type(out) is np.ndarray and out.dtype == x.dtype and out.shape == shape
+                np.testing.assert_array_equal(out.astype(np.float64), expect.astype(np.float64))
+                first = out.tobytes() if first is None else first
+                assert out.tobytes() == first
+            assert same_on_all_ranks(comm, out)
+            if getattr(comm, "_mailbox", None) is not None:    # (MPI on one node: the path under test ran)
+                assert comm._seen_allreduce[(x.dtype, x.shape, op, "auto")][2] is not None
+
+
+def test_mismatch_after_a_repeated_small_allreduce_is_reported_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    x = np.ones(16, np.float32)
+    for _ in range(3):
+        assert comm.allreduce(x).tolist() == [comm.size] * 16
+    # rank 1 changes its shape; the others repeat the call they made before (the lean path)
+    y = np.ones(17 if comm.rank == 1 else 16, np.float32)
+    with pytest.raises(hpctrain.CollectiveMismatchError, match=r"float32\[17\][\s\S]*rank 1|rank 1[\s\S]*float32\[17\]"):
+        comm.allreduce(y)
+    with pytest.raises(hpctrain.CollectiveMismatchError, match="op=max"):
+        comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
+    assert comm.allreduce(x).tolist() == [comm.size] * 16
