@@ -83,11 +83,13 @@ class Mailbox:
         # ranks on 2 cores).
         self._spins = _SPINS if _cores_per_rank_at_least_one(self.size) else 0
         self._descs: List[Optional[bytes]] = [None, None]    # the call last written into each own slot
-        self._views: dict = {}                               # (slot, count, dtype) -> payload views
+        self._views: dict = {}                               # (slot, shape or size, dtype) -> payload views
 
     def exchange(self, key_hash: int, desc: bytes, payload: Optional[np.ndarray], dtype,
                  note: Callable[[List[int]], None]) -> bool:
-        """Post this rank's call (and payload, cast to ``dtype``) and wait for every rank's; return whether all hashes equal ``key_hash``.
+        """Post this rank's call (and payload, cast to ``dtype``), wait for every rank's; return whether all match.
+
+        The result is True when every rank posted ``key_hash``.
 
         ``payload`` has any shape; :meth:`payloads` with the same shape (or its
         size) reads it back.  ``note(missing_ranks)`` is called when the wait

@@ -181,9 +181,10 @@ class MPICommunicator(Communicator):
     def _lean_allreduce(self, call: Call, arr: np.ndarray, op: str, alg: str):
         """The small all-reduce riding the call check (:meth:`_riding_allreduce`) with as little Python as it needs.
 
-        About 5 µs a call at 2 ranks for 4 KiB, against about 18 µs through
-        the general path: no call object, plan or closure per call beyond the
-        lane's, the call's hash and encoding computed once.
+        About 6.5 µs a call at 2 ranks for 4 KiB (MPI_Allreduce: about 4),
+        against about 18 µs through the general path: no call object, plan or
+        closure per call beyond the lane's; the call's hash and encoding are
+        computed once.
         """
         mb, acc = self._mailbox, accumulation_dtype(arr.dtype)
         if (mb is None or alg not in ("shm", "hierarchical") or not arr.size

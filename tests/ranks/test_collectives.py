@@ -629,7 +629,7 @@ def test_mismatch_after_a_repeated_small_allreduce_is_reported_on_every_rank(com
         assert comm.allreduce(x).tolist() == [comm.size] * 16
     # rank 1 changes its shape; the others repeat the call they made before (the lean path)
     y = np.ones(17 if comm.rank == 1 else 16, np.float32)
-    with pytest.raises(hpctrain.CollectiveMismatchError, match=r"float32\[17\][\s\S]*rank 1|rank 1[\s\S]*float32\[17\]"):
+    with pytest.raises(hpctrain.CollectiveMismatchError, match=r"rank 1[^\n]*float32\[17\]"):
         comm.allreduce(y)
     with pytest.raises(hpctrain.CollectiveMismatchError, match="op=max"):
         comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
