@@ -373,6 +373,7 @@ class Communicator(abc.ABC):
 
     def free(self) -> None:
         """Release the backend resources of this communicator (not of the world)."""
+        self._seen_allreduce.clear()       # (its lean paths hold the backend's shared memory)
         self._free()
 
     # -- planning: validate, describe, bind the work ----------------------
