@@ -64,6 +64,8 @@ def reduce_into(acc: np.ndarray, other: np.ndarray, op: str) -> None:
 
 def finish(acc: np.ndarray, op: str, nranks: int, dtype: np.dtype) -> np.ndarray:
     """Turn an accumulated buffer into the final result: divide for ``avg``, cast back to ``dtype``."""
+    if op != "avg" and acc.dtype == dtype:     # (the common case, on the path of every small all-reduce)
+        return acc
     if op == "avg" and nranks > 1:
         np.divide(acc, acc.dtype.type(nranks), out=acc)
     dtype = np.dtype(dtype)

@@ -167,9 +167,16 @@ class MPICommunicator(Communicator):
         self._rt.note_waiting(f"not yet joined by {format_ranks(missing)} of {self.name} "
                               f"(world {format_ranks([self.world_ranks[i] for i in missing])})")
 
-    def _riding_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> Optional[Riding]:
+    def _riding_dtype(self, arr: np.ndarray) -> Optional[np.dtype]:
+        """Return the dtype in which ``arr`` rides the call check, or None (no mailbox, empty, or too big)."""
         mb, acc = self._mailbox, accumulation_dtype(arr.dtype)
         if mb is None or not arr.size or arr.size * acc.itemsize > mb.capacity:
+            return None
+        return acc
+
+    def _riding_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> Optional[Riding]:
+        mb, acc = self._mailbox, self._riding_dtype(arr)
+        if acc is None:
             return None
 
         def reduce():
@@ -186,20 +193,18 @@ class MPICommunicator(Communicator):
         closure per call beyond the lane's; the call's hash and encoding are
         computed once.
         """
-        mb, acc = self._mailbox, accumulation_dtype(arr.dtype)
-        if (mb is None or alg not in ("shm", "hierarchical") or not arr.size
-                or arr.size * acc.itemsize > mb.capacity):
+        mb, acc = self._mailbox, self._riding_dtype(arr)
+        if acc is None or alg not in ("shm", "hierarchical"):
             return None
         key_hash, desc = encoded(call)
         shape, dtype, n, lane, note = arr.shape, arr.dtype, self._size, self._rt.collectives, self._note_missing
-        done = acc == dtype and op != "avg"           # (nothing for finish() to do)
 
         def task(x: np.ndarray, seq: int) -> np.ndarray:
             if not mb.exchange(key_hash, desc, x, acc, note):
                 raise CollectiveMismatchError(self._mismatch(seq))
             out = np.empty(shape, dtype=acc)
             shm_allreduce_small(mb.payloads(shape, acc), out, op)
-            return out if done else finish(out, op, n, dtype)
+            return finish(out, op, n, dtype)
 
         def allreduce(x: np.ndarray) -> np.ndarray:
             self._seq += 1
