@@ -90,3 +90,27 @@ def test_mismatch_message_lists_every_rank():
     same = [Call("allgather", 1, "int64", (r + 1, 2), free_dim0=True).encode() for r in range(3)]
     assert judge(same, "world", 1) == ""  # dim 0 may differ for allgather
     assert format_ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+
+
+def test_the_c_kernel_was_built_and_refuses_bad_buffers():
+    """The set-up builds the mailbox's C kernel (setup.py); a build that silently failed would cost ~3 µs a call."""
+    from hpctrain.comm import _mailbox_kernel
+
+    slots = np.zeros((2, 2, 256), np.uint8)          # (slot, rank, bytes): header 64 + payload 192 here
+    addrs = [slots[s, r].ctypes.data for s in range(2) for r in range(2)]
+    kernel = _mailbox_kernel.Kernel(0, 2, 128, 0, addrs, [a + 64 for a in addrs])
+    x, out = np.ones(8, np.float32), np.empty(8, np.float32)
+    with pytest.raises(ValueError, match="same bytes"):
+        kernel.allreduce(1, 5, 0, x, np.empty(9, np.float32), 0)
+    with pytest.raises(ValueError, match="dtype code"):
+        kernel.allreduce(1, 5, 0, x, out, 9)
+    with pytest.raises(ValueError, match="2 \\* size addresses"):
+        _mailbox_kernel.Kernel(0, 2, 128, 0, addrs[:3], addrs)
+    assert kernel.allreduce(1, 5, 0, x, out, 0) == 2               # rank 1 has not posted exchange 1
+    peer = slots[1, 1, :64].view(np.int64)
+    peer[1:3] = 5, 32
+    slots[1, 1, 64:96].view(np.float32)[:] = 2.5
+    peer[0] = 1                                                    # now it has: 1 + 2.5 each
+    assert kernel.reduce(1, 5, out, 0) == 0 and out.tolist() == [3.5] * 8
+    peer[1] = 6                                                    # another call's hash
+    assert kernel.reduce(1, 5, out, 0) == 1

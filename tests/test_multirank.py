@@ -27,3 +27,10 @@ def test_without_shared_memory_windows(n):
     def launcher(k):
         return [a if a != "^ucx" else "^sm,ucx" for a in mpirun_cmd(k)]
     run_pytest_on_ranks(n, "test_no_shared_windows.py", launcher=launcher)
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_small_sums_without_the_c_kernel(n):
+    """HPCTRAIN_NATIVE_KERNEL=0: the Python exchange does what the C kernel would, with the same results and bits."""
+    run_pytest_on_ranks(n, "test_collectives.py", select="repeated_small or rank_order or mismatch",
+                        HPCTRAIN_NATIVE_KERNEL=0)

@@ -22,6 +22,12 @@ what an all-reduce of a small buffer needs: the inputs are there once the
 check passes, and each rank reduces them itself (see
 :func:`hpctrain.collectives.shm.shm_allreduce_small`).
 
+:meth:`Mailbox.sum_small` is the exchange and the sum of the payloads in one
+call of a small C extension (``_mailbox_kernel.c``, built when a compiler is
+there), for the float32/float64/int32/int64 sums a training loop repeats
+(metrics, losses, small gradients); same protocol, same bits, about 4 µs less
+Python per call.
+
 Cost per exchange: one write of the call and payload, one memory barrier, ``n``
 flag reads per poll, ``n`` hash reads; against a gather to rank 0 and a reply
 (``2 (n - 1)`` MPI messages and two hops) for communicators that span nodes.
@@ -37,11 +43,18 @@ import numpy as np
 from .mpi_node import release_window, shared_window
 from .signature import DESC_BYTES
 
+try:
+    from . import _mailbox_kernel
+except ImportError:                   # (built without a C compiler: the Python exchange does it all)
+    _mailbox_kernel = None
+
 __all__ = ["Mailbox"]
 
 _HEADER = 64                          # flag, hash, payload bytes, call bytes (int64 each), padding
 _SPINS = 50                           # polls (about 20 µs) before yielding the core, when each rank has one
 _SLEEP_AFTER_S = 0.01                 # after this long, sleep between polls (a peer is far behind)
+_SPIN_NS = 20_000                     # the C kernel's polls before it hands the wait to Python
+_KERNEL_SUMS = {np.dtype(t): code for code, t in enumerate((np.float32, np.float64, np.int32, np.int64))}
 
 
 def _cores_per_rank_at_least_one(local_size: int) -> bool:
@@ -64,9 +77,10 @@ class Mailbox:
             other messages on (a rank waiting here makes no MPI call otherwise, and a peer's
             send to it may need it to: Open MPI's shared-memory transport does once its
             per-peer buffer is full).
+        native: use the C kernel for :meth:`sum_small` when it was built.
     """
 
-    def __init__(self, node, MPI, capacity: int, progress: Callable[[], object]):
+    def __init__(self, node, MPI, capacity: int, progress: Callable[[], object], native: bool = True):
         self._progress = progress
         self.rank, self.size = node.Get_rank(), node.Get_size()
         self.capacity = -(-int(capacity) // 64) * 64        # slots stay 64-byte aligned
@@ -84,6 +98,12 @@ class Mailbox:
         self._spins = _SPINS if _cores_per_rank_at_least_one(self.size) else 0
         self._descs: List[Optional[bytes]] = [None, None]    # the call last written into each own slot
         self._views: dict = {}                               # (slot, shape or size, dtype) -> payload views
+        self._kernel = None
+        if native and _mailbox_kernel is not None:
+            slots = [slot for per_slot in self._slots for slot in per_slot]         # slot-major
+            self._kernel = _mailbox_kernel.Kernel(
+                self.rank, self.size, self.capacity, _SPIN_NS if self._spins else 0,
+                [slot.ctypes.data for slot in slots], [slot.ctypes.data + _HEADER + DESC_BYTES for slot in slots])
 
     def exchange(self, key_hash: int, desc: bytes, payload: Optional[np.ndarray], dtype,
                  note: Callable[[List[int]], None]) -> bool:
@@ -101,8 +121,7 @@ class Mailbox:
         s = k & 1
         head = self._heads[s][self.rank]
         if desc is not self._descs[s]:                      # a loop repeats its calls: skip the copy
-            self._slots[s][self.rank][_HEADER:_HEADER + len(desc)] = np.frombuffer(desc, dtype=np.uint8)
-            self._descs[s] = desc
+            self._write_desc(s, desc)
         nbytes = 0
         if payload is not None:
             own = self._payload_views(s, payload.shape, dtype)[self.rank]
@@ -122,6 +141,38 @@ class Mailbox:
             if h[1] != key_hash:
                 return False
         return True
+
+    def sum_code(self, dtype: np.dtype, op: str) -> Optional[int]:
+        """Return the code :meth:`sum_small` takes for ``op`` over ``dtype``, or None where it cannot do it.
+
+        The C kernel sums float32, float64, int32 and int64 (``avg`` is a sum
+        divided afterwards); others, and a Mailbox without the kernel, use
+        :meth:`exchange` and :func:`hpctrain.collectives.shm.shm_allreduce_small`.
+        """
+        return _KERNEL_SUMS.get(dtype) if self._kernel is not None and op in ("sum", "avg") else None
+
+    def sum_small(self, key_hash: int, desc: bytes, x: np.ndarray, out: np.ndarray, code: int,
+                  note: Callable[[List[int]], None]) -> bool:
+        """:meth:`exchange` with ``x`` as the payload, then ``out = x_0 + x_1 + ...`` in rank order, in C.
+
+        Returns whether every rank posted ``key_hash``; ``out`` is left alone
+        when not.  ``x`` and ``out`` are C-contiguous arrays of the dtype of
+        ``code`` (:meth:`sum_code`) and the same size.  The bits equal those of
+        numpy's ``np.add`` chain in :func:`hpctrain.collectives.shm.shm_allreduce_small`.
+        """
+        self._posted = k = self._posted + 1
+        s = k & 1
+        if desc is not self._descs[s]:
+            self._write_desc(s, desc)
+        rc = self._kernel.allreduce(k, key_hash, len(desc), x, out, code)
+        if rc == 2:                                         # a peer is late: wait as exchange() does
+            self._wait(k, s, note)
+            rc = self._kernel.reduce(k, key_hash, out, code)
+        return rc == 0
+
+    def _write_desc(self, s: int, desc: bytes) -> None:
+        self._slots[s][self.rank][_HEADER:_HEADER + len(desc)] = np.frombuffer(desc, dtype=np.uint8)
+        self._descs[s] = desc
 
     def _wait(self, k: int, s: int, note) -> None:
         heads = self._heads[s]
@@ -171,6 +222,6 @@ class Mailbox:
     def free(self) -> None:
         """Release the window (collective over the node)."""
         if self._win is not None:
-            self._slots, self._heads, self._peer_heads, self._views = [], [], [], {}
+            self._slots, self._heads, self._peer_heads, self._views, self._kernel = [], [], [], {}, None
             release_window(self._win)
             self._win = None

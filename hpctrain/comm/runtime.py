@@ -57,6 +57,9 @@ class Config:
             buffer of ``grouped_allreduce`` (default 64 MiB).
         shm_arena_bytes: HPCTRAIN_SHM_ARENA_BYTES: the most one shared-memory
             all-reduce pass puts through a node's window (default 64 MiB, at least 4096).
+        native_kernel: HPCTRAIN_NATIVE_KERNEL (default on): repeated small sums on one
+            node run in C when the extension was built (``hpctrain.comm._mailbox_kernel``);
+            off, the same protocol runs in Python.
     """
 
     check: bool = True
@@ -68,6 +71,7 @@ class Config:
     shm_small_bytes: int = 256 << 10
     fusion_threshold: int = 64 << 20
     shm_arena_bytes: int = 64 << 20
+    native_kernel: bool = True
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -87,6 +91,7 @@ class Config:
             shm_small_bytes=size("HPCTRAIN_SHM_SMALL_BYTES", "shm_small_bytes"),
             fusion_threshold=size("HPCTRAIN_FUSION_THRESHOLD", "fusion_threshold"),
             shm_arena_bytes=size("HPCTRAIN_SHM_ARENA_BYTES", "shm_arena_bytes"),
+            native_kernel=env_flag("HPCTRAIN_NATIVE_KERNEL", True),
         )
         if (cfg.stall_warning_s <= 0 or cfg.stall_timeout_s < 0 or cfg.ring_chunk_bytes <= 0
                 or cfg.shm_min_bytes < 0 or cfg.hierarchical_min_bytes < 0 or cfg.shm_small_bytes < 0

@@ -598,7 +598,7 @@ def test_large_results_held_by_the_caller_stay_intact(comm):
             np.testing.assert_array_equal(out, np.full(300_001, float(i * n), np.float32))
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64, np.bool_], ids=str)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64, np.bool_], ids=str)
 def test_repeated_small_allreduce_takes_the_lean_path_with_the_same_results(comm, dtype):
     """A repeated small call (the lean path on one node) gives the reference, the same bits as the first call."""
     n = comm.size
@@ -619,6 +619,83 @@ def test_repeated_small_allreduce_takes_the_lean_path_with_the_same_results(comm
             assert same_on_all_ranks(comm, out)
             if getattr(comm, "_mailbox", None) is not None:    # (MPI on one node: the path under test ran)
                 assert comm._seen_allreduce[(x.dtype, x.shape, op, "auto")][2] is not None
+
+
+def uses_c_kernel(comm, x, op):
+    """Whether the repeated all-reduce of ``x`` by ``op`` runs in the mailbox's C kernel."""
+    mb = getattr(comm, "_mailbox", None)
+    return mb is not None and mb.sum_code(x.dtype, op) is not None
+
+
+def ordered_sum(inputs, op, n):
+    """x_0 + x_1 + ... added left to right in numpy (then / n for avg): the order every algorithm keeps."""
+    out = inputs[0].copy()
+    for x in inputs[1:]:
+        out = np.add(out, x)
+    return out / out.dtype.type(n) if op == "avg" else out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+def test_repeated_small_sum_rounds_as_additions_in_rank_order(comm, dtype):
+    """Inexact sums: the first (general) call and the repeated (lean, C kernel) ones equal the rank-order sum.
+
+    On one node, that is; across nodes each node's sum is added in rank order
+    and the node sums in the ring's order, so there the result is only close
+    (and equal on every rank).
+    """
+    n, one_node = comm.size, getattr(comm, "_mailbox", None) is not None or comm.size == 1
+
+    def inputs(r, call):
+        rng = np.random.default_rng([11, r, call])
+        return (rng.standard_normal((33, 5)) * 10.0 ** rng.integers(-7, 8, (33, 5))).astype(dtype)
+    for op in ("sum", "avg"):
+        for call in range(4):
+            xs = [inputs(r, call) for r in range(n)]
+            expect = ordered_sum(xs, op, n)
+            if n >= 3 and call == 0:        # (the data tells orders apart: a wrong order would fail)
+                assert not np.array_equal(expect, ordered_sum(xs[::-1], op, n))
+            out = comm.allreduce(xs[comm.rank], op=op)
+            assert out.dtype == dtype
+            if one_node:
+                assert out.tobytes() == expect.tobytes()
+            else:
+                bound = n * np.finfo(dtype).eps * np.abs(np.stack(xs)).sum(axis=0)    # rounding of n adds
+                assert np.all(np.abs(out - expect) <= bound)
+                assert same_on_all_ranks(comm, out)
+    if getattr(comm, "_mailbox", None) is not None and comm._mailbox._kernel is not None:
+        assert uses_c_kernel(comm, xs[0], "sum")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64], ids=str)
+def test_repeated_small_integer_sum_wraps_around_as_numpy_does(comm, dtype):
+    n, info = comm.size, np.iinfo(dtype)
+    xs = [np.array([info.max - r, info.min + r, r - 3, info.max // 2], dtype) for r in range(n)]
+    expect = ordered_sum(xs, "sum", n)
+    for _ in range(3):
+        assert comm.allreduce(xs[comm.rank]).tobytes() == expect.tobytes()
+
+
+def test_repeated_small_sums_agree_when_some_ranks_lack_the_c_kernel(comm):
+    """The C kernel and the Python exchange keep one protocol: ranks on either path meet and agree bit for bit."""
+    if getattr(comm, "_mailbox", None) is None or comm._mailbox._kernel is None:
+        pytest.skip("needs the MPI backend on one node with the C kernel built")
+    sub = comm.split(0)                      # a fresh communicator: no call of it planned yet
+    try:
+        if sub.rank % 2:
+            sub._mailbox._kernel = None      # odd ranks exchange and reduce in Python
+        x = np.random.default_rng([5, sub.rank]).standard_normal(300).astype(np.float32)
+        xs = [np.random.default_rng([5, r]).standard_normal(300).astype(np.float32) for r in range(sub.size)]
+        for _ in range(4):
+            out = sub.allreduce(x)
+            assert out.tobytes() == ordered_sum(xs, "sum", sub.size).tobytes()
+            assert same_on_all_ranks(comm, out)
+        assert uses_c_kernel(sub, x, "sum") == (sub.rank % 2 == 0)
+        if sub.size == 1:
+            return
+        with pytest.raises(hpctrain.CollectiveMismatchError, match="op=max"):
+            sub.allreduce(x, op="max" if sub.rank == 0 else "sum")
+    finally:
+        sub.free()
 
 
 def test_mismatch_after_a_repeated_small_allreduce_is_reported_on_every_rank(comm):
