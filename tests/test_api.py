@@ -98,14 +98,14 @@ def test_the_c_kernel_was_built_and_refuses_bad_buffers():
 
     slots = np.zeros((2, 2, 256), np.uint8)          # (slot, rank, bytes): header 64 + payload 192 here
     addrs = [slots[s, r].ctypes.data for s in range(2) for r in range(2)]
-    kernel = _mailbox_kernel.Kernel(0, 2, 128, 0, addrs, [a + 64 for a in addrs])
+    kernel = _mailbox_kernel.Kernel(0, 2, 128, 0, 0, addrs, [a + 64 for a in addrs])
     x, out = np.ones(8, np.float32), np.empty(8, np.float32)
     with pytest.raises(ValueError, match="same bytes"):
         kernel.allreduce(1, 5, 0, x, np.empty(9, np.float32), 0)
     with pytest.raises(ValueError, match="dtype code"):
         kernel.allreduce(1, 5, 0, x, out, 9)
     with pytest.raises(ValueError, match="2 \\* size addresses"):
-        _mailbox_kernel.Kernel(0, 2, 128, 0, addrs[:3], addrs)
+        _mailbox_kernel.Kernel(0, 2, 128, 0, 0, addrs[:3], addrs)
     assert kernel.allreduce(1, 5, 0, x, out, 0) == 2               # rank 1 has not posted exchange 1
     peer = slots[1, 1, :64].view(np.int64)
     peer[1:3] = 5, 32

@@ -9,7 +9,7 @@
  *   out = x_0 + x_1 + ... + x_{n-1}   (float32, float64; int32, int64 wrap around)
  *
  * Cost per call for N bytes on L ranks: one copy of N bytes into the own slot,
- * one release store of the flag, polls of L - 1 flags, reads of L N bytes,
+ * one release store of the flag, polls of L - 1 flags (spinning, then yielding the core), reads of L N bytes,
  * writes of N.  What the C saves is the interpreter: about 4 µs of Python per
  * call at 4 KiB against about 1 µs here.
  *
@@ -23,6 +23,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 
 enum { FLAG = 0, HASH = 1, BYTES = 2, DESC = 3 };
@@ -32,7 +33,7 @@ enum { DONE = 0, MISMATCH = 1, WAIT = 2 };
 typedef struct {
     PyObject_HEAD
     Py_ssize_t rank, size, capacity;
-    long long spin_ns;
+    long long spin_ns, yield_ns;
     int64_t **heads;      /* slot s of rank r: heads[s * size + r] */
     char **payloads;
 } Kernel;
@@ -63,14 +64,14 @@ Kernel_dealloc(Kernel *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Kernel(rank, size, capacity, spin_ns, head_addresses, payload_addresses): addresses in slot-major order. */
+/* Kernel(rank, size, capacity, spin_ns, yield_ns, head_addresses, payload_addresses), slot-major addresses. */
 static int
 Kernel_init(Kernel *self, PyObject *args, PyObject *kwds)
 {
     PyObject *heads, *payloads;
     (void)kwds;
-    if (!PyArg_ParseTuple(args, "nnnLOO", &self->rank, &self->size, &self->capacity, &self->spin_ns,
-                          &heads, &payloads))
+    if (!PyArg_ParseTuple(args, "nnnLLOO", &self->rank, &self->size, &self->capacity, &self->spin_ns,
+                          &self->yield_ns, &heads, &payloads))
         return -1;
     Py_ssize_t count = 2 * self->size;
     if (self->size < 1 || self->rank < 0 || self->rank >= self->size || !PySequence_Check(heads)
@@ -100,27 +101,40 @@ Kernel_init(Kernel *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
-/* Whether every peer's flag in slot s has reached k, polling for up to spin_ns. */
+static int
+all_posted(Kernel *self, int64_t k, Py_ssize_t s)
+{
+    int64_t **heads = self->heads + s * self->size;
+    for (Py_ssize_t r = 0; r < self->size; r++)
+        if (r != self->rank && __atomic_load_n(&heads[r][FLAG], __ATOMIC_ACQUIRE) < k)
+            return 0;
+    return 1;
+}
+
+/* Whether every peer's flag in slot s has reached k: polls for spin_ns, then yields the core (without
+ * the GIL) until yield_ns more have passed.  A rank with a core of its own spins; oversubscribed ranks
+ * (spin_ns = 0) yield at once, so the peer they wait for gets the core. */
 static int
 arrived(Kernel *self, int64_t k, Py_ssize_t s)
 {
-    int64_t **heads = self->heads + s * self->size;
-    long long deadline = 0;
-    for (unsigned polls = 0;; polls++) {
-        Py_ssize_t r = 0;
-        while (r < self->size && (r == self->rank || __atomic_load_n(&heads[r][FLAG], __ATOMIC_ACQUIRE) >= k))
-            r++;
-        if (r == self->size)
-            return 1;
-        if ((polls & 63) == 0) {
-            long long t = now_ns();
-            if (polls == 0)
-                deadline = t + self->spin_ns;
-            if (t >= deadline)
-                return 0;
-        }
+    if (all_posted(self, k, s))
+        return 1;
+    long long start = now_ns();
+    for (unsigned polls = 1; self->spin_ns > 0; polls++) {
         cpu_relax();
+        if (all_posted(self, k, s))
+            return 1;
+        if ((polls & 63) == 0 && now_ns() - start >= self->spin_ns)
+            break;
     }
+    int ok = 0;
+    if (self->yield_ns > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        while (!(ok = all_posted(self, k, s)) && now_ns() - start < self->spin_ns + self->yield_ns)
+            sched_yield();
+        Py_END_ALLOW_THREADS
+    }
+    return ok;
 }
 
 #define SUM_LOOP(T)                                                             \

@@ -53,7 +53,8 @@ __all__ = ["Mailbox"]
 _HEADER = 64                          # flag, hash, payload bytes, call bytes (int64 each), padding
 _SPINS = 50                           # polls (about 20 µs) before yielding the core, when each rank has one
 _SLEEP_AFTER_S = 0.01                 # after this long, sleep between polls (a peer is far behind)
-_SPIN_NS = 20_000                     # the C kernel's polls before it hands the wait to Python
+_SPIN_NS = 20_000                     # the C kernel's polls, when each rank has a core ...
+_YIELD_NS = 1_000_000                 # ... and its wait yielding the core, before it hands the wait to Python
 _KERNEL_SUMS = {np.dtype(t): code for code, t in enumerate((np.float32, np.float64, np.int32, np.int64))}
 
 
@@ -102,7 +103,7 @@ class Mailbox:
         if native and _mailbox_kernel is not None:
             slots = [slot for per_slot in self._slots for slot in per_slot]         # slot-major
             self._kernel = _mailbox_kernel.Kernel(
-                self.rank, self.size, self.capacity, _SPIN_NS if self._spins else 0,
+                self.rank, self.size, self.capacity, _SPIN_NS if self._spins else 0, _YIELD_NS,
                 [slot.ctypes.data for slot in slots], [slot.ctypes.data + _HEADER + DESC_BYTES for slot in slots])
 
     def exchange(self, key_hash: int, desc: bytes, payload: Optional[np.ndarray], dtype,
