@@ -10,7 +10,9 @@ gives hpctrain auto's bandwidth over mpi4py's and Horovod's, and its time over
 a single-process memcpy of the same bytes into a preallocated buffer (the
 floor).  "-inplace" peers reduce a persistent buffer in place; hpctrain's
 "-shared" peer reduces, in place, a buffer from ``comm.shared_empty`` (where
-the PyTorch DistributedOptimizer keeps its gradient buckets).  Writes JSON, a
+the PyTorch DistributedOptimizer keeps its gradient buckets); "-arena" runs
+auto with ``HPCTRAIN_CROSS_MEMORY=0`` (large one-node buffers staged through
+the shared arena instead of copied directly between ranks).  Writes JSON, a
 markdown table and a PNG.
 
     python benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
@@ -30,8 +32,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import launch_worker, oversubscribed  # noqa: E402
 
-PEERS = ("hpctrain-auto", "hpctrain-auto-inplace", "hpctrain-auto-shared", "hpctrain-shm", "hpctrain-ring",
-         "hpctrain-native", "mpi4py", "mpi4py-inplace", "torch-gloo", "horovod")
+PEERS = ("hpctrain-auto", "hpctrain-auto-inplace", "hpctrain-auto-shared", "hpctrain-auto-arena", "hpctrain-shm",
+         "hpctrain-ring", "hpctrain-native", "mpi4py", "mpi4py-inplace", "torch-gloo", "horovod")
 MIB = 1 << 20
 
 
@@ -52,6 +54,8 @@ def make_op(peer: str):
         return buffers[x.size]
 
     if peer.startswith("hpctrain"):
+        if peer.endswith("-arena"):   # every large one-node all-reduce staged through the shared arena
+            os.environ["HPCTRAIN_CROSS_MEMORY"] = "0"
         import hpctrain
 
         comm = hpctrain.init("mpi")

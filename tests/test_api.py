@@ -92,6 +92,33 @@ def test_mismatch_message_lists_every_rank():
     assert format_ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
 
 
+def test_cross_memory_copies_spans_end_to_end_and_names_the_process_it_cannot_reach():
+    """process_vm_readv/writev through CrossMemory (on this process itself): spans in order, clear errors."""
+    import os
+
+    from hpctrain.comm.cross_memory import CrossMemory
+    from hpctrain.collectives.shm import Flat
+
+    xm = CrossMemory()
+    a, b = np.arange(10, dtype=np.float64), np.arange(100, 107, dtype=np.float64)
+    flat = Flat([a, b])
+    got = np.zeros(6)
+    xm.read(os.getpid(), flat.byte_spans(7, 13, flat.addresses()), got)      # 3 of a, then 3 of b
+    assert got.tolist() == [7, 8, 9, 100, 101, 102]
+    xm.write(os.getpid(), flat.byte_spans(8, 11, flat.addresses()), np.array([-1.0, -2.0, -3.0]))
+    assert a[8:].tolist() == [-1, -2] and b[:2].tolist() == [-3, 101]
+    many = [(a.ctypes.data + 8 * (k % 10), 8) for k in range(2500)]              # more spans than one call takes
+    out = np.zeros(2500)
+    xm.read(os.getpid(), many, out)
+    assert out.tolist() == [a[k % 10] for k in range(2500)]
+    with pytest.raises(ValueError, match="16 bytes of spans for a.* 48 bytes"):
+        xm.read(os.getpid(), [(a.ctypes.data, 16)], np.zeros(6))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()                                                                  # reaped: no such process now
+    with pytest.raises(OSError, match=f"cannot read from process {child.pid}: No such process"):
+        xm.read(child.pid, [(a.ctypes.data, 8)], np.zeros(1))
+
+
 def test_the_c_kernel_was_built_and_refuses_bad_buffers():
     """The set-up builds the mailbox's C kernel (setup.py); a build that silently failed would cost ~3 µs a call."""
     from hpctrain.comm import _mailbox_kernel

@@ -30,6 +30,13 @@ def test_without_shared_memory_windows(n):
 
 
 @pytest.mark.parametrize("n", RANK_COUNTS)
+def test_large_sums_through_the_arena(n):
+    """HPCTRAIN_CROSS_MEMORY=0: large one-node all-reduces stage through the shared-memory arena, same results and bits."""
+    run_pytest_on_ranks(n, "test_collectives.py", HPCTRAIN_CROSS_MEMORY=0,
+                        select="64mib or inplace or shared or copying_between or grouped or large_results")
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
 def test_small_sums_without_the_c_kernel(n):
     """HPCTRAIN_NATIVE_KERNEL=0: the Python exchange does what the C kernel would, with the same results and bits."""
     run_pytest_on_ranks(n, "test_collectives.py", select="repeated_small or rank_order or mismatch",

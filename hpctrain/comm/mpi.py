@@ -22,8 +22,9 @@ from ..env import detect_launcher
 from ..errors import BackendUnavailableError, CollectiveMismatchError
 from ..tensors import dtype_from_name
 from ..collectives.ops import accumulation_dtype, finish
-from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_allreduce_small,
-                               shm_reduce_scatter)
+from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce_direct, shm_allreduce_shared_buffer,
+                               shm_allreduce_small, shm_reduce_scatter)
+from .cross_memory import CrossMemory
 from .base import ALLREDUCE_ALGORITHMS, Communicator, Handle, Riding, Topology
 from .mailbox import Mailbox
 from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
@@ -33,6 +34,9 @@ from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
 __all__ = ["MPICommunicator", "init_world"]
 
 VERDICT_BYTES = 1 << 16
+# From this size on, a one-node all-reduce copies straight between the ranks' memory where it can (below it
+# the arena's fewer system calls win).  A constant, not a setting: every rank must take the same path.
+DIRECT_MIN_BYTES = 1 << 20
 _TAG_CALL, _TAG_VERDICT, _TAG_RING = 1, 2, 3
 
 
@@ -95,6 +99,7 @@ class MPICommunicator(Communicator):
         self._ring = _Ring(self._coll, MPI)
         self._mailbox: Optional[Mailbox] = None
         self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
+        self._direct: Optional[tuple] = None  # (CrossMemory, local pids) once probed; () where it cannot be used
         if self._size > 1:
             self._open_windows()
 
@@ -255,8 +260,57 @@ No call object, plan or closure per call beyond the lane's; the call's
 
     def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str) -> None:
         itemsize = out.arrays[0].itemsize if out.arrays else 1
+        if (self._nodes.num_nodes == 1 and x.size * itemsize >= DIRECT_MIN_BYTES
+                and x.arrays[0].dtype == out.arrays[0].dtype and self._direct_peers()):
+            self._allreduce_direct(x, out, op)
+            return
         shm_allreduce(x, out, op, self._shared(), parts=self._nodes.parts, cross=self._cross,
                       chunk_elems=self._chunk_elems(itemsize))
+
+    def _direct_peers(self) -> Optional[tuple]:
+        """Return ``(CrossMemory, pids)`` if every local rank can copy from and into the others' memory, else None.
+
+        Probed on first use, collectively over the node: every rank reads a
+        word from the next local rank's memory, and one all-reduce makes them
+        agree (HPCTRAIN_CROSS_MEMORY=0 on any rank turns it off on all).
+        """
+        if self._direct is None:
+            g, why, xm = self._nodes, "", None
+            if not self._rt.config.cross_memory:
+                why = "HPCTRAIN_CROSS_MEMORY=0"
+            else:
+                try:
+                    xm = CrossMemory()
+                except OSError as exc:
+                    why = str(exc)
+            word = np.array([os.getpid()], dtype=np.int64)
+            table = np.empty((g.local_size, 2), dtype=np.int64)
+            g.node.Allgather(np.array([os.getpid(), word.ctypes.data], dtype=np.int64), table)
+            if xm is not None:
+                pid, address = (int(v) for v in table[(g.local_rank + 1) % g.local_size])
+                got = np.zeros(1, dtype=np.int64)
+                try:
+                    xm.read(pid, [(address, word.nbytes)], got)
+                    why = "" if got[0] == pid else f"read {got[0]} from process {pid} instead of its pid"
+                except OSError as exc:
+                    why = str(exc)
+            agreed = g.node.allreduce(not why, op=self._MPI.LAND)   # (after every read of ``word``)
+            self._direct = (xm, table[:, 0].tolist()) if agreed else ()
+        return self._direct or None
+
+    def _allreduce_direct(self, x: Flat, out: Flat, op: str) -> None:
+        """All-reduce ``x`` into ``out`` on one node by :func:`shm_allreduce_direct` (two node-wide synchronisations)."""
+        xm, pids = self._direct
+        node, m = self._nodes.node, len(x.arrays)
+        table = np.empty((len(pids), 2 * m), dtype=np.int64)
+        node.Allgather(np.concatenate((x.addresses(), out.addresses())), table)   # every input is ready
+        peers = [(pid, row[:m], row[m:]) for pid, row in zip(pids, table)]
+        try:
+            shm_allreduce_direct(x, out, op, self._nodes.local_rank, peers, xm)
+        except OSError as exc:  # a peer died or its memory went away; the others may still write into ours
+            self._rt.abort(f"hpctrain: rank {self._rank} of {self.name}: a direct copy between the ranks of "
+                           f"this node failed during an all-reduce ({exc}); ending the job")
+        node.Barrier()          # every output is complete, and no peer reads this rank's input any more
 
     def _reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
         return shm_reduce_scatter(x, bounds, acc_dtype, op, self._shared())

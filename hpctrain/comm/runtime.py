@@ -60,6 +60,10 @@ class Config:
         native_kernel: HPCTRAIN_NATIVE_KERNEL (default on): repeated small sums on one
             node run in C when the extension was built (``hpctrain.comm._mailbox_kernel``);
             off, the same protocol runs in Python.
+        cross_memory: HPCTRAIN_CROSS_MEMORY (default on): all-reduces of 1 MiB and more
+            on one node copy straight between the ranks' memory where the kernel
+            allows it (:mod:`hpctrain.comm.cross_memory`); off on any rank, every
+            rank uses the shared-memory arena.
     """
 
     check: bool = True
@@ -72,6 +76,7 @@ class Config:
     fusion_threshold: int = 64 << 20
     shm_arena_bytes: int = 64 << 20
     native_kernel: bool = True
+    cross_memory: bool = True
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -92,6 +97,7 @@ class Config:
             fusion_threshold=size("HPCTRAIN_FUSION_THRESHOLD", "fusion_threshold"),
             shm_arena_bytes=size("HPCTRAIN_SHM_ARENA_BYTES", "shm_arena_bytes"),
             native_kernel=env_flag("HPCTRAIN_NATIVE_KERNEL", True),
+            cross_memory=env_flag("HPCTRAIN_CROSS_MEMORY", True),
         )
         if (cfg.stall_warning_s <= 0 or cfg.stall_timeout_s < 0 or cfg.ring_chunk_bytes <= 0
                 or cfg.shm_min_bytes < 0 or cfg.hierarchical_min_bytes < 0 or cfg.shm_small_bytes < 0

@@ -711,3 +711,84 @@ def test_mismatch_after_a_repeated_small_allreduce_is_reported_on_every_rank(com
     with pytest.raises(hpctrain.CollectiveMismatchError, match="op=max"):
         comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
     assert comm.allreduce(x).tolist() == [comm.size] * 16
+
+
+def direct_copies_expected(comm):
+    """Whether large one-node all-reduces of ``comm`` should copy straight between ranks' memory.
+
+    The MPI backend on one node with more than one rank, unless HPCTRAIN_CROSS_MEMORY=0:
+    this machine's kernel allows process_vm_readv between one user's processes.
+    """
+    return (comm.backend == "mpi" and comm.size > 1 and comm.topology.num_nodes == 1
+            and not getattr(comm, "_no_windows", "") and os.environ.get("HPCTRAIN_CROSS_MEMORY") != "0")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64], ids=str)
+def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype):
+    """Large one-node all-reduces (the direct copies between ranks): rank-order bits, in place, out of place, fused.
+
+    Several blocks per segment with a short last one, a fused group whose
+    tensors straddle the blocks and segments, inexact floats (so a wrong
+    order shows); on one node the bits equal numpy's left-to-right sum, and
+    across fake nodes (the hierarchical form) the result is within
+    ``n eps sum|x|`` and the same on every rank.
+    """
+    from hpctrain.comm.mpi import DIRECT_MIN_BYTES
+    n, itemsize = comm.size, np.dtype(dtype).itemsize
+    count = 3 * DIRECT_MIN_BYTES // itemsize + 7
+
+    def inputs(seed, size):
+        rng = np.random.default_rng([seed, size])
+        if np.dtype(dtype).kind == "i":
+            return [rng.integers(-2**40, 2**40, size).astype(dtype) for _ in range(n)]
+        return [(rng.standard_normal(size) * 10.0 ** rng.integers(-6, 7, size)).astype(dtype) for _ in range(n)]
+
+    def check(out, xs, op):
+        expect = (np.maximum.reduce(xs) if op == "max" else ordered_sum(xs, op, n)) if n > 1 else xs[0]
+        assert out.dtype == expect.dtype and out.shape == expect.shape
+        if comm.topology.num_nodes == 1 or op == "max" or np.dtype(dtype).kind == "i":
+            assert out.tobytes() == expect.tobytes()
+        else:
+            bound = n * np.finfo(dtype).eps * np.sum(np.abs(np.stack(xs)), axis=0) * (1 / n if op == "avg" else 1)
+            assert np.all(np.abs(out.astype(np.float64) - expect) <= bound)
+        assert same_on_all_ranks(comm, out)
+
+    ops = ["sum", "max"] + (["avg"] if np.dtype(dtype).kind == "f" else [])
+    for op in ops:
+        xs = inputs(1, count)
+        check(comm.allreduce(xs[comm.rank], op=op), xs, op)
+        y = xs[comm.rank].copy()
+        out = comm.allreduce(y, op=op, inplace=True)
+        check(y, xs, op)
+        assert out is y or np.shares_memory(out, y)
+    sizes = [5, count // 3, 1, count // 2 + 11, 3]          # one group: tensors across blocks and segments
+    parts = [inputs(10 + i, s) for i, s in enumerate(sizes)]
+    outs = comm.grouped_allreduce([p[comm.rank] for p in parts], op="sum")
+    for out, p in zip(outs, parts):
+        check(out, p, "sum")
+    if comm.backend == "mpi" and n > 1 and comm.topology.num_nodes == 1:
+        assert bool(comm._direct) == direct_copies_expected(comm)
+
+
+def test_large_allreduce_uses_the_arena_on_every_rank_when_one_rank_turns_direct_copies_off(comm):
+    """HPCTRAIN_CROSS_MEMORY=0 on one rank (rank 0) makes every rank use the arena: they still meet and agree."""
+    import dataclasses
+
+    if not direct_copies_expected(comm):
+        pytest.skip("needs the MPI backend on one node, several ranks, with direct copies on")
+    from hpctrain.comm.mpi import DIRECT_MIN_BYTES
+    sub = comm.split(0)                      # a fresh communicator: not probed yet
+    config = sub._rt.config
+    try:
+        if sub.rank == 0:
+            sub._rt.config = dataclasses.replace(config, cross_memory=False)
+        xs = [np.random.default_rng([7, r]).standard_normal(DIRECT_MIN_BYTES // 4 + 3).astype(np.float32)
+              for r in range(sub.size)]
+        out = sub.allreduce(xs[sub.rank])
+        sub._rt.config = config
+        assert sub._direct == ()
+        assert out.tobytes() == ordered_sum(xs, "sum", sub.size).tobytes()
+        assert same_on_all_ranks(comm, out)
+    finally:
+        sub._rt.config = config
+        sub.free()
