@@ -26,7 +26,7 @@ from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce
                                shm_allreduce_small, shm_reduce_scatter)
 from .cross_memory import CrossMemory
 from .base import ALLREDUCE_ALGORITHMS, Communicator, Handle, Riding, Topology
-from .mailbox import Mailbox
+from .mailbox import Mailbox, cores_per_rank_at_least_one
 from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from .runtime import Config, Runtime
 from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
@@ -34,9 +34,12 @@ from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
 __all__ = ["MPICommunicator", "init_world"]
 
 VERDICT_BYTES = 1 << 16
-# From this size on, a one-node all-reduce copies straight between the ranks' memory where it can (below it
-# the arena's fewer system calls win).  A constant, not a setting: every rank must take the same path.
-DIRECT_MIN_BYTES = 1 << 20
+# From these sizes on, a one-node all-reduce copies straight between the ranks' memory where it can: below
+# them the arena wins, its extra passes staying in cache and its system calls fewer (benchmarks/allreduce.py,
+# peers hpctrain-auto and hpctrain-auto-arena: at 2 ranks on 2 cores direct copies won from 4 MiB, at 4
+# ranks from 16 MiB).  Constants, not settings: the ranks of a node agree on one of them when they probe.
+DIRECT_MIN_BYTES = 4 << 20
+DIRECT_MIN_BYTES_OVERSUBSCRIBED = 16 << 20
 _TAG_CALL, _TAG_VERDICT, _TAG_RING = 1, 2, 3
 
 
@@ -99,7 +102,7 @@ class MPICommunicator(Communicator):
         self._ring = _Ring(self._coll, MPI)
         self._mailbox: Optional[Mailbox] = None
         self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
-        self._direct: Optional[tuple] = None  # (CrossMemory, local pids) once probed; () where it cannot be used
+        self._direct: Optional[tuple] = None  # (CrossMemory, local pids, min bytes) once probed; () if it cannot be used
         if self._size > 1:
             self._open_windows()
 
@@ -260,19 +263,23 @@ No call object, plan or closure per call beyond the lane's; the call's
 
     def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str) -> None:
         itemsize = out.arrays[0].itemsize if out.arrays else 1
-        if (self._nodes.num_nodes == 1 and x.size * itemsize >= DIRECT_MIN_BYTES
-                and x.arrays[0].dtype == out.arrays[0].dtype and self._direct_peers()):
-            self._allreduce_direct(x, out, op)
-            return
+        nbytes = x.size * itemsize
+        if self._nodes.num_nodes == 1 and nbytes >= DIRECT_MIN_BYTES and x.arrays[0].dtype == out.arrays[0].dtype:
+            direct = self._direct_peers()
+            if direct is not None and nbytes >= direct[2]:
+                self._allreduce_direct(x, out, op)
+                return
         shm_allreduce(x, out, op, self._shared(), parts=self._nodes.parts, cross=self._cross,
                       chunk_elems=self._chunk_elems(itemsize))
 
     def _direct_peers(self) -> Optional[tuple]:
-        """Return ``(CrossMemory, pids)`` if every local rank can copy from and into the others' memory, else None.
+        """Return ``(CrossMemory, pids, min_bytes)`` if every local rank can copy from and into the others' memory.
 
-        Probed on first use, collectively over the node: every rank reads a
-        word from the next local rank's memory, and one all-reduce makes them
-        agree (HPCTRAIN_CROSS_MEMORY=0 on any rank turns it off on all).
+        Else None.  Probed on first use, collectively over the node: every rank
+        reads a word from the next local rank's memory, and one all-reduce
+        makes them agree on whether to copy directly (HPCTRAIN_CROSS_MEMORY=0
+        on any rank turns it off on all) and from which size (the larger
+        threshold if any rank shares its cores with more ranks).
         """
         if self._direct is None:
             g, why, xm = self._nodes, "", None
@@ -294,13 +301,15 @@ No call object, plan or closure per call beyond the lane's; the call's
                     why = "" if got[0] == pid else f"read {got[0]} from process {pid} instead of its pid"
                 except OSError as exc:
                     why = str(exc)
-            agreed = g.node.allreduce(not why, op=self._MPI.LAND)   # (after every read of ``word``)
-            self._direct = (xm, table[:, 0].tolist()) if agreed else ()
+            own = DIRECT_MIN_BYTES if cores_per_rank_at_least_one(g.local_size) else DIRECT_MIN_BYTES_OVERSUBSCRIBED
+            agreed = np.empty(2, dtype=np.int64)                  # (after every read of ``word``)
+            g.node.Allreduce(np.array([bool(why), own], dtype=np.int64), agreed, op=self._MPI.MAX)
+            self._direct = (xm, table[:, 0].tolist(), int(agreed[1])) if not agreed[0] else ()
         return self._direct or None
 
     def _allreduce_direct(self, x: Flat, out: Flat, op: str) -> None:
         """All-reduce ``x`` into ``out`` on one node by :func:`shm_allreduce_direct` (two node-wide synchronisations)."""
-        xm, pids = self._direct
+        xm, pids, _ = self._direct
         node, m = self._nodes.node, len(x.arrays)
         table = np.empty((len(pids), 2 * m), dtype=np.int64)
         node.Allgather(np.concatenate((x.addresses(), out.addresses())), table)   # every input is ready

@@ -733,9 +733,9 @@ def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype)
     across fake nodes (the hierarchical form) the result is within
     ``n eps sum|x|`` and the same on every rank.
     """
-    from hpctrain.comm.mpi import DIRECT_MIN_BYTES
+    from hpctrain.comm.mpi import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most     # (both thresholds)
     n, itemsize = comm.size, np.dtype(dtype).itemsize
-    count = 3 * DIRECT_MIN_BYTES // itemsize + 7
+    count = 3 * most // (2 * itemsize) + 7
 
     def inputs(seed, size):
         rng = np.random.default_rng([seed, size])
@@ -776,13 +776,13 @@ def test_large_allreduce_uses_the_arena_on_every_rank_when_one_rank_turns_direct
 
     if not direct_copies_expected(comm):
         pytest.skip("needs the MPI backend on one node, several ranks, with direct copies on")
-    from hpctrain.comm.mpi import DIRECT_MIN_BYTES
+    from hpctrain.comm.mpi import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most
     sub = comm.split(0)                      # a fresh communicator: not probed yet
     config = sub._rt.config
     try:
         if sub.rank == 0:
             sub._rt.config = dataclasses.replace(config, cross_memory=False)
-        xs = [np.random.default_rng([7, r]).standard_normal(DIRECT_MIN_BYTES // 4 + 3).astype(np.float32)
+        xs = [np.random.default_rng([7, r]).standard_normal(most // 4 + 3).astype(np.float32)
               for r in range(sub.size)]
         out = sub.allreduce(xs[sub.rank])
         sub._rt.config = config
