@@ -103,9 +103,9 @@ def test_cross_memory_copies_spans_end_to_end_and_names_the_process_it_cannot_re
     a, b = np.arange(10, dtype=np.float64), np.arange(100, 107, dtype=np.float64)
     flat = Flat([a, b])
     got = np.zeros(6)
-    xm.read(os.getpid(), flat.byte_spans(7, 13, flat.addresses()), got)      # 3 of a, then 3 of b
+    xm.read(os.getpid(), flat.byte_spans(flat.spans(7, 13), flat.addresses()), got)      # 3 of a, then 3 of b
     assert got.tolist() == [7, 8, 9, 100, 101, 102]
-    xm.write(os.getpid(), flat.byte_spans(8, 11, flat.addresses()), np.array([-1.0, -2.0, -3.0]))
+    xm.write(os.getpid(), flat.byte_spans(flat.spans(8, 11), flat.addresses()), np.array([-1.0, -2.0, -3.0]))
     assert a[8:].tolist() == [-1, -2] and b[:2].tolist() == [-3, 101]
     many = [(a.ctypes.data + 8 * (k % 10), 8) for k in range(2500)]              # more spans than one call takes
     out = np.zeros(2500)

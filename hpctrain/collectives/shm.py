@@ -84,14 +84,26 @@ class Flat:
         """Return the data address of every part (int64)."""
         return np.array([a.ctypes.data for a in self.arrays], dtype=np.int64)
 
-    def byte_spans(self, a: int, b: int, addresses) -> list:
-        """Return ``(address, bytes)`` of elements ``[a, b)`` in a buffer laid out like this one at ``addresses``.
+    def spans(self, a: int, b: int) -> list:
+        """Return ``[(index, lo, hi), ...]``: the pieces of the parts that cover elements ``[a, b)``, in order."""
+        return list(self._spans(a, b))
+
+    def views(self, spans) -> list:
+        """Return ``[(view, offset), ...]`` for ``spans``: each piece and where it starts in the block they cover."""
+        out, at = [], 0
+        for i, lo, hi in spans:
+            out.append((self.arrays[i][lo:hi], at))
+            at += hi - lo
+        return out
+
+    def byte_spans(self, spans, addresses) -> list:
+        """Return ``(address, bytes)`` of ``spans`` in a buffer laid out like this one at ``addresses``.
 
         ``addresses[i]`` is where part ``i`` starts in that buffer (another
         process's copy of the same layout, say).
         """
         size = self.arrays[0].itemsize
-        return [(int(addresses[i]) + lo * size, (hi - lo) * size) for i, lo, hi in self._spans(a, b)]
+        return [(int(addresses[i]) + lo * size, (hi - lo) * size) for i, lo, hi in spans]
 
     def read(self, a: int, b: int, dest: np.ndarray) -> None:
         """Copy elements ``[a, b)`` into ``dest`` (casting to its dtype)."""
@@ -232,27 +244,32 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
     inplace = any(np.may_share_memory(a, b) for a, b in zip(x.arrays, out.arrays))
     for a in range(lo, hi, step):
         b = min(a + step, hi)
+        x_spans, out_spans = x.spans(a, b), out.spans(a, b)
         if inplace and rank > 0:                           # the output block is written before own is read
-            own = own_copy[:b - a]
-            x.read(a, b, own)
+            x.read(a, b, own_copy[:b - a])
+            own = [(own_copy[:b - a], 0)]
         else:
-            own = x.block(a, b, own_copy)
+            own = x.views(x_spans)                         # own input where it is, piece by piece
         o = out.block(a, b, out_copy)                      # a view, or scratch when the block spans parts
         for k, (pid, x_addresses, _) in enumerate(peers):   # o = x_0, then o = o (op) x_k, k = 1, 2, ...
             if k == rank:
-                if k > 0:
-                    ufunc(o, own, out=o)
+                for v, at in own if k > 0 else ():
+                    ufunc(o[at:at + v.size], v, out=o[at:at + v.size])
             elif k == 0:
-                xm.read(pid, x.byte_spans(a, b, x_addresses), o)
+                xm.read(pid, x.byte_spans(x_spans, x_addresses), o)
             else:
                 src = peer_block[:b - a]
-                xm.read(pid, x.byte_spans(a, b, x_addresses), src)
-                ufunc(own if k == 1 and rank == 0 else o, src, out=o)
+                xm.read(pid, x.byte_spans(x_spans, x_addresses), src)
+                if k == 1 and rank == 0:
+                    for v, at in own:
+                        ufunc(v, src[at:at + v.size], out=o[at:at + v.size])
+                else:
+                    ufunc(o, src, out=o)
         if np.may_share_memory(o, out_copy):
             out.write(a, b, o)
         for k, (pid, _, out_addresses) in enumerate(peers):
             if k != rank:
-                xm.write(pid, out.byte_spans(a, b, out_addresses), o)
+                xm.write(pid, out.byte_spans(out_spans, out_addresses), o)
 
 
 def shm_allreduce_small(inputs: Sequence[np.ndarray], out: np.ndarray, op: str) -> None:

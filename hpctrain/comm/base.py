@@ -501,7 +501,7 @@ class Communicator(abc.ABC):
             groups = fusion_groups(arrs, self._rt.config.fusion_threshold)
             algs = [self._choose_allreduce(algorithm, g.numel * arrs[g.members[0]].itemsize) for g in groups]
             shapes = repr([(a.dtype.str, a.shape) for a in arrs]).encode()
-            dtypes = "+".join(sorted({str(a.dtype) for a in arrs}))
+            dtypes = "+".join(sorted(str(d) for d in {a.dtype for a in arrs}))   # (str of a dtype is slow)
             call = Call("grouped_allreduce", seq, dtypes, (sum(a.size for a in arrs),), op=op, algorithm=algorithm,
                         layout=f"{len(arrs)} tensors/{zlib.crc32(shapes):08x}")
             restores = [_copy_back_into(x, a, r) if inplace else r for x, (a, r) in zip(items, converted)]
@@ -514,10 +514,12 @@ class Communicator(abc.ABC):
         for g, alg in zip(groups, algs):
             dtype = arrs[g.members[0]].dtype
             if alg in _SHARED and self._size > 1:
-                acc = [np.empty(arrs[i].size, dtype=accumulation_dtype(dtype)) for i in g.members]
-                self._allreduce_shared(Flat([arrs[i] for i in g.members]), Flat(acc), op, alg)
-                for i, a in zip(g.members, acc):
-                    outs[i] = finish(a, op, self._size, dtype).reshape(arrs[i].shape)
+                # the results are views of one buffer from the result pool: no page faults once it is warm,
+                # and the buffer is reused only when the caller has dropped all of them
+                acc = self._results.empty(g.numel, accumulation_dtype(dtype))
+                self._allreduce_shared(Flat([arrs[i] for i in g.members]), Flat([acc]), op, alg)
+                for i, off, n in zip(g.members, g.offsets, g.numels):
+                    outs[i] = finish(acc[off:off + n], op, self._size, dtype).reshape(arrs[i].shape)
                 continue
             flat = self._do_allreduce(self._fusion.pack(arrs, g), op, alg, inplace=True)
             for i, off, n in zip(g.members, g.offsets, g.numels):

@@ -60,7 +60,7 @@ class Config:
         native_kernel: HPCTRAIN_NATIVE_KERNEL (default on): repeated small sums on one
             node run in C when the extension was built (``hpctrain.comm._mailbox_kernel``);
             off, the same protocol runs in Python.
-        cross_memory: HPCTRAIN_CROSS_MEMORY (default on): all-reduces of 4 MiB and more
+        cross_memory: HPCTRAIN_CROSS_MEMORY (default on): all-reduces of 8 MiB and more
             (16 MiB where ranks outnumber cores) on one node copy straight between
             the ranks' memory where the kernel allows it
             (:mod:`hpctrain.comm.cross_memory`); off on any rank, every rank uses

@@ -598,6 +598,21 @@ def test_large_results_held_by_the_caller_stay_intact(comm):
             np.testing.assert_array_equal(out, np.full(300_001, float(i * n), np.float32))
 
 
+def test_grouped_results_held_by_the_caller_stay_intact(comm):
+    """A fused group's results share one pooled buffer: one small result still held keeps all of it from reuse."""
+    n = comm.size
+    for alg in algorithms(comm):
+        kept = []
+        for i in range(4):
+            outs = comm.grouped_allreduce([np.full(3, float(comm.rank + i), np.float32),
+                                           np.full(400_000, float(i), np.float32)], algorithm=alg)
+            kept.append(outs[0])                                     # drop the large one, keep the small one
+            np.testing.assert_array_equal(outs[1], np.full(400_000, float(i * n), np.float32))
+            del outs
+        for i, out in enumerate(kept):
+            np.testing.assert_array_equal(out, np.full(3, float(sum(r + i for r in range(n))), np.float32))
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64, np.bool_], ids=str)
 def test_repeated_small_allreduce_takes_the_lean_path_with_the_same_results(comm, dtype):
     """A repeated small call (the lean path on one node) gives the reference, the same bits as the first call."""
