@@ -148,6 +148,7 @@ class Communicator(abc.ABC):
         self._seq = 0
         self._fusion = FusionBuffers()
         self._seen_allreduce: dict = {}     # (dtype, shape, op, algorithm) -> (checked call, algorithm, lean path)
+        self._seen_grouped: dict = {}       # (op, algorithm, dtypes and shapes) -> grouped_allreduce's plan
         self._results = ResultBuffers()     # memory of large results, reused once the caller drops them
 
     # -- identity -------------------------------------------------------
@@ -496,14 +497,23 @@ class Communicator(abc.ABC):
             items = list(xs)
             converted = [to_numpy(x) for x in items]
             arrs = [a for a, _ in converted]
-            for a in arrs:
-                check_op(op, a.dtype)
-            groups = fusion_groups(arrs, self._rt.config.fusion_threshold)
-            algs = [self._choose_allreduce(algorithm, g.numel * arrs[g.members[0]].itemsize) for g in groups]
-            shapes = repr([(a.dtype.str, a.shape) for a in arrs]).encode()
-            dtypes = "+".join(sorted(str(d) for d in {a.dtype for a in arrs}))   # (str of a dtype is slow)
-            call = Call("grouped_allreduce", seq, dtypes, (sum(a.size for a in arrs),), op=op, algorithm=algorithm,
-                        layout=f"{len(arrs)} tensors/{zlib.crc32(shapes):08x}")
+            # a training loop repeats one list: its plan depends only on the dtypes, shapes, op and algorithm
+            key = (op, algorithm, tuple((a.dtype, a.shape) for a in arrs))
+            plan = self._seen_grouped.get(key)
+            if plan is None:
+                dtype_set = {a.dtype for a in arrs}
+                for d in dtype_set:
+                    check_op(op, d)
+                groups = fusion_groups(arrs, self._rt.config.fusion_threshold)
+                algs = [self._choose_allreduce(algorithm, g.numel * arrs[g.members[0]].itemsize) for g in groups]
+                shapes = repr([(a.dtype.str, a.shape) for a in arrs]).encode()
+                plan = (groups, algs, "+".join(sorted(str(d) for d in dtype_set)), sum(a.size for a in arrs),
+                        f"{len(arrs)} tensors/{zlib.crc32(shapes):08x}")
+                if len(self._seen_grouped) > 64:
+                    self._seen_grouped.clear()
+                self._seen_grouped[key] = plan
+            groups, algs, dtypes, total, layout = plan
+            call = Call("grouped_allreduce", seq, dtypes, (total,), op=op, algorithm=algorithm, layout=layout)
             restores = [_copy_back_into(x, a, r) if inplace else r for x, (a, r) in zip(items, converted)]
             return (call, lambda: self._do_grouped(arrs, groups, algs, op),
                     lambda outs: [r(o) for r, o in zip(restores, outs)])

@@ -8,6 +8,11 @@ all-reduce inputs ride along with.  Across nodes it is a gather to rank 0 and
 a reply (``2 (n-1)`` messages of at most 512 bytes), done with non-blocking
 receives so that rank 0 always knows which ranks have not joined yet.  Either
 way the watchdog shows the ranks not yet joined when a collective stalls.
+
+Large all-reduces on one node copy straight between the ranks' memory where
+the kernel allows it (:mod:`hpctrain.comm.cross_memory`, probed once per
+communicator, all local ranks agreeing), else stage through the node's
+shared-memory arena (:mod:`hpctrain.collectives.shm`).
 """
 from __future__ import annotations
 

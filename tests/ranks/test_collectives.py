@@ -528,6 +528,14 @@ def test_grouped_allreduce_mismatch_inside_the_group_is_reported(comm):
     with pytest.raises(hpctrain.CollectiveMismatchError, match="tensors"):
         comm.grouped_allreduce(fewer)
     assert comm.grouped_allreduce([np.ones(2)])[0].tolist() == [comm.size] * 2
+    same = [np.ones(4, np.float32), np.ones(9, np.float32)]
+    for _ in range(2):                          # a list repeated (its plan is reused), then changed on rank 1
+        assert [o.tolist() for o in comm.grouped_allreduce(same)] == [[comm.size] * 4, [comm.size] * 9]
+    changed = same if comm.rank != 1 else [same[0], np.ones(9, np.float64)]
+    with pytest.raises(hpctrain.CollectiveMismatchError, match=r"grouped_allreduce[\s\S]*rank 1"):
+        comm.grouped_allreduce(changed)
+    with pytest.raises(hpctrain.CollectiveMismatchError, match="op=max"):
+        comm.grouped_allreduce(same, op="max" if comm.rank == 0 else "sum")
 
 
 def test_shared_memory_in_place_over_several_pieces(comm):
