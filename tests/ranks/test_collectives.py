@@ -752,7 +752,7 @@ def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype)
 
     Several blocks per segment with a short last one, a fused group whose
     tensors straddle the blocks and segments, inexact floats (so a wrong
-    order shows); on one node the bits equal numpy's left-to-right sum, and
+    order shows); on one node with the MPI backend the bits equal numpy's left-to-right sum, and
     across fake nodes (the hierarchical form) the result is within
     ``n eps sum|x|`` and the same on every rank.
     """
@@ -769,7 +769,9 @@ def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype)
     def check(out, xs, op):
         expect = (np.maximum.reduce(xs) if op == "max" else ordered_sum(xs, op, n)) if n > 1 else xs[0]
         assert out.dtype == expect.dtype and out.shape == expect.shape
-        if comm.topology.num_nodes == 1 or op == "max" or np.dtype(dtype).kind == "i":
+        # rank order is hpctrain's own (MPI backend, one node); Horovod sums in an order of its own
+        exact_order = comm.backend == "mpi" and comm.topology.num_nodes == 1
+        if exact_order or op == "max" or np.dtype(dtype).kind == "i":
             assert out.tobytes() == expect.tobytes()
         else:
             bound = n * np.finfo(dtype).eps * np.sum(np.abs(np.stack(xs)), axis=0) * (1 / n if op == "avg" else 1)
