@@ -121,7 +121,7 @@ class Flat:
 
     def block(self, a: int, b: int, scratch: np.ndarray) -> np.ndarray:
         """Return elements ``[a, b)``: a view when they lie in one part, else a copy in ``scratch``."""
-        spans = list(self._spans(a, b))
+        spans = self.spans(a, b)
         if len(spans) == 1:
             i, lo, hi = spans[0]
             return self.arrays[i][lo:hi]
@@ -229,10 +229,7 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
     the arena; ``2 (L-1)`` system calls per block; no fence of its own.
     """
     L = len(peers)
-    if not x.size or L < 2:
-        if L == 1:
-            for a, b in zip(x.arrays, out.arrays):
-                np.copyto(b, a)
+    if not x.size:
         return
     bounds = segment_bounds(x.size, L)
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
