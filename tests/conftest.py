@@ -1,5 +1,23 @@
-"""Test configuration: files under tests/ranks run only inside a multi-rank launch (see harness.py)."""
+"""Test configuration: files under tests/ranks run only inside a multi-rank launch (see rank_suite.py)."""
 import os
+
+import pytest
 
 if not os.environ.get("HPCTRAIN_INNER_PYTEST"):
     collect_ignore_glob = ["ranks/*"]
+
+
+@pytest.fixture(scope="session")
+def rank_suites(request):
+    """Multi-rank suites of this session, each launched once with the files that the selected tests need."""
+    from rank_suite import SuiteCache
+    request.config.hpctrain_suites = SuiteCache(request.session.items)
+    return request.config.hpctrain_suites
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """End with the slowest tests inside the multi-rank launches (the outer durations hide them)."""
+    cache = getattr(config, "hpctrain_suites", None)
+    if cache is not None:
+        cache.report(terminalreporter)

@@ -1,10 +1,8 @@
-"""Launch test programs on N real MPI ranks (or under horovodrun) with a hard timeout."""
+"""Launch programs on N real MPI ranks (or under horovodrun) with a hard timeout; rank_suite.py runs test files."""
 from __future__ import annotations
 
 import os
-import re
 import signal
-import tempfile
 import subprocess
 import sys
 from pathlib import Path
@@ -37,46 +35,33 @@ def base_env(**extra) -> dict:
     return env
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``, its process group and every descendant (prterun starts ranks in their own sessions)."""
+    import psutil
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
 def run(cmd: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; on timeout kill the whole group and fail loudly."""
+    """Run ``cmd`` in its own process group; on timeout kill it and its descendants, and fail loudly."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         out, _ = proc.communicate()
         raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-
-
-def _clean_pass(log: str) -> bool:
-    """Return True when a rank's pytest log ends with a summary of passes and no failure or error."""
-    lines = [line for line in log.splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
-    return bool(re.search(r"\d+ passed", last)) and not re.search(r"failed|error", last)
-
-
-def run_pytest_on_ranks(n: int, test_file: str, timeout: float = 900, launcher=None, select: str = "",
-                        **env) -> str:
-    """Run one test file under ``n`` ranks (all its tests inside one launch) and assert it passed everywhere.
-
-    Each rank writes its pytest output to its own log; on failure the logs of
-    the ranks that did not pass are shown.  Returns rank 0's log.
-    """
-    with tempfile.TemporaryDirectory(prefix="hpctrain-ranks-") as logdir:
-        inner = [sys.executable, str(REPO / "tests" / "rank_main.py"), logdir,
-                 "-q", "-p", "no:cacheprovider", "--timeout=240", "--color=no", "--durations=5",
-                 str(REPO / "tests" / "ranks" / test_file)] + (["-k", select] if select else [])
-        cmd = (launcher or mpirun_cmd)(n) + inner
-        result = run(cmd, base_env(HPCTRAIN_INNER_PYTEST=1, **env), timeout)
-        logs = {}
-        for r in range(n):
-            path = Path(logdir) / f"rank{r}.log"
-            logs[r] = path.read_text(errors="replace") if path.exists() else "(no log: the rank never started)"
-    bad = [r for r in range(n) if not _clean_pass(logs[r])]
-    shown = "\n".join(f"----- rank {r} -----\n{logs[r][-8000:]}" for r in (bad or [0])[:2])
-    assert result.returncode == 0 and not bad, (
-        f"{' '.join(cmd)}\nexit status {result.returncode}; ranks without a clean pass: {bad}\n"
-        f"{shown}\n----- launcher -----\n{result.stdout[-3000:]}")
-    return logs[0]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness import BIN, RANK_COUNTS, run_pytest_on_ranks
+from harness import BIN, RANK_COUNTS
 
 
 def test_horovod_is_installed_with_mpi_and_gloo():
@@ -24,10 +24,11 @@ def test_horovod_is_installed_with_mpi_and_gloo():
 SMALL = "not 1000003 and not 64mib"
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_collectives_on_horovod_under_mpirun(n):
-    run_pytest_on_ranks(n, "test_collectives.py", select="" if n <= 2 else SMALL,
-                        HPCTRAIN_BACKEND="horovod", HPCTRAIN_EXPECT_BACKEND="horovod")
+def test_collectives_on_horovod_under_mpirun(n, rank_suites):
+    rank_suites.get("horovod-mpirun", n, ["test_collectives.py"], select="" if n <= 2 else SMALL,
+                    HPCTRAIN_BACKEND="horovod", HPCTRAIN_EXPECT_BACKEND="horovod").check_file("test_collectives.py")
 
 
 def horovodrun_gloo(n):
@@ -38,8 +39,9 @@ def horovodrun_gloo(n):
     return [str(BIN / "horovodrun"), "--gloo", "--gloo-timeout-seconds", "300", "-np", str(n), "-H", f"localhost:{n}"]
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_collectives_under_horovodrun_gloo_pick_horovod(n):
+def test_collectives_under_horovodrun_gloo_pick_horovod(n, rank_suites):
     # No MPI launcher variables exist here, so backend "auto" must choose Horovod.
-    run_pytest_on_ranks(n, "test_collectives.py", launcher=horovodrun_gloo, select="" if n <= 2 else SMALL,
-                        HPCTRAIN_EXPECT_BACKEND="horovod")
+    rank_suites.get("horovodrun-gloo", n, ["test_collectives.py"], launcher=horovodrun_gloo,
+                    select="" if n <= 2 else SMALL, HPCTRAIN_EXPECT_BACKEND="horovod").check_file("test_collectives.py")

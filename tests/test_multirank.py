@@ -1,43 +1,58 @@
-"""Run every multi-rank test file under real mpirun at 1, 2, 3 and 4 ranks."""
+"""Run every multi-rank test file under real mpirun at 1, 2, 3 and 4 ranks.
+
+The files of one configuration share one launch per rank count (rank_suite.py);
+each file is still its own outer test, failing with the inner tests and ranks
+that failed.
+"""
 import pytest
 
-from harness import RANK_COUNTS, mpirun_cmd, run_pytest_on_ranks
+from harness import RANK_COUNTS, mpirun_cmd
 
 FILES = ["test_collectives.py", "test_safety.py", "test_frameworks.py", "test_torch_training.py",
          "test_tf_training.py", "test_checkpoint.py", "test_compression.py", "test_compression_training.py",
          "test_pipeline.py", "test_tensor_parallel.py", "test_tf_pipeline.py"]
 
 
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("n", RANK_COUNTS)
 @pytest.mark.parametrize("test_file", FILES)
-def test_ranks(test_file, n):
-    run_pytest_on_ranks(n, test_file)
+def test_ranks(test_file, n, rank_suites):
+    rank_suites.get("default", n, FILES).check_file(test_file)
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_collectives_on_fake_nodes(n):
+def test_collectives_on_fake_nodes(n, rank_suites):
     """The hierarchical (inter-node) path: nodes of 2 ranks, small fusion buffers and shared-memory arena."""
-    run_pytest_on_ranks(n, "test_collectives.py", HPCTRAIN_RANKS_PER_NODE=2,
-                        HPCTRAIN_FUSION_THRESHOLD=1 << 20, HPCTRAIN_SHM_ARENA_BYTES=1 << 20)
+    rank_suites.get("fake-nodes", n, ["test_collectives.py"], HPCTRAIN_RANKS_PER_NODE=2,
+                    HPCTRAIN_FUSION_THRESHOLD=1 << 20, HPCTRAIN_SHM_ARENA_BYTES=1 << 20).check_file("test_collectives.py")
 
 
+def without_shm_windows(k):
+    """mpirun whose one-sided layer cannot allocate shared windows (Open MPI without osc/sm)."""
+    return [a if a != "^ucx" else "^sm,ucx" for a in mpirun_cmd(k)]
+
+
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_without_shared_memory_windows(n):
+def test_without_shared_memory_windows(n, rank_suites):
     """An MPI whose one-sided layer cannot allocate shared windows (Open MPI without osc/sm)."""
-    def launcher(k):
-        return [a if a != "^ucx" else "^sm,ucx" for a in mpirun_cmd(k)]
-    run_pytest_on_ranks(n, "test_no_shared_windows.py", launcher=launcher)
+    rank_suites.get("no-shm-windows", n, ["test_no_shared_windows.py"],
+                    launcher=without_shm_windows).check_file("test_no_shared_windows.py")
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_large_sums_through_the_arena(n):
+def test_large_sums_through_the_arena(n, rank_suites):
     """HPCTRAIN_CROSS_MEMORY=0: large one-node all-reduces stage through the shared-memory arena, same results and bits."""
-    run_pytest_on_ranks(n, "test_collectives.py", HPCTRAIN_CROSS_MEMORY=0,
-                        select="64mib or inplace or shared or copying_between or grouped or large_results")
+    rank_suites.get("no-cross-memory", n, ["test_collectives.py"], HPCTRAIN_CROSS_MEMORY=0,
+                    select="64mib or inplace or shared or copying_between or grouped or large_results",
+                    ).check_file("test_collectives.py")
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_small_sums_without_the_c_kernel(n):
+def test_small_sums_without_the_c_kernel(n, rank_suites):
     """HPCTRAIN_NATIVE_KERNEL=0: the Python exchange does what the C kernel would, with the same results and bits."""
-    run_pytest_on_ranks(n, "test_collectives.py", select="repeated_small or rank_order or mismatch",
-                        HPCTRAIN_NATIVE_KERNEL=0)
+    rank_suites.get("no-c-kernel", n, ["test_collectives.py"], select="repeated_small or rank_order or mismatch",
+                    HPCTRAIN_NATIVE_KERNEL=0).check_file("test_collectives.py")
