@@ -88,13 +88,20 @@ def test_a_launch_where_every_task_is_a_world_of_one_is_refused(slurm, tmp_path,
     assert f"started {n} tasks but MPI sees a world of size 1" in log, log[-4000:]
 
 
-def reference(n, tmp_path):
-    res = run(mpirun_cmd(n) + [sys.executable, CKPT_TRAIN, "--ckpt", str(tmp_path / "ref-ckpt"),
-                               "--out", str(tmp_path / "ref.npz"), "--steps", "24", "--every", "4"],
-              base_env(), timeout=120)
-    assert res.returncode == 0, res.stdout[-3000:]
-    with np.load(tmp_path / "ref.npz") as z:
-        return {k: z[k] for k in z.files}
+_references = {}
+
+
+def reference(n, tmp_path_factory):
+    """The uninterrupted run's parameters at ``n`` ranks (one run per rank count, shared by the interrupts)."""
+    if n not in _references:
+        d = tmp_path_factory.mktemp(f"ref{n}")
+        res = run(mpirun_cmd(n) + [sys.executable, CKPT_TRAIN, "--ckpt", str(d / "ref-ckpt"),
+                                   "--out", str(d / "ref.npz"), "--steps", "24", "--every", "4"],
+                  base_env(), timeout=120)
+        assert res.returncode == 0, res.stdout[-3000:]
+        with np.load(d / "ref.npz") as z:
+            _references[n] = {k: z[k] for k in z.files}
+    return _references[n]
 
 
 def wait_for_line(path, pattern, timeout):
@@ -111,8 +118,8 @@ def wait_for_line(path, pattern, timeout):
 @pytest.mark.parametrize("n", RANK_COUNTS)
 @pytest.mark.parametrize("interrupt", ["usr2", "scontrol requeue"])
 def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(slurm, tmp_path, n,
-                                                                                     interrupt):
-    ref = reference(n, tmp_path)
+                                                                                     interrupt, tmp_path_factory):
+    ref = reference(n, tmp_path_factory)
     log = tmp_path / "job.log"
     args = [CKPT_TRAIN, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out.npz"),
             "--steps", "24", "--every", "4", "--step-sleep", "0.4"]
