@@ -55,6 +55,7 @@ class _Watch:
     def __init__(self, path: Path):
         self.path, self.offset, self.buffer = path, 0, ""
         self.events: List[dict] = []
+        self.current: Optional[dict] = None      # the start event of the test the rank is in, if any
 
     def read(self) -> None:
         if not self.path.exists():
@@ -65,17 +66,11 @@ class _Watch:
             self.offset = f.tell()
         self.buffer += chunk
         *lines, self.buffer = self.buffer.split("\n")
-        self.events += [json.loads(line) for line in lines if line.strip()]
-
-    def current(self) -> Optional[dict]:
-        """Return the start event of the test this rank is in, or None between tests."""
-        open_start = None
-        for ev in self.events:
-            if ev["ev"] == "start":
-                open_start = ev
-            elif ev["ev"] == "end":
-                open_start = None
-        return open_start
+        for line in filter(str.strip, lines):
+            ev = json.loads(line)
+            self.events.append(ev)
+            if ev["ev"] in ("start", "end"):
+                self.current = ev if ev["ev"] == "start" else None
 
 
 class RankSuite:
@@ -151,7 +146,7 @@ class RankSuite:
     def _overdue(self, watches: Dict[int, _Watch]) -> Optional[dict]:
         now = time.time()
         for w in watches.values():
-            cur = w.current()
+            cur = w.current
             if cur and now - cur["t"] > cur["timeout"] + 1:
                 return cur
         return None
