@@ -1,7 +1,7 @@
 """Pytest plugin for the pytest session on each rank of a launch (loaded by rank_main.py).
 
 It writes one JSON line per event to ``<logdir>/rank<r>.jsonl`` as it happens,
-so that the outer harness (harness.py) can see which test each rank is in,
+so that the outer harness (rank_suite.py) can see which test each rank is in,
 fail a test that outlives its timeout or whose rank died, and relaunch the
 tests that did not run yet:
 
