@@ -20,7 +20,6 @@ Outer tests ask :class:`RankSuite` for the verdict of their file
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
