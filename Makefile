@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 RANKS ?= 2
 # Outer tests run on this many pytest-xdist workers (tests/conftest.py groups and orders them).
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST := -n $(TEST_WORKERS)
 
 .PHONY: setup demo allreduce-demo test test-fast bench clean
 

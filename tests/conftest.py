@@ -1,31 +1,51 @@
 """Test configuration: multi-rank files under tests/ranks run inside launches (rank_suite.py); the outer
 tests run on two pytest-xdist workers (``make test``), grouped and ordered so that the workers stay busy.
 
-Work units (``--dist loadgroup``): the outer tests of one multi-rank suite (one launch per rank count
-and configuration) form one group, so the suite launches once; the Slurm tests share one cluster and
-the crash tests share their uninterrupted reference runs, so each file is one group.  Units are handed
+Work units (:func:`work_unit`): the outer tests of one multi-rank suite (one launch per rank count and
+configuration) form one unit, so the suite launches once; the Slurm tests share one cluster and the
+crash tests share their uninterrupted reference runs, so each file is one unit.  Units are handed
 out in collection order, which puts the long and mostly waiting ones (Slurm) and the 4-rank suites
 first, so that the short units fill the gaps at the end.
 """
 import json
 import os
+import re
 
 import pytest
 
 if not os.environ.get("HPCTRAIN_INNER_PYTEST"):
     collect_ignore_glob = ["ranks/*"]
 
-WHOLE_FILE_GROUPS = {"test_slurm.py": "slurm", "test_checkpoint_restart.py": "checkpoint-restart"}
+# Files whose tests share an expensive module-scoped fixture or cache: one work unit each.
+WHOLE_FILE_UNITS = ("test_slurm.py", "test_checkpoint_restart.py")
+# Files of outer tests over multi-rank suites (rank_suites): one unit per test function and rank
+# count ``n``, which is the last parameter of their ids (test_ranks[test_safety.py-3]).
+SUITE_FILES = ("test_multirank.py", "test_horovod.py")
 
 
-def _group(item):
-    """The xdist group of an outer test, or None when it can run anywhere on its own."""
-    file = item.path.name
-    if file in WHOLE_FILE_GROUPS:
-        return WHOLE_FILE_GROUPS[file]
-    if "rank_suites" in getattr(item, "fixturenames", ()):
-        return f"{item.originalname}-{item.callspec.params['n']}"
-    return None
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of an outer test: tests of one unit run on one worker, in order."""
+    path, _, name = nodeid.partition("::")
+    file = os.path.basename(path)
+    if file in WHOLE_FILE_UNITS:
+        return path
+    suite = re.fullmatch(r"(\w+)\[(?:.*-)?(\d+)\]", name)
+    if file in SUITE_FILES and suite:
+        return f"{path}::{suite[1]}-{suite[2]}"
+    return nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Hand out work units (:func:`work_unit`) in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return UnitScheduling(config, log)
 
 
 def _order(item):
@@ -36,13 +56,8 @@ def _order(item):
     return (2, 0)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Group and order the outer tests for the xdist workers (before xdist reads the groups)."""
-    for item in items:
-        group = _group(item)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+    """Order the outer tests: Slurm, then the multi-rank suites from 4 ranks down, then the rest."""
     items.sort(key=_order)      # stable: within a rank of the order, files keep their order
 
 
