@@ -35,14 +35,49 @@ def work_unit(nodeid: str) -> str:
     return nodeid
 
 
+# Units of the multi-process tests whose rank count is not in their ids, or that time how fast a job ends.
+MULTI_PROCESS_FILES = ("test_checkpoint_restart.py", "test_failures.py")
+_RANKS = re.compile(r"[\[-](\d+)\]?$")
+
+
+def is_light(unit: str) -> bool:
+    """Whether a work unit keeps at most one core busy: the Slurm tests (jobs that mostly wait on the
+    scheduler and on slow steps), single-process tests and 1-rank launches."""
+    file = os.path.basename(unit.partition("::")[0])
+    if file == "test_slurm.py":
+        return True
+    ranks = _RANKS.search(unit)
+    return file not in MULTI_PROCESS_FILES and (ranks is None or int(ranks[1]) == 1)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Hand out work units (:func:`work_unit`) in collection order."""
+    """Hand out work units (:func:`work_unit`) in collection order; the last worker takes light units only.
+
+    Two multi-rank launches side by side are no faster than one after the other on a small machine:
+    their waiting ranks spin, so each launch slows the other by more than it gains.  A light unit
+    beside a multi-rank launch fills the cores it leaves idle.
+    """
     from xdist.scheduler import LoadScopeScheduling
 
     class UnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             return work_unit(nodeid)
+
+        def _assign_work_unit(self, node):
+            light_only = len(self.nodes) > 1 and node is self.nodes[-1]
+            units = list(self.workqueue)
+            if light_only:
+                pick = next((u for u in units if is_light(u)), None)
+                if pick is None:
+                    node.shutdown()
+                    return
+            else:
+                pick = next((u for u in units if not is_light(u)), units[0])
+            work = self.workqueue.pop(pick)
+            self.assigned_work.setdefault(node, {})[pick] = work
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(t) for t, done in work.items() if not done])
 
     config.option.loadscopereorder = False
     return UnitScheduling(config, log)
