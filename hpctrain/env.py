@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["LaunchInfo", "detect_launcher", "LAUNCHERS", "env_flag", "env_float"]
+__all__ = ["LaunchInfo", "detect_launcher", "LAUNCHERS"]
 
 
 @dataclass(frozen=True)
@@ -110,27 +110,3 @@ def _slurm_local_size(env: Mapping[str, str]) -> Optional[int]:
         count, _, repeat = part.partition("(x")
         counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
     return counts[node] if node < len(counts) else None
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """Return an environment variable read as a boolean (1/0, true/false, yes/no, on/off)."""
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={value!r}: expected one of 1/0, true/false, yes/no, on/off")
-
-
-def env_float(name: str, default: float) -> float:
-    """Return an environment variable read as a float, with a clear error for junk."""
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: expected a number") from None

@@ -25,6 +25,8 @@ import subprocess
 import sys
 from typing import List, Mapping, Optional
 
+from . import settings
+
 __all__ = ["build_command", "find_mpirun", "mpi_vendor"]
 
 
@@ -82,14 +84,12 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
     env = os.environ if env is None else env
     cores = cores or len(os.sched_getaffinity(0))
     program = _program(argv)
-    choice = env.get("HPCTRAIN_LAUNCHER", "")
-    if choice not in ("", "mpirun", "srun"):
-        raise ValueError(f"HPCTRAIN_LAUNCHER={choice!r}: expected mpirun or srun")
+    choice = settings.get("HPCTRAIN_LAUNCHER", env)
     srun = shutil.which("srun")
     if choice == "srun" or (not choice and env.get("SLURM_JOB_ID") and srun):
         if not srun:
             raise FileNotFoundError("HPCTRAIN_LAUNCHER=srun but srun is not on PATH")
-        return [srun, "-n", str(n), "--mpi=" + env.get("HPCTRAIN_SRUN_MPI", "pmix")] + program
+        return [srun, "-n", str(n), "--mpi=" + settings.get("HPCTRAIN_SRUN_MPI", env)] + program
     mpirun = find_mpirun()
     if mpirun is None:
         raise FileNotFoundError("no mpirun found next to the interpreter or on PATH; "

@@ -6,12 +6,12 @@ are needed.
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import traceback
 from typing import Optional
 
+from . import settings
 from .comm.base import Communicator
 from .comm.runtime import Config
 from .env import detect_launcher
@@ -36,9 +36,7 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = os.environ.get("HPCTRAIN_BACKEND", "auto") or "auto"
-        if backend not in BACKENDS:
-            raise ValueError(f"HPCTRAIN_BACKEND={backend!r}; expected one of {', '.join(BACKENDS)}")
+        backend = settings.get("HPCTRAIN_BACKEND")
     if backend != "auto":
         return backend
     launch = detect_launcher()

@@ -9,6 +9,7 @@ import sys
 import threading
 from typing import Iterable, Optional
 
+from .. import settings
 from .manager import EXIT_PREEMPTED, CheckpointManager
 
 __all__ = ["on_preemption"]
@@ -42,7 +43,7 @@ def on_preemption(manager: CheckpointManager, signals: Iterable[int] = (signal.S
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("on_preemption must be called from the main thread (Python delivers signals there)")
     if requeue is None:
-        requeue = os.environ.get("HPCTRAIN_REQUEUE", "") == "1"
+        requeue = settings.get("HPCTRAIN_REQUEUE")
     signals = tuple(signals)
     if not signals:
         raise ValueError("on_preemption needs at least one signal")

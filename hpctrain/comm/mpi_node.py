@@ -6,24 +6,16 @@ the "nodes" still share memory, which the arena needs.
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Tuple
 
 import numpy as np
 
+from .. import settings
+
 __all__ = ["NodeGroups", "SharedArena", "SharedBuffer", "shared_window", "release_window"]
 
 def _fake_node_size() -> Optional[int]:
-    value = os.environ.get("HPCTRAIN_RANKS_PER_NODE")
-    if not value:
-        return None
-    try:
-        k = int(value)
-    except ValueError:
-        k = 0
-    if k <= 0:
-        raise ValueError(f"HPCTRAIN_RANKS_PER_NODE={value!r} must be a positive integer")
-    return k
+    return settings.get("HPCTRAIN_RANKS_PER_NODE") or None
 
 
 class NodeGroups:

