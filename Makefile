@@ -2,9 +2,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 RANKS ?= 2
-# Outer tests run on this many pytest-xdist workers (tests/conftest.py groups and orders them).
-TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS)
 
 .PHONY: setup demo allreduce-demo test test-fast bench clean
 
@@ -19,14 +16,14 @@ allreduce-demo: setup
 
 # Every test; ends with the launches' times, the slowest tests and the total wall time (set-up included).
 test:
-	@start=$$(date +%s); bash scripts/setup.sh && $(PY) -m pytest tests $(XDIST) --durations=10; rc=$$?; \
+	@start=$$(date +%s); bash scripts/setup.sh && $(PY) -m pytest tests --durations=10; rc=$$?; \
 	echo "make test: total wall time $$(( $$(date +%s) - start )) s (set-up included), exit status $$rc"; exit $$rc
 
 # The edit-test loop (a few minutes): single-process tests, the collectives at 2 ranks, one 2-rank training.
 FAST_FILES := test_api test_compression test_data test_hostcopy test_pipeline_schedule test_results \
 	test_slurm_hosts test_launch test_multirank
 test-fast: setup
-	$(PY) -m pytest $(FAST_FILES:%=tests/%.py) $(XDIST) --durations=10 \
+	$(PY) -m pytest $(FAST_FILES:%=tests/%.py) --durations=10 \
 	    -k "not test_multirank or test_ranks and (test_collectives.py-2 or test_torch_training.py-2)"
 
 bench: setup

@@ -110,8 +110,8 @@ class RankSuite:
         # pytest-timeout is off inside: it would interrupt one rank and leave the others inside a
         # collective; the watcher here ends the whole launch instead (the marker is still read).
         inner = [sys.executable, str(REPO / "tests" / "rank_main.py"), str(logdir), "-q", "-p", "no:cacheprovider",
-                 "-p", "no:timeout", "-p", "no:xdist", "-W", "ignore::pytest.PytestConfigWarning", "--color=no",
-                 "--durations=5", *paths]
+                 "-p", "no:timeout", "-W", "ignore::pytest.PytestConfigWarning", "--color=no", "--durations=5",
+                 *paths]
         return self.launcher(self.n) + inner + (["-k", self.select] if self.select else [])
 
     def _launch(self, logdir: Path, done_file: Path, limit_s: float) -> bool:
@@ -258,22 +258,16 @@ class SuiteCache:
             self.suites[key] = RankSuite(n, files, **kw).run()
         return self.suites[key]
 
-    def summary(self, k: int = 10) -> List[dict]:
-        """Return each suite's launch time and ``k`` slowest inner tests as plain data (see :func:`report`)."""
-        return [{"name": name, "n": n, "wall_s": s.wall_s, "tests": len(s.collected), "launches": s.launches,
-                 "slowest": s.slowest(k)} for (name, n), s in self.suites.items()]
-
-
-def report(terminal, suites: List[dict], k: int = 10) -> None:
-    """Write the launches' wall times and the ``k`` slowest inner tests (all ranks) to the terminal summary."""
-    if not suites:
-        return
-    terminal.write_sep("=", f"multi-rank launches ({len(suites)} suites)")
-    for s in sorted(suites, key=lambda s: (s["name"], s["n"])):
-        terminal.write_line(f"{s['wall_s']:8.1f} s  {s['name']} at {s['n']} rank(s): {s['tests']} tests, "
-                            f"{s['launches']} launch(es)")
-    terminal.write_sep("=", f"slowest {k} tests inside the launches (slowest rank)")
-    rows = sorted(((t, f"{tid} [{s['name']}, {s['n']} ranks]") for s in suites for t, tid in s["slowest"]),
-                  reverse=True)[:k]
-    for t, what in rows:
-        terminal.write_line(f"{t:8.2f} s  {what}")
+    def report(self, terminal, k: int = 10) -> None:
+        """Write the launches' wall times and the ``k`` slowest inner tests to the terminal summary."""
+        if not self.suites:
+            return
+        terminal.write_sep("=", f"multi-rank launches ({len(self.suites)} suites)")
+        for (name, n), suite in self.suites.items():
+            terminal.write_line(f"{suite.wall_s:8.1f} s  {name} at {n} rank(s): {len(suite.collected)} tests, "
+                                f"{suite.launches} launch(es)")
+        terminal.write_sep("=", f"slowest {k} tests inside the launches (slowest rank)")
+        rows = sorted(((t, f"{tid} [{name}, {n} ranks]") for (name, n), s in self.suites.items()
+                       for t, tid in s.slowest(k)), reverse=True)[:k]
+        for t, what in rows:
+            terminal.write_line(f"{t:8.2f} s  {what}")
