@@ -37,7 +37,6 @@ import os
 import platform
 import re
 import shutil
-import threading
 import time
 import weakref
 import zlib

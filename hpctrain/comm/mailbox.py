@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 import numpy as np
 

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-from .base import Compressor, Slot
+from .base import Compressor
 
 __all__ = ["PowerSGD"]
 

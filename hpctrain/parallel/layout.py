@@ -23,7 +23,7 @@ communicator (one ``split`` per axis).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 __all__ = ["ParallelLayout", "AXES"]
 
