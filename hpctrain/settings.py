@@ -75,8 +75,12 @@ class Setting:
             if number != int(number):
                 raise bad
             number = int(number)
+        return self.check(number, f"{self.name}={text!r}")
+
+    def check(self, number: float, what: str) -> float:
+        """Return ``number`` if it is in range, else raise :class:`SettingError` starting with ``what``."""
         if self.minimum is not None and number < self.minimum:
-            raise bad
+            raise SettingError(f"{what}: expected {self.allowed()}")
         return number
 
 

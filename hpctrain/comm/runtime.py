@@ -58,10 +58,8 @@ class Config:
         for field in cls.__dataclass_fields__:
             setting = settings.setting("HPCTRAIN_" + field.upper())
             if field in tuned:      # the file's value is checked like the variable's would be
-                tuned_ok = setting.minimum is None or tuned[field] >= setting.minimum
-                if not tuned_ok:
-                    raise settings.SettingError(f"{field}={tuned[field]} in the tuning file {tuning_path()}: "
-                                                f"expected {setting.allowed()} (as {setting.name})")
+                setting.check(tuned[field], f"{field}={tuned[field]} in the tuning file {tuning_path()} "
+                                            f"(as {setting.name})")
             values[field] = settings.get(setting.name, default=tuned.get(field))
         return cls(**values)
 
