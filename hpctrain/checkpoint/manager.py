@@ -30,60 +30,34 @@ file system on several nodes).
 """
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import os
-import platform
 import re
 import shutil
 import time
 import weakref
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
 from ..agreement import check_same
-from ..comm.signature import format_ranks
 from ..errors import HpctrainError
 from .hostcopy import HostCopier, default_copy_threads
-from .state import decode, encode, load_entry
-from .tensorfile import CorruptFileError, read_tensors, write_tensors
+from .layout import Mismatch, Sharded, by_rank, compare_replicas, read_entries, write_files, write_manifest
+from .state import encode, load_entry
+from .tensorfile import CorruptFileError
 
 __all__ = ["CheckpointManager", "Sharded", "CheckpointError", "EXIT_PREEMPTED"]
 
 log = logging.getLogger("hpctrain")
 
-FORMAT = "hpctrain-checkpoint/1"
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: the job stopped early on purpose and may be run again to resume
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointError(HpctrainError):
     """A checkpoint could not be saved or restored; raised on every rank."""
-
-
-class Sharded:
-    """Mark a state entry as rank-specific: each shard is written by its owner and restored by its rank.
-
-    Args:
-        obj: the entry (anything a state entry may be).
-        shard: the shard id (default: the rank in the manager's communicator).
-            Ranks passing the same id must hold the same data (pipeline-stage
-            replicas, say); the lowest such rank writes it.
-        missing: what ``restore`` does when the checkpoint has no shard with
-            this id (it was written with another layout): ``"error"``
-            (default) or ``"skip"`` (keep the live value; right for RNG states).
-    """
-
-    def __init__(self, obj: Any, shard: Optional[int] = None, missing: str = "error"):
-        if missing not in ("error", "skip"):
-            raise ValueError(f"missing must be 'error' or 'skip', got {missing!r}")
-        if shard is not None and (not isinstance(shard, int) or shard < 0):
-            raise ValueError(f"shard must be a non-negative int, got {shard!r}")
-        self.obj, self.shard, self.missing = obj, shard, missing
 
 
 class _Pending:
@@ -279,8 +253,8 @@ class CheckpointManager:
         for cand in candidates:
             loaded, err, mismatch = None, None, None
             try:
-                loaded = self._read(cand, state)
-            except _Mismatch as exc:
+                loaded = read_entries(self.step_dir(cand), cand, state, self.comm.rank)
+            except Mismatch as exc:
                 mismatch = str(exc)
             except (CorruptFileError, OSError, ValueError, KeyError, TypeError) as exc:
                 err = f"{type(exc).__name__}: {exc}"
@@ -288,12 +262,12 @@ class CheckpointManager:
             wrong = [(r, m) for r, (_, m) in enumerate(errors) if m]
             if wrong:
                 raise CheckpointError(f"checkpoint {self.step_dir(cand)} does not fit this state or layout:\n"
-                                      f"{_by_rank(wrong)}")
+                                      f"{by_rank(wrong)}")
             bad = [(r, e) for r, (e, _) in enumerate(errors) if e]
             if bad:
                 if self.comm.rank == 0:
                     log.warning("hpctrain: checkpoint %s is not usable, trying an older one:\n%s",
-                                self.step_dir(cand), _by_rank(bad))
+                                self.step_dir(cand), by_rank(bad))
                 continue
             try:
                 for key, (kind, value) in loaded.items():
@@ -311,7 +285,7 @@ class CheckpointManager:
             bad = [(r, e) for r, e in enumerate(errors) if e]
             if bad:
                 raise CheckpointError(f"loading checkpoint {self.step_dir(cand)} into the state failed "
-                                      f"(does the state match what was saved?):\n{_by_rank(bad)}")
+                                      f"(does the state match what was saved?):\n{by_rank(bad)}")
             self._last_step = cand
             return cand
         if candidates and self.comm.rank == 0:
@@ -367,11 +341,11 @@ class CheckpointManager:
         self._last_step = step
         self._last_save_time = time.monotonic()
         if self.async_save:
-            self._pending = _Pending(step, partial, self._pool.submit(_write_files, partial, jobs, meta))
+            self._pending = _Pending(step, partial, self._pool.submit(write_files, partial, jobs, meta))
         else:
             fut: Future = Future()
             try:
-                fut.set_result(_write_files(partial, jobs, meta))
+                fut.set_result(write_files(partial, jobs, meta))
             except BaseException as exc:  # noqa: BLE001 - delivered at commit
                 fut.set_exception(exc)
             self._pending = _Pending(step, partial, fut)
@@ -383,7 +357,7 @@ class CheckpointManager:
         if bad:
             if self.comm.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
-            raise CheckpointError(f"checkpoint of step {step} failed; nothing was committed:\n{_by_rank(bad)}")
+            raise CheckpointError(f"checkpoint of step {step} failed; nothing was committed:\n{by_rank(bad)}")
 
     def _finish_pending(self) -> None:
         if self._pending is not None:
@@ -400,7 +374,7 @@ class CheckpointManager:
             result, err = None, f"{type(exc).__name__}: {exc}"
         results = comm.allgather_object((result, err))
         errors = [e for _, e in results]
-        replica_msg = _compare_replicas([res for res, _ in results])
+        replica_msg = compare_replicas([res for res, _ in results])
         if replica_msg and self.verify_replicas == "error":
             errors[0] = errors[0] or replica_msg
         self._raise_any(pending.step, pending.partial, errors)
@@ -409,7 +383,8 @@ class CheckpointManager:
         err = None
         if comm.rank == 0:
             try:
-                self._write_manifest(pending, [res for res, _ in results])
+                write_manifest(pending.partial, self.step_dir(pending.step), pending.step, self.comm.size,
+                               [res for res, _ in results])
                 self._prune()
             except Exception as exc:  # noqa: BLE001 - reported on every rank
                 err = f"{type(exc).__name__}: {exc}"
@@ -418,141 +393,6 @@ class CheckpointManager:
         if err:
             raise CheckpointError(f"committing the checkpoint of step {pending.step} failed: {err}")
 
-    def _write_manifest(self, pending: _Pending, results: List[dict]) -> None:
-        files: Dict[str, dict] = {}
-        for res in results:
-            files.update(res["files"])
-        meta = results[0]["meta"]
-        manifest = {
-            "format": FORMAT, "step": pending.step,
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "world_size": self.comm.size, "shard_of_rank": meta["shard_of_rank"],
-            "replicated": meta["replicated"], "sharded": meta["sharded"], "checksum": "crc32",
-            "files": files, "versions": _versions(),
-        }
-        tmp = os.path.join(pending.partial, "manifest.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(pending.partial, "manifest.json"))
-        _fsync_dir(pending.partial)
-        os.rename(pending.partial, self.step_dir(pending.step))
-        _fsync_dir(self.directory)
-
     def _prune(self) -> None:
         for old in self.all_steps()[:-self.keep]:
             shutil.rmtree(self.step_dir(old), ignore_errors=True)
-
-    # -- restore ----------------------------------------------------------------
-    def _read(self, step: int, state: Mapping[str, Any]) -> Dict[str, Tuple[str, Any]]:
-        """Read and verify what this rank needs from checkpoint ``step``; return {key: (kind, value)}."""
-        path = self.step_dir(step)
-        try:
-            with open(os.path.join(path, "manifest.json")) as f:
-                manifest = json.load(f)
-        except ValueError as exc:
-            raise CorruptFileError(f"{path}/manifest.json is not valid JSON ({exc})") from None
-        if manifest.get("format") != FORMAT or manifest.get("step") != step:
-            raise CorruptFileError(f"{path}/manifest.json: unknown format {manifest.get('format')!r} "
-                                   f"or step {manifest.get('step')!r}")
-        files = manifest["files"]
-        wanted_rep = [k for k, v in state.items() if not isinstance(v, Sharded)]
-        wanted_sh = [k for k, v in state.items() if isinstance(v, Sharded)]
-        out: Dict[str, Tuple[str, Any]] = {}
-
-        def load(fname, keys):
-            info = files[fname]
-            tensors, metadata = read_tensors(os.path.join(path, fname), info["size"], info["crc32"])
-            tree = json.loads(metadata["hpctrain.tree"])
-            for k in keys:
-                if k not in tree:
-                    raise _Mismatch(f"checkpoint {path} has no entry {k!r} (it has {sorted(tree)})")
-                out[k] = (tree[k]["kind"], decode(tree[k]["value"], tensors))
-
-        if wanted_rep:
-            load("replicated.safetensors", wanted_rep)
-        if wanted_sh:
-            ids = {state[k].shard if state[k].shard is not None else self.comm.rank for k in wanted_sh}
-            (shard,) = ids
-            fname = f"shard-{shard}.safetensors"
-            if fname in files:
-                load(fname, wanted_sh)
-            elif any(state[k].missing == "error" for k in wanted_sh):
-                raise _Mismatch(f"checkpoint {path} has no shard {shard} (it was written with "
-                                            f"shards {sorted(set(s for s in manifest['shard_of_rank'] if s is not None))}"
-                                            f" by {manifest['world_size']} ranks)")
-        return out
-
-
-class _Mismatch(Exception):
-    """The checkpoint is intact but does not fit the state or layout being restored."""
-
-
-def _write_files(partial: str, jobs, meta: dict) -> dict:
-    """Write this rank's files (the write step); return their sizes and checksums."""
-    files, replica_crcs = {}, {}
-    for fname, tensors, tree, write in jobs:
-        if fname == "replicated.safetensors":
-            replica_crcs = _entry_crcs(tensors, tree)
-        if write:
-            size, crc = write_tensors(os.path.join(partial, fname), tensors,
-                                      {"hpctrain.tree": json.dumps(tree, separators=(",", ":"))})
-            files[fname] = {"size": size, "crc32": crc}
-    return {"files": files, "replica_crcs": replica_crcs, "meta": meta}
-
-
-def _entry_crcs(tensors, tree) -> Dict[str, int]:
-    """CRC-32 of every replicated entry (its JSON tree and the bytes of its tensors)."""
-    out = {}
-    for key, node in tree.items():
-        text = json.dumps(node, separators=(",", ":"))
-        crc = zlib.crc32(text.encode())
-        for name in re.findall(r'"\$tensor":"(t\d+)"', text):
-            crc = zlib.crc32(memoryview(np.ascontiguousarray(tensors[name][0]).reshape(-1).view(np.uint8)), crc)
-        out[key] = crc
-    return out
-
-
-def _compare_replicas(results: List[Optional[dict]]) -> str:
-    """Describe the replicated entries whose checksums differ between ranks ("" if none)."""
-    crcs = [(r, res["replica_crcs"]) for r, res in enumerate(results) if res and res["replica_crcs"]]
-    lines = []
-    for key in (crcs[0][1] if crcs else {}):
-        groups: Dict[int, List[int]] = {}
-        for r, c in crcs:
-            groups.setdefault(c.get(key), []).append(r)
-        if len(groups) > 1:
-            lines.append(f"  entry {key!r} differs between " +
-                         " / ".join(format_ranks(g) for g in groups.values()))
-    if not lines:
-        return ""
-    return ("replicated entries differ between ranks; rank 0's copy is saved (mark rank-specific state "
-            "with hpctrain.checkpoint.Sharded; BatchNorm statistics differ per rank without SyncBatchNorm):\n"
-            + "\n".join(lines))
-
-
-def _by_rank(bad: List[Tuple[int, str]]) -> str:
-    groups: Dict[str, List[int]] = {}
-    for r, e in bad:
-        groups.setdefault(e, []).append(r)
-    return "\n".join(f"  {format_ranks(rs)}: {e}" for e, rs in groups.items())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _versions() -> Dict[str, str]:
-    import sys
-
-    from .. import __version__ as hpctrain_version
-    out = {"hpctrain": hpctrain_version, "python": platform.python_version(), "numpy": np.__version__}
-    for mod in ("torch", "tensorflow", "keras"):
-        if mod in sys.modules:
-            out[mod] = getattr(sys.modules[mod], "__version__", "?")
-    return out

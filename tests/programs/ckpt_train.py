@@ -115,8 +115,8 @@ def _kill_in_write(nth: int, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(path, tensors, metadata)
 
-    import hpctrain.checkpoint.manager as manager_module
-    manager_module.write_tensors = write
+    import hpctrain.checkpoint.layout as layout     # where each rank's checkpoint files are written
+    layout.write_tensors = write
 
 
 if __name__ == "__main__":

@@ -1,0 +1,195 @@
+"""The files of one checkpoint on disk: this rank's tensor files, the manifest, verified reads.
+
+A checkpoint of step N is a directory ``step-<N>`` holding ``replicated.safetensors``
+(written by rank 0), ``shard-<id>.safetensors`` (one per shard id, written by its
+lowest rank) and ``manifest.json`` (format, step, layout, versions, every file's
+size and CRC-32).  It is written as ``step-<N>.partial`` and renamed once the
+manifest is in it (:func:`write_manifest`).  :func:`read_entries` checks sizes
+and checksums against the manifest before it decodes anything; nothing is
+unpickled.  Cost: one pass over the bytes to write or read them, plus CRC-32.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import zlib
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..comm.signature import format_ranks
+from .state import decode
+from .tensorfile import CorruptFileError, read_tensors, write_tensors
+
+__all__ = ["FORMAT", "Sharded", "Mismatch", "write_files", "write_manifest", "read_entries", "compare_replicas",
+           "by_rank", "fsync_dir"]
+
+FORMAT = "hpctrain-checkpoint/1"
+
+
+class Sharded:
+    """Mark a state entry as rank-specific: each shard is written by its owner and restored by its rank.
+
+    Args:
+        obj: the entry (anything a state entry may be).
+        shard: the shard id (default: the rank in the manager's communicator).
+            Ranks passing the same id must hold the same data (pipeline-stage
+            replicas, say); the lowest such rank writes it.
+        missing: what ``restore`` does when the checkpoint has no shard with
+            this id (it was written with another layout): ``"error"``
+            (default) or ``"skip"`` (keep the live value; right for RNG states).
+    """
+
+    def __init__(self, obj: Any, shard: Optional[int] = None, missing: str = "error"):
+        if missing not in ("error", "skip"):
+            raise ValueError(f"missing must be 'error' or 'skip', got {missing!r}")
+        if shard is not None and (not isinstance(shard, int) or shard < 0):
+            raise ValueError(f"shard must be a non-negative int, got {shard!r}")
+        self.obj, self.shard, self.missing = obj, shard, missing
+
+
+def write_manifest(partial: str, final: str, step: int, world_size: int, results: List[dict]) -> None:
+    """Write ``manifest.json`` into ``partial`` (temporary name, fsync, rename), then rename ``partial``
+    to ``final`` and fsync the parent: the checkpoint exists from that rename on."""
+    files: Dict[str, dict] = {}
+    for res in results:
+        files.update(res["files"])
+    meta = results[0]["meta"]
+    manifest = {
+        "format": FORMAT, "step": step,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": world_size, "shard_of_rank": meta["shard_of_rank"],
+        "replicated": meta["replicated"], "sharded": meta["sharded"], "checksum": "crc32",
+        "files": files, "versions": _versions(),
+    }
+    tmp = os.path.join(partial, "manifest.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(partial, "manifest.json"))
+    fsync_dir(partial)
+    os.rename(partial, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def read_entries(path: str, step: int, state: Mapping[str, Any], rank: int) -> Dict[str, Tuple[str, Any]]:
+    """Read and verify what ``rank`` needs of ``state`` from the checkpoint of ``step`` in ``path``.
+
+    Returns {key: (kind, value)}.  Raises CorruptFileError for a manifest or
+    file that does not match, :class:`Mismatch` for an intact checkpoint that
+    does not fit ``state``.
+    """
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+    except ValueError as exc:
+        raise CorruptFileError(f"{path}/manifest.json is not valid JSON ({exc})") from None
+    if manifest.get("format") != FORMAT or manifest.get("step") != step:
+        raise CorruptFileError(f"{path}/manifest.json: unknown format {manifest.get('format')!r} "
+                               f"or step {manifest.get('step')!r}")
+    files = manifest["files"]
+    wanted_rep = [k for k, v in state.items() if not isinstance(v, Sharded)]
+    wanted_sh = [k for k, v in state.items() if isinstance(v, Sharded)]
+    out: Dict[str, Tuple[str, Any]] = {}
+
+    def load(fname, keys):
+        info = files[fname]
+        tensors, metadata = read_tensors(os.path.join(path, fname), info["size"], info["crc32"])
+        tree = json.loads(metadata["hpctrain.tree"])
+        for k in keys:
+            if k not in tree:
+                raise Mismatch(f"checkpoint {path} has no entry {k!r} (it has {sorted(tree)})")
+            out[k] = (tree[k]["kind"], decode(tree[k]["value"], tensors))
+
+    if wanted_rep:
+        load("replicated.safetensors", wanted_rep)
+    if wanted_sh:
+        ids = {state[k].shard if state[k].shard is not None else rank for k in wanted_sh}
+        (shard,) = ids
+        fname = f"shard-{shard}.safetensors"
+        if fname in files:
+            load(fname, wanted_sh)
+        elif any(state[k].missing == "error" for k in wanted_sh):
+            written = sorted(set(s for s in manifest["shard_of_rank"] if s is not None))
+            raise Mismatch(f"checkpoint {path} has no shard {shard} (it was written with shards {written} "
+                           f"by {manifest['world_size']} ranks)")
+    return out
+
+
+class Mismatch(Exception):
+    """The checkpoint is intact but does not fit the state or layout being restored."""
+
+
+def write_files(partial: str, jobs, meta: dict) -> dict:
+    """Write this rank's files (the write step); return their sizes and checksums."""
+    files, replica_crcs = {}, {}
+    for fname, tensors, tree, write in jobs:
+        if fname == "replicated.safetensors":
+            replica_crcs = _entry_crcs(tensors, tree)
+        if write:
+            size, crc = write_tensors(os.path.join(partial, fname), tensors,
+                                      {"hpctrain.tree": json.dumps(tree, separators=(",", ":"))})
+            files[fname] = {"size": size, "crc32": crc}
+    return {"files": files, "replica_crcs": replica_crcs, "meta": meta}
+
+
+def _entry_crcs(tensors, tree) -> Dict[str, int]:
+    """CRC-32 of every replicated entry (its JSON tree and the bytes of its tensors)."""
+    out = {}
+    for key, node in tree.items():
+        text = json.dumps(node, separators=(",", ":"))
+        crc = zlib.crc32(text.encode())
+        for name in re.findall(r'"\$tensor":"(t\d+)"', text):
+            crc = zlib.crc32(memoryview(np.ascontiguousarray(tensors[name][0]).reshape(-1).view(np.uint8)), crc)
+        out[key] = crc
+    return out
+
+
+def compare_replicas(results: List[Optional[dict]]) -> str:
+    """Describe the replicated entries whose checksums differ between ranks ("" if none)."""
+    crcs = [(r, res["replica_crcs"]) for r, res in enumerate(results) if res and res["replica_crcs"]]
+    lines = []
+    for key in (crcs[0][1] if crcs else {}):
+        groups: Dict[int, List[int]] = {}
+        for r, c in crcs:
+            groups.setdefault(c.get(key), []).append(r)
+        if len(groups) > 1:
+            lines.append(f"  entry {key!r} differs between " +
+                         " / ".join(format_ranks(g) for g in groups.values()))
+    if not lines:
+        return ""
+    return ("replicated entries differ between ranks; rank 0's copy is saved (mark rank-specific state "
+            "with hpctrain.checkpoint.Sharded; BatchNorm statistics differ per rank without SyncBatchNorm):\n"
+            + "\n".join(lines))
+
+
+def by_rank(bad: List[Tuple[int, str]]) -> str:
+    """Format (rank, error) pairs one line per distinct error, with the ranks that hit it."""
+    groups: Dict[str, List[int]] = {}
+    for r, e in bad:
+        groups.setdefault(e, []).append(r)
+    return "\n".join(f"  {format_ranks(rs)}: {e}" for e, rs in groups.items())
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (a rename in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _versions() -> Dict[str, str]:
+    import sys
+
+    from .. import __version__ as hpctrain_version
+    out = {"hpctrain": hpctrain_version, "python": platform.python_version(), "numpy": np.__version__}
+    for mod in ("torch", "tensorflow", "keras"):
+        if mod in sys.modules:
+            out[mod] = getattr(sys.modules[mod], "__version__", "?")
+    return out
