@@ -94,4 +94,27 @@ def report() -> str:
     lines += [f"    {k:<8} {v}" for k, v in backends(items).items()]
     lines += ["", "  rank  host                  local_rank  node"]
     lines += [f"  {r:>4}  {h:<20}  {lr:>10}  {nr:>4}" for r, h, lr, nr in layout]
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + algorithm_lines(comm))
+
+
+SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
+
+
+def algorithm_lines(comm) -> List[str]:
+    """Return the registered all-reduce algorithms (those of this backend marked *) and what ``auto`` picks."""
+    from .collectives import registry
+
+    offered = set(comm.allreduce_algorithms())
+    lines = ["  all-reduce algorithms (* runs on this backend):"]
+    for a in registry.algorithms("allreduce"):
+        backends = ", ".join(a.backends) if a.backends else "any backend"
+        lines.append(f"    {'*' if a.name in offered else ' '} {a.name:<13} {backends:<13} {a.summary}")
+    picks = ", ".join(f"{_size(n)} -> {comm.allreduce_algorithm(n)}" for n in SIZES)
+    return lines + [f"  auto picks here: {picks}"]
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"

@@ -1,5 +1,6 @@
 """Launcher detection from each launcher's variables, the launch command, and real launches."""
 import os
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,10 @@ def test_hpctrain_info_lists_versions_and_layout():
         assert word in out, f"{word!r} missing from:\n{out}"
     assert "horovod  works" in out and "mpi      works" in out
     assert out.count("hpctrain info") == 1, "only rank 0 prints"
+    for name in ("native", "ring", "shm", "hierarchical"):
+        assert re.search(rf"^    \* {name} ", out, re.M), f"algorithm {name} not listed:\n{out}"
+    # one node, two ranks: the shared-memory all-reduce up to HPCTRAIN_SHM_SMALL_BYTES (default 256 KiB)
+    assert re.search(r"^  auto picks here: 1 KiB -> shm, ", out, re.M), out
 
 
 def test_hpctrain_launch_bad_arguments_fail_clearly():

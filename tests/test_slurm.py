@@ -3,7 +3,6 @@
 If Slurm cannot be installed or started here these tests fail with the
 reason; they do not skip.
 """
-import os
 import re
 import sys
 import time

@@ -49,6 +49,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .ops import _UFUNCS, segment_bounds
+from .registry import ONE_NODE, Algorithm, register
 from .ring import ring_allreduce
 
 __all__ = ["Flat", "shm_allreduce", "shm_allreduce_direct", "shm_allreduce_small", "shm_allreduce_shared_buffer",
@@ -363,3 +364,24 @@ def shm_allgather(raw: np.ndarray, counts, sh) -> np.ndarray:
         offset += c
     sh.fence()
     return out
+
+
+# Both run inside the MPI backend on its node windows (``run`` None).  Their cost estimates are the
+# crossovers ``hpctrain tune`` measures against the library call: on one node "shm" is cheaper for
+# small buffers (one exchange through the mailbox) and from HPCTRAIN_SHM_MIN_BYTES on; across nodes
+# "hierarchical" is cheaper from HPCTRAIN_HIERARCHICAL_MIN_BYTES on.
+def _shm_cost(where, nbytes):
+    cfg = where.config
+    return 0.5 if nbytes <= cfg.shm_small_bytes or nbytes >= cfg.shm_min_bytes else 2.0
+
+
+def _hierarchical_cost(where, nbytes):
+    if where.num_nodes == 1:
+        return None
+    return 0.5 if nbytes >= where.config.hierarchical_min_bytes else 2.0
+
+
+register(Algorithm("shm", "allreduce", backends=("mpi",), layouts=(ONE_NODE,), shared_memory=True, cost=_shm_cost,
+                   summary="one node: reduce through shared memory, each element once in rank order"))
+register(Algorithm("hierarchical", "allreduce", backends=("mpi",), shared_memory=True, cost=_hierarchical_cost,
+                   summary="shared memory on each node, a ring across nodes between the nodes' segments"))

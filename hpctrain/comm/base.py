@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import abc
 import zlib
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -32,23 +30,18 @@ import numpy as np
 from ..collectives.fusion import FusionBuffers, fusion_groups
 from ..collectives.ops import accumulation_dtype, check_op, finish, segment_bounds, to_accumulator
 from ..collectives.results import ResultBuffers
-from ..collectives.ring import ring_allreduce, ring_reduce_scatter
+from ..collectives import registry
 from ..collectives.shm import Flat
 from ..errors import CollectiveMismatchError
 from ..tensors import dtype_name, framework_of, to_numpy
 from .runtime import Runtime
+from .handle import Handle, Riding, Topology, done_handle, same as _same
+from .links import Links
 from .signature import Call
 
-__all__ = ["Communicator", "Handle", "Riding", "Topology", "ALLREDUCE_ALGORITHMS", "done_handle"]
-
-ALLREDUCE_ALGORITHMS = ("auto", "native", "ring")
-_SHARED = ("shm", "hierarchical")
+__all__ = ["Communicator", "Handle", "Riding", "Topology", "done_handle"]
 
 Plan = Tuple[Call, Optional[Callable[[], Any]], Callable[[Any], Any]]
-
-
-def _same(x):
-    return x
 
 
 def _copy_back_into(x: Any, arr: np.ndarray, restore: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -74,53 +67,6 @@ def _copy_back_into(x: Any, arr: np.ndarray, restore: Callable[[Any], Any]) -> C
                 x.copy_(restore(result).view(x.shape))   # torch on CUDA, or a widened dtype
         return x
     return into
-
-
-class Riding:
-    """Work whose input travels with the call check (one exchange instead of two; see :mod:`hpctrain.comm.mailbox`).
-
-    ``payload`` (any shape, cast to ``dtype`` on the way) is posted with the call;
-    ``finish()``, run once every rank's call and payload have arrived, returns
-    the result.
-    """
-
-    __slots__ = ("payload", "dtype", "finish")
-
-    def __init__(self, payload: np.ndarray, dtype: np.dtype, finish: Callable[[], Any]):
-        self.payload, self.dtype, self.finish = payload, dtype, finish
-
-
-def done_handle(value: Any = None) -> "Handle":
-    """Return a handle that has already finished with ``value``."""
-    fut: Future = Future()
-    fut.set_result(value)
-    return Handle(fut, _same)
-
-
-class Handle:
-    """A call in flight.  ``wait()`` returns its result (or raises its error); ``test()`` polls."""
-
-    def __init__(self, future: Future, restore: Callable[[Any], Any]):
-        self._future = future
-        self._restore = restore
-
-    def wait(self, timeout: Optional[float] = None) -> Any:
-        """Block until the collective has finished and return its result in the input's type."""
-        return self._restore(self._future.result(timeout))
-
-    def test(self) -> bool:
-        """Return True when the collective has finished (``wait()`` will not block)."""
-        return self._future.done()
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this process sits: its rank on its node and its node's index."""
-
-    local_rank: int = 0
-    local_size: int = 1
-    node_rank: int = 0
-    num_nodes: int = 1
 
 
 class Communicator(abc.ABC):
@@ -150,6 +96,9 @@ class Communicator(abc.ABC):
         self._seen_allreduce: dict = {}     # (dtype, shape, op, algorithm) -> (checked call, algorithm, lean path)
         self._seen_grouped: dict = {}       # (op, algorithm, dtypes and shapes) -> grouped_allreduce's plan
         self._results = ResultBuffers()     # memory of large results, reused once the caller drops them
+        self._algorithms: dict = {}         # name -> registry.Algorithm, as chosen here before
+        self._links = Links(self)
+        registry.on_change(self._forget_choices)
 
     # -- identity -------------------------------------------------------
     @property
@@ -417,12 +366,29 @@ class Communicator(abc.ABC):
         return task
 
     def _choose_allreduce(self, algorithm: str, nbytes: int) -> str:
-        if algorithm not in self.allreduce_algorithms():
-            raise ValueError(f"unknown algorithm {algorithm!r} for the {self.backend} backend; "
-                             f"expected one of {', '.join(self.allreduce_algorithms())}")
-        alg = self._auto_allreduce(nbytes) if algorithm == "auto" else algorithm
-        self._check_algorithm(alg)
-        return alg
+        """Return the name of the all-reduce algorithm to run (``auto``: the registry's cheapest here)."""
+        where = self._where()
+        if algorithm == "auto":
+            chosen = registry.choose("allreduce", where, nbytes)
+        else:
+            chosen = registry.lookup("allreduce", algorithm)
+            if chosen is None or not chosen.runs_on(self.backend):
+                raise ValueError(f"unknown algorithm {algorithm!r} for the {self.backend} backend; "
+                                 f"expected one of {', '.join(self.allreduce_algorithms())}")
+            why = chosen.refusal(where, self.name)
+            if why:
+                raise ValueError(why)
+        self._algorithms[chosen.name] = chosen
+        return chosen.name
+
+    def _forget_choices(self) -> None:
+        """Drop the remembered plans of repeated calls (the registered algorithms changed)."""
+        self._seen_allreduce.clear()
+        self._seen_grouped.clear()
+
+    def _shared_alg(self, alg: str) -> bool:
+        """Return True if ``alg`` (chosen here before) runs on the backend's shared memory."""
+        return self._algorithms[alg].shared_memory
 
     def _plan_allreduce(self, x, op, algorithm, inplace=False) -> Plan:
         # A training loop repeats a few calls: a C-contiguous numpy input of a dtype, shape, op and
@@ -437,7 +403,7 @@ class Communicator(abc.ABC):
             arr, restore = to_numpy(x)
             check_op(op, arr.dtype)
             alg = self._choose_allreduce(algorithm, arr.nbytes)
-            shared = (inplace and alg in _SHARED and self._size > 1 and arr.size > 0
+            shared = (inplace and self._shared_alg(alg) and self._size > 1 and arr.size > 0
                       and accumulation_dtype(arr.dtype) == arr.dtype and self._shared_buffer_of(arr) is not None)
             call = Call("allreduce", seq, dtype_name(arr.dtype), arr.shape, op=op, algorithm=alg,
                         layout="shared buffer" if shared else None)
@@ -455,21 +421,18 @@ class Communicator(abc.ABC):
         return self._build("allreduce", build, op=op, algorithm=algorithm)
 
     def _allreduce_work(self, arr: np.ndarray, op: str, alg: str, inplace: bool):
-        riding = self._riding_allreduce(arr, op, alg, inplace) if alg in _SHARED and self._size > 1 else None
+        riding = self._riding_allreduce(arr, op, alg, inplace) if self._shared_alg(alg) and self._size > 1 else None
         return riding if riding is not None else (lambda: self._do_allreduce(arr, op, alg, inplace))
 
     def _do_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool = False) -> np.ndarray:
         same = inplace and accumulation_dtype(arr.dtype) == arr.dtype
-        if alg in _SHARED and self._size > 1 and arr.size:
+        if self._shared_alg(alg) and self._size > 1 and arr.size:
             # in place, the result goes straight into ``arr``: its parts are read before they are written
             acc = self._shared_reduction(arr, op, alg, into=arr.reshape(-1) if same else None)
             return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
         acc = arr.reshape(-1) if same else self._accumulator(arr)
         if self._size > 1 and acc.size:
-            if alg == "ring":
-                ring_allreduce(acc, op, self._transport(), self._chunk_elems(acc.itemsize))
-            else:
-                acc = self._allreduce_native(acc, op)
+            acc = self._algorithms[alg].run(self._links, acc, op)
         return finish(acc, op, self._size, arr.dtype).reshape(arr.shape)
 
     def _allreduce_shared_buffer(self, arr: np.ndarray, op: str) -> np.ndarray:
@@ -523,7 +486,7 @@ class Communicator(abc.ABC):
         outs: List[Optional[np.ndarray]] = [None] * len(arrs)
         for g, alg in zip(groups, algs):
             dtype = arrs[g.members[0]].dtype
-            if alg in _SHARED and self._size > 1:
+            if self._shared_alg(alg) and self._size > 1:
                 # the results are views of one buffer from the result pool: no page faults once it is warm,
                 # and the buffer is reused only when the caller has dropped all of them
                 acc = self._results.empty(g.numel, accumulation_dtype(dtype))
@@ -541,12 +504,13 @@ class Communicator(abc.ABC):
             arr, restore = to_numpy(x)
             if arr.ndim == 0:
                 raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
-            valid = ("auto", "native") + (("shm",) if "shm" in self.allreduce_algorithms() else ())
+            shm = registry.lookup("allreduce", "shm")      # (the same shared memory gathers as well)
+            valid = ("auto", "native") + (("shm",) if shm is not None and shm.runs_on(self.backend) else ())
             if algorithm not in valid:
                 raise ValueError(f"unknown allgather algorithm {algorithm!r} for the {self.backend} backend; "
                                  f"expected one of {', '.join(valid)}")
-            if algorithm == "shm":
-                self._check_algorithm("shm")
+            if algorithm == "shm" and shm.refusal(self._where(), self.name):
+                raise ValueError(shm.refusal(self._where(), self.name))
             call = Call("allgather", seq, dtype_name(arr.dtype), arr.shape, algorithm=algorithm, free_dim0=True)
             return call, lambda: self._do_allgather(arr, algorithm), restore
         return self._build("allgather", build, algorithm=algorithm)
@@ -556,9 +520,8 @@ class Communicator(abc.ABC):
         row_bytes = arr.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64))
         counts = [r * row_bytes for r in rows]
         raw = None
-        if algorithm == "shm" or (algorithm == "auto" and sum(counts) >= self._rt.config.shm_min_bytes
-                                  and "shm" in self.allreduce_algorithms()):
-            raw = self._allgather_shared(_bytes_of(arr), counts)
+        if algorithm == "shm" or (algorithm == "auto" and sum(counts) >= self._rt.config.shm_min_bytes):
+            raw = self._allgather_shared(_bytes_of(arr), counts)     # (None where the backend has none)
         if raw is None:
             raw = self._allgatherv(_bytes_of(arr), counts)
         return raw.view(arr.dtype).reshape((sum(rows),) + arr.shape[1:])
@@ -593,7 +556,7 @@ class Communicator(abc.ABC):
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         rows = segment_bounds(arr.shape[0], n)
         bounds = rows * row
-        if alg in _SHARED and n > 1 and arr.size:
+        if self._shared_alg(alg) and n > 1 and arr.size:
             if alg == "shm":
                 acc = self._reduce_scatter_shared(arr.reshape(-1), bounds, accumulation_dtype(arr.dtype), op)
             else:   # hierarchical: the full reduction, then the own block
@@ -602,11 +565,11 @@ class Communicator(abc.ABC):
             return out.reshape((int(rows[r + 1] - rows[r]),) + arr.shape[1:])
         acc = to_accumulator(arr)
         if n > 1 and acc.size:
-            if alg == "ring":
-                ring_reduce_scatter(acc, bounds, op, self._transport(), self._chunk_elems(acc.itemsize))
-                acc = acc[bounds[r]:bounds[r + 1]]
-            else:
-                acc = self._reduce_scatter_native(acc, np.diff(bounds).tolist(), op)
+            algorithm = self._algorithms[alg]
+            if algorithm.reduce_scatter is not None:
+                acc = algorithm.reduce_scatter(self._links, acc, bounds, op)
+            else:     # the full all-reduce, then the own block
+                acc = algorithm.run(self._links, acc, op)[bounds[r]:bounds[r + 1]]
         else:
             acc = acc[bounds[r]:bounds[r + 1]]
         out = finish(acc, op, n, arr.dtype)
@@ -661,15 +624,21 @@ class Communicator(abc.ABC):
 
     # -- what a backend provides (numpy buffers only) ----------------------
     def allreduce_algorithms(self) -> Tuple[str, ...]:
-        """Return the allreduce algorithms this backend can run."""
-        return ALLREDUCE_ALGORITHMS
+        """Return the names ``allreduce(algorithm=...)`` takes on this backend: "auto" and the registered ones."""
+        return ("auto",) + tuple(a.name for a in registry.algorithms("allreduce", self.backend))
 
-    def _auto_allreduce(self, nbytes: int) -> str:
-        """Return the algorithm "auto" picks for a buffer of ``nbytes``."""
-        return "native"
+    def allreduce_algorithm(self, nbytes: int) -> str:
+        """Return the algorithm ``allreduce(algorithm="auto")`` runs here for a buffer of ``nbytes`` bytes."""
+        return registry.choose("allreduce", self._where(), int(nbytes)).name
 
-    def _check_algorithm(self, alg: str) -> None:
-        """Raise ValueError if ``alg`` cannot run on this communicator's layout."""
+    def _where(self) -> registry.Where:
+        """What choosing an algorithm here depends on (see :class:`hpctrain.collectives.registry.Where`)."""
+        return registry.Where(self.backend, self._size, self.topology.num_nodes, self._no_shared_memory(),
+                              self._rt.config)
+
+    def _no_shared_memory(self) -> str:
+        """Return why the ranks of a node cannot share memory windows here ("" if they can)."""
+        return f"the {self.backend} backend has no shared-memory windows"
 
     def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str) -> None:
         """All-reduce ``x`` into ``out`` (accumulation dtype) with "shm" or "hierarchical"."""

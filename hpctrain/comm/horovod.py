@@ -44,10 +44,6 @@ class HorovodCommunicator(Communicator):
         super().__init__(runtime, rank, size, name, world_ranks, topology)
         self._ops = {"sum": hvd.Sum, "avg": hvd.Sum, "min": hvd.Min, "max": hvd.Max, "prod": hvd.Product}
 
-    def allreduce_algorithms(self):
-        """Return the allreduce algorithms of this backend (no ring: Horovod has no point-to-point)."""
-        return ("auto", "native")
-
     def _op_name(self, kind: str) -> str:
         # Horovod matches an operation across ranks by name.  Its default names count operations
         # per process, so they drift apart as soon as ranks run different process sets (a rank

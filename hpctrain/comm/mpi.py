@@ -30,7 +30,7 @@ from ..collectives.ops import accumulation_dtype, finish
 from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce_direct, shm_allreduce_shared_buffer,
                                shm_allreduce_small, shm_reduce_scatter)
 from .cross_memory import CrossMemory
-from .base import ALLREDUCE_ALGORITHMS, Communicator, Handle, Riding, Topology
+from .base import Communicator, Handle, Riding, Topology
 from .mailbox import Mailbox, cores_per_rank_at_least_one
 from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from .runtime import Config, Runtime
@@ -242,25 +242,8 @@ No call object, plan or closure per call beyond the lane's; the call's
     def _transport(self):
         return self._ring
 
-    def allreduce_algorithms(self):
-        """Return the allreduce algorithms of this backend: native, ring, shm, hierarchical and auto."""
-        return ALLREDUCE_ALGORITHMS + ("shm", "hierarchical")
-
-    def _check_algorithm(self, alg: str) -> None:
-        if alg in ("shm", "hierarchical") and self._no_windows:
-            raise ValueError(f"algorithm={alg!r} needs shared memory, but {self._no_windows}; "
-                             f"use 'auto' or 'native'")
-        if alg == "shm" and self._nodes.num_nodes > 1:
-            raise ValueError(f"algorithm='shm' needs every rank of {self.name} on one node, but it spans "
-                             f"{self._nodes.num_nodes} nodes; use 'hierarchical' (or 'auto')")
-
-    def _auto_allreduce(self, nbytes: int) -> str:
-        cfg = self._rt.config
-        if self._no_windows:
-            return "native"
-        if self._nodes.num_nodes == 1:
-            return "shm" if nbytes <= cfg.shm_small_bytes or nbytes >= cfg.shm_min_bytes else "native"
-        return "hierarchical" if nbytes >= cfg.hierarchical_min_bytes else "native"
+    def _no_shared_memory(self) -> str:
+        return self._no_windows
 
     def _shared(self) -> SharedArena:
         if self._arena is None:

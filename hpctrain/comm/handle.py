@@ -1,0 +1,62 @@
+"""What a communicator hands out: a handle on a call in flight, the node layout, work that rides the call check."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+__all__ = ["Handle", "Riding", "Topology", "done_handle", "same"]
+
+
+def same(x):
+    """Return ``x`` (the restore step of a result that needs no conversion)."""
+    return x
+
+
+class Riding:
+    """Work whose input travels with the call check (one exchange instead of two; see :mod:`hpctrain.comm.mailbox`).
+
+    ``payload`` (any shape, cast to ``dtype`` on the way) is posted with the call;
+    ``finish()``, run once every rank's call and payload have arrived, returns
+    the result.
+    """
+
+    __slots__ = ("payload", "dtype", "finish")
+
+    def __init__(self, payload: np.ndarray, dtype: np.dtype, finish: Callable[[], Any]):
+        self.payload, self.dtype, self.finish = payload, dtype, finish
+
+
+def done_handle(value: Any = None) -> "Handle":
+    """Return a handle that has already finished with ``value``."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return Handle(fut, same)
+
+
+class Handle:
+    """A call in flight.  ``wait()`` returns its result (or raises its error); ``test()`` polls."""
+
+    def __init__(self, future: Future, restore: Callable[[Any], Any]):
+        self._future = future
+        self._restore = restore
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until the collective has finished and return its result in the input's type."""
+        return self._restore(self._future.result(timeout))
+
+    def test(self) -> bool:
+        """Return True when the collective has finished (``wait()`` will not block)."""
+        return self._future.done()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: its rank on its node and its node's index."""
+
+    local_rank: int = 0
+    local_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1

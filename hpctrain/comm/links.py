@@ -1,0 +1,41 @@
+"""What a registered algorithm may use of its communicator (see :mod:`hpctrain.collectives.registry`)."""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+__all__ = ["Links"]
+
+
+class Links:
+    """What a registered algorithm's ``run`` may use of its communicator (see :mod:`hpctrain.collectives.registry`).
+
+    The calls run inside the collective being performed: they are the
+    backend's buffer primitives, not the checked public collectives.
+    """
+
+    def __init__(self, comm):
+        self._comm = comm
+        self.rank, self.size = comm._rank, comm._size
+
+    @property
+    def transport(self):
+        """Point-to-point messages: ``isend(buf, dest)``, ``irecv(buf, source)``, ``waitall(requests)``."""
+        return self._comm._transport()
+
+    def native(self, acc: np.ndarray, op: str) -> np.ndarray:
+        """Return the backend library's all-reduce of the flat buffer ``acc`` (it may reuse ``acc``)."""
+        return self._comm._allreduce_native(acc, op)
+
+    def native_reduce_scatter(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
+        """Return this rank's block (``counts[rank]`` elements) of the library's reduction of flat ``acc``."""
+        return self._comm._reduce_scatter_native(acc, counts, op)
+
+    def broadcast(self, raw: np.ndarray, root: int) -> None:
+        """Overwrite the flat uint8 array ``raw`` with root's, in place."""
+        self._comm._broadcast(raw, root)
+
+    def chunk_elems(self, itemsize: int) -> int:
+        """Return the elements per message of a pipelined algorithm (``HPCTRAIN_RING_CHUNK_BYTES``)."""
+        return self._comm._chunk_elems(itemsize)
