@@ -13,19 +13,11 @@ import runpy
 import sys
 import traceback
 
+from .comm.abort import abort_job
+
 __all__ = ["main", "abort_job"]
 
 _EXIT_PREEMPTED = 75   # hpctrain.checkpoint.EXIT_PREEMPTED (not imported: this module stays light)
-
-
-def abort_job(message: str, code: int = 1) -> None:
-    """Print ``message`` and end the whole job: MPI_Abort if MPI runs, else exit with ``code``."""
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-    mpi_mod = sys.modules.get("mpi4py.MPI")
-    if mpi_mod is not None and mpi_mod.Is_initialized() and not mpi_mod.Is_finalized():
-        mpi_mod.COMM_WORLD.Abort(code)
-    os._exit(code)
 
 
 def main(argv=None) -> None:

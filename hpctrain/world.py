@@ -79,11 +79,9 @@ def _install_excepthook(comm: Communicator) -> None:
     """Make an uncaught exception print its traceback and abort every rank."""
     global _saved_excepthook
     _saved_excepthook = sys.excepthook
-    rt = comm._rt
-
     def hook(kind, value, tb):
         text = "".join(traceback.format_exception(kind, value, tb))
-        rt.abort(f"hpctrain: rank {comm.rank}: uncaught exception, aborting the job:\n{text}")
+        comm.abort(f"hpctrain: rank {comm.rank}: uncaught exception, aborting the job:\n{text}")
 
     sys.excepthook = hook
 
@@ -94,8 +92,7 @@ def shutdown() -> None:
     with _lock:
         if _world is None:
             return
-        _world._rt.close()
-        _world._release_shared()
+        _world.close()
         _world = None
         if _saved_excepthook is not None:
             sys.excepthook = _saved_excepthook

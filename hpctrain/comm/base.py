@@ -321,6 +321,18 @@ class Communicator(abc.ABC):
             return Call("shared_empty", seq, str(dt), (int(count),)), lambda: self._shared_empty(int(count), dt), _same
         return self._run(self._build("shared_empty", build))
 
+    def abort(self, message: str) -> None:
+        """Print ``message`` and end the whole job on every rank (never returns; see :mod:`hpctrain.comm.abort`)."""
+        self._rt.abort(message)
+
+    def close(self) -> None:
+        """Finish the queued calls, stop the engine and release the node's shared memory (``hpctrain.shutdown()``).
+
+        For the world communicator, which owns the engine; collective.
+        """
+        self._rt.close()
+        self._release_shared()
+
     def free(self) -> None:
         """Release the backend resources of this communicator (not of the world)."""
         self._seen_allreduce.clear()       # (its lean paths hold the backend's shared memory)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import BackendUnavailableError
+from .abort import abort_job
 from .base import Communicator, Topology
 from .runtime import Config, Runtime
 from .signature import DESC_BYTES, Call, judge
@@ -184,12 +184,7 @@ def init_world(config: Config) -> HorovodCommunicator:
             f"run `make setup` (scripts/install_horovod.sh) or use backend='mpi'") from exc
     hvd.init(process_sets="dynamic")
 
-    def abort(message: str) -> None:
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-        os._exit(1)
-
     topo = Topology(hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())
-    runtime = Runtime(config, hvd.rank(), abort)
+    runtime = Runtime(config, hvd.rank(), abort_job)
     registry = {tuple(range(hvd.size())): hvd.global_process_set}  # Horovod refuses a duplicate
     return HorovodCommunicator(runtime, hvd, hvd.global_process_set, "world", range(hvd.size()), topo, registry)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import collections
 import copy
-import os
-import sys
 from typing import Any, List, Optional
 
 import numpy as np
 
+from .abort import abort_job
 from .base import Communicator, Handle, Topology, done_handle
 from .runtime import Config, Runtime
 from .signature import Call
@@ -85,9 +84,4 @@ class LocalCommunicator(Communicator):
 
 def init_world(config: Config) -> LocalCommunicator:
     """Return a world of one process."""
-    def abort(message: str) -> None:
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-        os._exit(1)
-
-    return LocalCommunicator(Runtime(config, 0, abort))
+    return LocalCommunicator(Runtime(config, 0, abort_job))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -30,6 +29,7 @@ from ..collectives.ops import accumulation_dtype, finish
 from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce_direct, shm_allreduce_shared_buffer,
                                shm_allreduce_small, shm_reduce_scatter)
 from .cross_memory import CrossMemory
+from .abort import abort_job
 from .base import Communicator, Handle, Riding, Topology
 from .mailbox import Mailbox, cores_per_rank_at_least_one
 from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
@@ -456,10 +456,5 @@ def init_world(config: Config) -> MPICommunicator:
             f"in each: the MPI library does not speak this launcher's protocol (e.g. srun --mpi=pmi2 with "
             f"OpenMPI 5; use srun --mpi=pmix or mpirun). Refusing to run {launch.size} independent copies.")
 
-    def abort(message: str) -> None:
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-
-    runtime = Runtime(config, world.Get_rank(), abort)
+    runtime = Runtime(config, world.Get_rank(), abort_job)
     return MPICommunicator(runtime, world, "world", range(world.Get_size()), owns=False)
