@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import launch_worker, oversubscribed  # noqa: E402
+from common import launch_worker, oversubscribed, write_results  # noqa: E402
 
 PEERS = ("hpctrain-auto", "hpctrain-auto-inplace", "hpctrain-auto-shared", "hpctrain-auto-arena", "hpctrain-shm",
          "hpctrain-ring", "hpctrain-native", "mpi4py", "mpi4py-inplace", "torch-gloo", "horovod")
@@ -185,8 +185,7 @@ def main() -> None:
 
 
 def write_outputs(rows, out: Path, args) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "allreduce.json").write_text(json.dumps({"rows": rows, "rounds": args.rounds}, indent=1))
+    data = {"rows": rows, "rounds": args.rounds}
     peers = [p for p in dict.fromkeys(r["peer"] for r in rows) if p != "memcpy"]
     lines = []
 
@@ -219,26 +218,22 @@ def write_outputs(rows, out: Path, args) -> None:
             lines.append(f"| {human(nbytes)} | " + " | ".join(f"{cell[p]['time_s'] * 1e6:.1f}" for p in peers)
                          + f" | {ratio(t_auto, t_mpi):.2f} |")
     table = "\n".join(lines)
-    (out / "allreduce.md").write_text(table + "\n")
-    print(table)
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(plt):
+        ranks = sorted({r["ranks"] for r in rows})
+        fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks), 4), squeeze=False)
+        for ax, n in zip(axes[0], ranks):
+            for p in peers:
+                pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["ranks"] == n and r["peer"] == p)
+                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=p)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("message size (bytes)")
+            ax.set_ylabel("bus bandwidth (GB/s)")
+            ax.set_title(f"all-reduce, {n} ranks")
+            ax.legend()
+        return fig
 
-    ranks = sorted({r["ranks"] for r in rows})
-    fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks), 4), squeeze=False)
-    for ax, n in zip(axes[0], ranks):
-        for p in peers:
-            pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["ranks"] == n and r["peer"] == p)
-            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=p)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("bus bandwidth (GB/s)")
-        ax.set_title(f"all-reduce, {n} ranks")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "allreduce.png", dpi=100)
+    write_results(out, "allreduce", data, table, draw)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Medians over ``--repeats``; the checkpoint directory is emptied between runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CORES  # noqa: E402
+from common import CORES, write_results  # noqa: E402
 
 CHUNK = 25 * 2 ** 20 // 4   # float32 values per tensor
 
@@ -162,8 +161,7 @@ def main() -> None:
 
 
 def write_outputs(rows, out: Path, args) -> None:
-    (out / "checkpoint.json").write_text(json.dumps({"rows": rows, "repeats": args.repeats, "cores": CORES},
-                                                    indent=1))
+    data = {"rows": rows, "repeats": args.repeats, "cores": CORES}
     lines = [f"Checkpoint of a state of float32 tensors, one process, medians of {args.repeats} repeats "
              "(seconds; GB/s = 10^9 bytes/s).  Ratios are medians of per-repeat ratios.\n",
              "| state | disk write+fsync | sync save | sync / disk bandwidth | async stall (copy threads) "
@@ -176,26 +174,22 @@ def write_outputs(rows, out: Path, args) -> None:
                      f"{r['async_total_s']:.3f} s | {r['restore_s']:.3f} s | "
                      f"{r['torch_save_s']:.3f} s | {r['torch_save_vs_sync']:.2f} |")
     table = "\n".join(lines)
-    (out / "checkpoint.md").write_text(table + "\n")
-    print(table)
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        sizes = [r["mb"] for r in rows]
+        for key, label in (("disk_s", "disk write+fsync"), ("sync_s", "hpctrain sync save"),
+                           ("stall_s", "hpctrain async stall"), ("restore_s", "hpctrain restore"),
+                           ("torch_save_s", "torch.save+fsync")):
+            ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("state size (MB)")
+        ax.set_ylabel("seconds")
+        ax.legend()
+        return fig
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    sizes = [r["mb"] for r in rows]
-    for key, label in (("disk_s", "disk write+fsync"), ("sync_s", "hpctrain sync save"),
-                       ("stall_s", "hpctrain async stall"), ("restore_s", "hpctrain restore"),
-                       ("torch_save_s", "torch.save+fsync")):
-        ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("state size (MB)")
-    ax.set_ylabel("seconds")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "checkpoint.png", dpi=100)
+    write_results(out, "checkpoint", data, table, draw)
 
 
 if __name__ == "__main__":

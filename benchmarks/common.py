@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 CORES = len(os.sched_getaffinity(0))
@@ -56,3 +57,24 @@ def paired_windows(window: Callable[[str, int], float], peers: Sequence[str], wi
         for peer in (peers if w % 2 == 0 else list(peers)[::-1]):
             out[peer].append(window(peer, steps))
     return out
+
+
+def write_results(out: Path, name: str, data: dict, table: str, draw: Callable, dpi: int = 100) -> None:
+    """Write a benchmark's results: ``name``.json (``data``), ``name``.md (``table``, also printed), ``name``.png.
+
+    ``draw(plt)`` makes the figure with matplotlib's pyplot (Agg backend, no
+    display needed) and returns it.  ``out`` is created if missing.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{name}.md").write_text(table + "\n")
+    print(table)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = draw(plt)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=dpi)
+    plt.close(fig)

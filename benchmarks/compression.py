@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import oversubscribed  # noqa: E402
+from common import oversubscribed, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"torch": REPO / "examples" / "torch_digits.py", "tf": REPO / "examples" / "tf_digits.py"}
@@ -110,9 +110,8 @@ def summarize(framework: str, n: int, method: str, runs, base_accuracy) -> dict:
 
 
 def write_outputs(rows, out: Path, args) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compression.json").write_text(json.dumps({"rows": rows, "epochs": args.epochs,
-                                                      "repeats": args.repeats}, indent=1))
+    data = {"rows": rows, "epochs": args.epochs,
+            "repeats": args.repeats}
     lines = [f"Digits CNN (examples/), Adam, {args.epochs} epochs; medians of {args.repeats} repeats (seeds "
              f"0-{args.repeats - 1}; Δ points: median of the differences to the uncompressed run of the same seed). "
              "x fewer: fp32 bytes / payload bytes sent per rank per step; vs fp16: payload / fp16 bytes; "
@@ -130,26 +129,22 @@ def write_outputs(rows, out: Path, args) -> None:
                              f"{r['fewer_than_fp32']:.1f} | {r['vs_fp16']:.3f} | {r['step_ms']:.2f} | "
                              f"{r['codec_ms']:.2f} | {verdict} |")
     table = "\n".join(lines)
-    (out / "compression.md").write_text(table + "\n")
-    print(table)
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(plt):
+        groups = list(dict.fromkeys((r["framework"], r["ranks"]) for r in rows))
+        fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
+        for ax, (framework, n) in zip(axes[0], groups):
+            for r in rows:
+                if (r["framework"], r["ranks"]) == (framework, n):
+                    ax.scatter(r["fewer_than_fp32"], r["accuracy"])
+                    ax.annotate(r["method"], (r["fewer_than_fp32"], r["accuracy"]), fontsize=7)
+            ax.set_xscale("log")
+            ax.set_xlabel("x fewer bytes than fp32 (log)")
+            ax.set_ylabel("test accuracy")
+            ax.set_title(f"{framework}, {n} ranks")
+        return fig
 
-    groups = list(dict.fromkeys((r["framework"], r["ranks"]) for r in rows))
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
-    for ax, (framework, n) in zip(axes[0], groups):
-        for r in rows:
-            if (r["framework"], r["ranks"]) == (framework, n):
-                ax.scatter(r["fewer_than_fp32"], r["accuracy"])
-                ax.annotate(r["method"], (r["fewer_than_fp32"], r["accuracy"]), fontsize=7)
-        ax.set_xscale("log")
-        ax.set_xlabel("x fewer bytes than fp32 (log)")
-        ax.set_ylabel("test accuracy")
-        ax.set_title(f"{framework}, {n} ranks")
-    fig.tight_layout()
-    fig.savefig(out / "compression.png", dpi=120)
+    write_results(out, "compression", data, table, draw, dpi=120)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import launch_worker, oversubscribed  # noqa: E402
+from common import launch_worker, oversubscribed, write_results  # noqa: E402
 
 VARIANTS = ("grouped", "flat", "per-tensor", "mpi4py-flat", "mpi4py-per-tensor")
 
@@ -114,9 +114,8 @@ def main() -> None:
 
 
 def write_outputs(rows, out: Path, args) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fusion.json").write_text(json.dumps({"rows": rows, "rounds": args.rounds, "repeats": args.repeats,
-                                                  "tensors": 161, "values": 25_557_032}, indent=1))
+    data = {"rows": rows, "rounds": args.rounds, "repeats": args.repeats,
+             "tensors": 161, "values": 25_557_032}
     lines = [f"ResNet-50 gradients (161 float32 tensors, 102 MB): time in ms, median of {args.rounds} rounds\n",
              "| ranks | " + " | ".join(VARIANTS) + " | grouped/flat | per-tensor/grouped |",
              "|---" * (len(VARIANTS) + 3) + "|"]
@@ -125,24 +124,20 @@ def write_outputs(rows, out: Path, args) -> None:
                      + " | ".join(f"{r['times_s'][v] * 1e3:.1f}" for v in VARIANTS)
                      + f" | {r['grouped_over_flat']:.2f} | {r['per_tensor_over_grouped']:.1f} |")
     table = "\n".join(lines)
-    (out / "fusion.md").write_text(table + "\n")
-    print(table)
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.8 / len(VARIANTS)
+        for i, v in enumerate(VARIANTS):
+            ax.bar([k + i * width for k in range(len(rows))], [r["times_s"][v] * 1e3 for r in rows], width, label=v)
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rows))], [f"{r['ranks']} ranks" for r in rows])
+        ax.set_ylabel("time (ms)")
+        ax.set_yscale("log")
+        ax.set_title("all-reduce of ResNet-50's 161 gradients")
+        ax.legend(fontsize=8)
+        return fig
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(VARIANTS)
-    for i, v in enumerate(VARIANTS):
-        ax.bar([k + i * width for k in range(len(rows))], [r["times_s"][v] * 1e3 for r in rows], width, label=v)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rows))], [f"{r['ranks']} ranks" for r in rows])
-    ax.set_ylabel("time (ms)")
-    ax.set_yscale("log")
-    ax.set_title("all-reduce of ResNet-50's 161 gradients")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "fusion.png", dpi=100)
+    write_results(out, "fusion", data, table, draw)
 
 
 if __name__ == "__main__":

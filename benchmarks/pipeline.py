@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch_worker, paired_windows  # noqa: E402
+from common import launch_worker, paired_windows, write_results  # noqa: E402
 
 
 def worker(schedule: str, m: int, layers: int, width: int, batch: int, steps: int, windows: int) -> None:
@@ -220,9 +220,8 @@ def main() -> None:
 
 
 def write_outputs(rows, t1: float, single_rss: float, out: Path, args) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline.json").write_text(json.dumps({"rows": rows, "single_step_s": t1, "single_rss_growth_mib": single_rss,
-                                                   "args": vars(args)}, indent=1))
+    data = {"rows": rows, "single_step_s": t1, "single_rss_growth_mib": single_rss,
+            "args": vars(args)}
     lines = [f"{args.stages}-stage pipeline of {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
              f"one thread per rank; one rank runs the whole model in {t1 * 1e3:.1f} ms/step (peak RSS growth "
              f"{single_rss:.0f} MiB). Efficiency = T1(m) / (p T), T1(m) the same m micro-batches on one rank "
@@ -242,26 +241,22 @@ def write_outputs(rows, t1: float, single_rss: float, out: Path, args) -> None:
                      f"{' / '.join(f'{v:.0f}' for v in r['rss_growth_mib'])} | "
                      f"{' / '.join(str(v) for v in r['in_flight'])} |")
     table = "\n".join(lines)
-    (out / "pipeline.md").write_text(table + "\n")
-    print(table)
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ms = sorted({r["micro_batches"] for r in rows})
+        ax.plot(ms, [1 - (args.stages - 1) / (m + args.stages - 1) for m in ms], "k--", label="theory")
+        for schedule in dict.fromkeys(r["schedule"] for r in rows):
+            pts = [(r["micro_batches"], r["efficiency"]) for r in rows if r["schedule"] == schedule]
+            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=schedule)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batches m")
+        ax.set_ylabel("pipeline efficiency")
+        ax.set_ylim(0, 1.05)
+        ax.legend()
+        return fig
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ms = sorted({r["micro_batches"] for r in rows})
-    ax.plot(ms, [1 - (args.stages - 1) / (m + args.stages - 1) for m in ms], "k--", label="theory")
-    for schedule in dict.fromkeys(r["schedule"] for r in rows):
-        pts = [(r["micro_batches"], r["efficiency"]) for r in rows if r["schedule"] == schedule]
-        ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=schedule)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("micro-batches m")
-    ax.set_ylabel("pipeline efficiency")
-    ax.set_ylim(0, 1.05)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "pipeline.png", dpi=120)
+    write_results(out, "pipeline", data, table, draw, dpi=120)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scaling_tf  # noqa: E402
-from common import CORES, launch_worker, oversubscribed, paired_windows  # noqa: E402
+from common import CORES, launch_worker, oversubscribed, paired_windows, write_results  # noqa: E402
 
 PEERS = ("torch", "independent", "hpctrain", "ddp", "horovod")
 MODELS = {"resnet18": 32, "mlp": 128}   # model -> per-rank batch
@@ -248,12 +248,10 @@ def main() -> None:
 
 def write_outputs(rows, overhead, failures, out: Path, args) -> None:
     all_peers, models, baseline = FRAMEWORKS[args.framework]
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"framework": args.framework, "cores": CORES, "rounds": args.rounds, "windows": args.windows,
             "steps": args.steps, "threads_per_rank": 1}
-    (out / "scaling.json").write_text(json.dumps({"rows": rows, "overhead_1rank": overhead, **meta,
-                                                  "failed": {f"{m} {p}": e for (m, p), e in failures.items()}},
-                                                 indent=1))
+    data = {"rows": rows, "overhead_1rank": overhead, **meta,
+            "failed": {f"{m} {p}": e for (m, p), e in failures.items()}}
     peers = [p for p in all_peers if p in args.peers]
     lines = [f"Weak scaling ({args.framework}), one thread per rank, {CORES} cores; samples/s (efficiency = "
              f"thr(N) / (N thr(1)) of the same peer); median of {args.rounds} rounds x {args.windows} windows x "
@@ -278,27 +276,23 @@ def write_outputs(rows, overhead, failures, out: Path, args) -> None:
                 or [ln for ln in err.splitlines() if "Error" in ln] or [ln for ln in err.splitlines() if ln.strip()])
         lines.append(f"\n{peer} failed on {model}: {(said or ['?'])[-1].strip()[:300]}")
     table = "\n".join(lines)
-    (out / "scaling.md").write_text(table + "\n")
-    print(table)
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(plt):
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            for p in peers:
+                pts = sorted((r["ranks"], r["efficiency"]) for r in rows if r["model"] == model and r["peer"] == p)
+                ax.plot([n for n, _ in pts], [e for _, e in pts], marker="o", label=p)
+            ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+            ax.set_xlabel(f"ranks ({CORES} cores; more are oversubscribed)")
+            ax.set_ylabel("weak-scaling efficiency")
+            ax.set_ylim(0, 1.1)
+            ax.set_title(model)
+            ax.legend()
+        return fig
 
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        for p in peers:
-            pts = sorted((r["ranks"], r["efficiency"]) for r in rows if r["model"] == model and r["peer"] == p)
-            ax.plot([n for n, _ in pts], [e for _, e in pts], marker="o", label=p)
-        ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
-        ax.set_xlabel(f"ranks ({CORES} cores; more are oversubscribed)")
-        ax.set_ylabel("weak-scaling efficiency")
-        ax.set_ylim(0, 1.1)
-        ax.set_title(model)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "scaling.png", dpi=100)
+    write_results(out, "scaling", data, table, draw)
 
 
 if __name__ == "__main__":

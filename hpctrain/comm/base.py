@@ -267,7 +267,8 @@ class Communicator(abc.ABC):
         """Receive what rank ``source`` sent with ``tag``; a numpy array, or ``like``'s type if given.
 
         Runs on the caller's thread, after the receives started before it with
-        :meth:`recv_async` (no thread hand-off: that cost about 0.3 ms a message here).
+        :meth:`recv_async`: no hand-off to the receive thread (two thread
+        switches a message saved).
         """
         restore = to_numpy(like)[1] if like is not None else _same
         return restore(self._rt.receives.run(*self._recv_call(source, tag)))

@@ -25,8 +25,8 @@ check passes, and each rank reduces them itself (see
 :meth:`Mailbox.sum_small` is the exchange and the sum of the payloads in one
 call of a small C extension (``_mailbox_kernel.c``, built when a compiler is
 there), for the float32/float64/int32/int64 sums a training loop repeats
-(metrics, losses, small gradients); same protocol, same bits, about 4 µs less
-Python per call.
+(metrics, losses, small gradients); same protocol, same bits, and no Python
+between posting the call and the reduced result.
 
 Cost per exchange: one write of the call and payload, one memory barrier, ``n``
 flag reads per poll, ``n`` hash reads; against a gather to rank 0 and a reply
@@ -94,8 +94,8 @@ class Mailbox:
         self._peer_heads = [[h for i, h in enumerate(heads) if i != self.rank] for heads in self._heads]
         self._posted = 0
         # Spinning helps when every rank has a core; oversubscribed, it takes the core from the rank
-        # being waited for, so the wait then yields at once (1 ms per exchange against 0.2 ms at 4
-        # ranks on 2 cores).
+        # being waited for, so the wait then yields at once (benchmarks/allreduce.py at 4 ranks on
+        # 2 cores shows the difference).
         self._spins = _SPINS if cores_per_rank_at_least_one(self.size) else 0
         self._descs: List[Optional[bytes]] = [None, None]    # the call last written into each own slot
         self._views: dict = {}                               # (slot, shape or size, dtype) -> payload views

@@ -40,10 +40,9 @@ __all__ = ["MPICommunicator", "init_world"]
 
 VERDICT_BYTES = 1 << 16
 # From these sizes on, a one-node all-reduce copies straight between the ranks' memory where it can: below
-# them the arena wins, its extra passes staying in cache and its system calls fewer (benchmarks/allreduce.py,
-# peers hpctrain-auto and hpctrain-auto-arena: at 2 ranks on 2 cores direct copies won from 8 MiB, were
-# even at 4 MiB, and at 4 ranks won from 16 MiB).  Constants, not settings: the ranks of a node agree on
-# one of them when they probe.
+# them the arena wins, its extra passes staying in cache and its system calls fewer (measured with
+# benchmarks/allreduce.py, peers hpctrain-auto and hpctrain-auto-arena; the crossover is later when ranks
+# outnumber cores).  Constants, not settings: the ranks of a node agree on one of them when they probe.
 DIRECT_MIN_BYTES = 8 << 20
 DIRECT_MIN_BYTES_OVERSUBSCRIBED = 16 << 20
 _TAG_CALL, _TAG_VERDICT, _TAG_RING = 1, 2, 3
@@ -206,9 +205,10 @@ class MPICommunicator(Communicator):
 No call object, plan or closure per call beyond the lane's; the call's
         hash and encoding are computed once.  Sums of float32/float64/int32/int64
         exchange and reduce in one call of the mailbox's C kernel
-        (:meth:`Mailbox.sum_small`): about 3.4 µs a call at 2 ranks for 4 KiB
-        (MPI_Allreduce: about 3.2); others, or without the kernel, about 6.5 µs,
-        against about 18 µs through the general path.
+        (:meth:`Mailbox.sum_small`); others, or without the kernel, in the
+        Python exchange.  Cost: one mailbox exchange and ``n`` reads of the
+        payload, without the planning of the general path (its figures are in
+        the README, from benchmarks/allreduce.py).
         """
         mb, acc = self._mailbox, self._riding_dtype(arr)
         if acc is None or alg not in ("shm", "hierarchical"):
