@@ -3,11 +3,16 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["Handle", "Riding", "Topology", "done_handle", "same"]
+from .signature import Call
+
+__all__ = ["Handle", "Plan", "Riding", "Topology", "done_handle", "same"]
+
+# A planned call: (its description for the call check, the work (None if the call is invalid), the restore step)
+Plan = Tuple[Call, Optional[Callable[[], Any]], Callable[[Any], Any]]
 
 
 def same(x):

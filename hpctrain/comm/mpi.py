@@ -26,12 +26,13 @@ from ..env import detect_launcher
 from ..errors import BackendUnavailableError, CollectiveMismatchError
 from ..tensors import dtype_from_name
 from ..collectives.ops import accumulation_dtype, finish
-from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce_direct, shm_allreduce_shared_buffer,
+from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce_shared_buffer,
                                shm_allreduce_small, shm_reduce_scatter)
-from .cross_memory import CrossMemory
+from .mpi_direct import DIRECT_MIN_BYTES, DirectCopies
+from .mpi_requests import RequestHandle, RingTransport
 from .abort import abort_job
 from .base import Communicator, Handle, Riding, Topology
-from .mailbox import Mailbox, cores_per_rank_at_least_one
+from .mailbox import Mailbox
 from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from .runtime import Config, Runtime
 from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
@@ -39,47 +40,7 @@ from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
 __all__ = ["MPICommunicator", "init_world"]
 
 VERDICT_BYTES = 1 << 16
-# From these sizes on, a one-node all-reduce copies straight between the ranks' memory where it can: below
-# them the arena wins, its extra passes staying in cache and its system calls fewer (measured with
-# benchmarks/allreduce.py, peers hpctrain-auto and hpctrain-auto-arena; the crossover is later when ranks
-# outnumber cores).  Constants, not settings: the ranks of a node agree on one of them when they probe.
-DIRECT_MIN_BYTES = 8 << 20
-DIRECT_MIN_BYTES_OVERSUBSCRIBED = 16 << 20
-_TAG_CALL, _TAG_VERDICT, _TAG_RING = 1, 2, 3
-
-
-class _Ring:
-    """The point-to-point transport of :mod:`hpctrain.collectives.ring` over one MPI communicator."""
-
-    def __init__(self, comm, MPI):
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self._comm, self._waitall = comm, MPI.Request.Waitall
-
-    def isend(self, buf: np.ndarray, dest: int):
-        return self._comm.Isend(buf, dest, _TAG_RING)
-
-    def irecv(self, buf: np.ndarray, source: int):
-        return self._comm.Irecv(buf, source, _TAG_RING)
-
-    def waitall(self, reqs) -> None:
-        if reqs:
-            self._waitall(reqs)
-
-
-class _RequestHandle(Handle):
-    """A handle over MPI requests; keeps the buffers alive until they complete."""
-
-    def __init__(self, reqs, buffers, MPI):
-        self._reqs, self._buffers, self._MPI = reqs, buffers, MPI
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until the send has completed (its buffer may be reused)."""
-        self._MPI.Request.Waitall(self._reqs)
-        self._buffers = None
-
-    def test(self) -> bool:
-        """Return True when the send has completed."""
-        return bool(self._MPI.Request.Testall(self._reqs))
+_TAG_CALL, _TAG_VERDICT = 1, 2
 
 
 class MPICommunicator(Communicator):
@@ -97,17 +58,17 @@ class MPICommunicator(Communicator):
         self._nodes = NodeGroups(comm, world_ranks[comm.Get_rank()], MPI)
         self._arena: Optional[SharedArena] = None
         self._buffers: Dict[int, SharedBuffer] = {}     # data address -> buffer from shared_empty
-        self._cross = _Ring(self._nodes.cross, MPI) if self._nodes.cross is not None else None
+        self._cross = RingTransport(self._nodes.cross, MPI) if self._nodes.cross is not None else None
         g = self._nodes
         topology = Topology(g.local_rank, g.local_size, g.node_rank, g.num_nodes)
         super().__init__(runtime, comm.Get_rank(), comm.Get_size(), name, world_ranks, topology)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
         self._descs = np.zeros((self._size if self._rank == 0 else 1, DESC_BYTES), dtype=np.uint8)
         self._verdict = np.zeros(VERDICT_BYTES, dtype=np.uint8)
-        self._ring = _Ring(self._coll, MPI)
+        self._ring = RingTransport(self._coll, MPI)
         self._mailbox: Optional[Mailbox] = None
         self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
-        self._direct: Optional[tuple] = None  # (CrossMemory, local pids, min bytes) once probed; () if it cannot be used
+        self._direct = DirectCopies(self._nodes, MPI, runtime)
         if self._size > 1:
             self._open_windows()
 
@@ -254,61 +215,12 @@ No call object, plan or closure per call beyond the lane's; the call's
         itemsize = out.arrays[0].itemsize if out.arrays else 1
         nbytes = x.size * itemsize
         if self._nodes.num_nodes == 1 and nbytes >= DIRECT_MIN_BYTES and x.arrays[0].dtype == out.arrays[0].dtype:
-            direct = self._direct_peers()
-            if direct is not None and nbytes >= direct[2]:
-                self._allreduce_direct(x, out, op)
+            least = self._direct.min_bytes()
+            if least is not None and nbytes >= least:
+                self._direct.allreduce(x, out, op, f"rank {self._rank} of {self.name}")
                 return
         shm_allreduce(x, out, op, self._shared(), parts=self._nodes.parts, cross=self._cross,
                       chunk_elems=self._chunk_elems(itemsize))
-
-    def _direct_peers(self) -> Optional[tuple]:
-        """Return ``(CrossMemory, pids, min_bytes)`` if every local rank can copy from and into the others' memory.
-
-        Else None.  Probed on first use, collectively over the node: every rank
-        reads a word from the next local rank's memory, and one all-reduce
-        makes them agree on whether to copy directly (HPCTRAIN_CROSS_MEMORY=0
-        on any rank turns it off on all) and from which size (the larger
-        threshold if any rank shares its cores with more ranks).
-        """
-        if self._direct is None:
-            g, why, xm = self._nodes, "", None
-            if not self._rt.config.cross_memory:
-                why = "HPCTRAIN_CROSS_MEMORY=0"
-            else:
-                try:
-                    xm = CrossMemory()
-                except OSError as exc:
-                    why = str(exc)
-            word = np.array([os.getpid()], dtype=np.int64)
-            table = np.empty((g.local_size, 2), dtype=np.int64)
-            g.node.Allgather(np.array([os.getpid(), word.ctypes.data], dtype=np.int64), table)
-            if xm is not None:
-                pid, address = (int(v) for v in table[(g.local_rank + 1) % g.local_size])
-                got = np.zeros(1, dtype=np.int64)
-                try:
-                    xm.read(pid, [(address, word.nbytes)], got)
-                    why = "" if got[0] == pid else f"read {got[0]} from process {pid} instead of its pid"
-                except OSError as exc:
-                    why = str(exc)
-            own = DIRECT_MIN_BYTES if cores_per_rank_at_least_one(g.local_size) else DIRECT_MIN_BYTES_OVERSUBSCRIBED
-            agreed = np.empty(2, dtype=np.int64)                  # (after every read of ``word``)
-            g.node.Allreduce(np.array([bool(why), own], dtype=np.int64), agreed, op=self._MPI.MAX)
-            self._direct = (xm, table[:, 0].tolist(), int(agreed[1])) if not agreed[0] else ()
-        return self._direct or None
-
-    def _allreduce_direct(self, x: Flat, out: Flat, op: str) -> None:
-        """All-reduce ``x`` into ``out`` on one node by :func:`shm_allreduce_direct` (two node-wide synchronisations)."""
-        xm, pids, _ = self._direct
-        node, m = self._nodes.node, len(x.arrays)
-        table = np.empty((len(pids), 2 * m), dtype=np.int64)
-        node.Allgather(np.concatenate((x.addresses(), out.addresses())), table)   # every input is ready
-        peers = [(pid, row[:m], row[m:]) for pid, row in zip(pids, table)]
-        try:
-            shm_allreduce_direct(x, out, op, self._nodes.local_rank, peers, xm)
-        except OSError as exc:  # a peer died or its memory went away; the others may still write into ours
-            self._rt.abort(f"hpctrain: rank {self._rank} of {self.name}: a direct copy between the ranks of "
-                           f"this node failed during an all-reduce ({exc}); ending the job")
-        node.Barrier()          # every output is complete, and no peer reads this rank's input any more
 
     def _reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
         return shm_reduce_scatter(x, bounds, acc_dtype, op, self._shared())
@@ -388,7 +300,7 @@ No call object, plan or closure per call beyond the lane's; the call's
         header = np.frombuffer(json.dumps({"dtype": str(arr.dtype), "shape": list(arr.shape)}).encode(),
                                dtype=np.uint8)
         reqs = [self._p2p.Isend(header, dest, tag), self._p2p.Isend(arr.reshape(-1).view(np.uint8), dest, tag)]
-        return _RequestHandle(reqs, (header, arr), self._MPI)
+        return RequestHandle(reqs, (header, arr), self._MPI)
 
     def _recv(self, source: int, tag: int) -> np.ndarray:
         MPI = self._MPI
@@ -402,7 +314,7 @@ No call object, plan or closure per call beyond the lane's; the call's
         return out
 
     def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int) -> Handle:
-        return _RequestHandle([self._p2p.Isend(raw, dest, tag)], (raw,), self._MPI)
+        return RequestHandle([self._p2p.Isend(raw, dest, tag)], (raw,), self._MPI)
 
     def _recv_bytes(self, source: int, tag: int) -> np.ndarray:
         status = self._MPI.Status()

@@ -641,7 +641,7 @@ def test_repeated_small_allreduce_takes_the_lean_path_with_the_same_results(comm
                 assert out.tobytes() == first
             assert same_on_all_ranks(comm, out)
             if getattr(comm, "_mailbox", None) is not None:    # (MPI on one node: the path under test ran)
-                assert comm._seen_allreduce[(x.dtype, x.shape, op, "auto")][2] is not None
+                assert comm._reductions.seen[(x.dtype, x.shape, op, "auto")][2] is not None
 
 
 def uses_c_kernel(comm, x, op):
@@ -756,7 +756,7 @@ def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype)
     across fake nodes (the hierarchical form) the result is within
     ``n eps sum|x|`` and the same on every rank.
     """
-    from hpctrain.comm.mpi import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most     # (both thresholds)
+    from hpctrain.comm.mpi_direct import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most     # (both thresholds)
     n, itemsize = comm.size, np.dtype(dtype).itemsize
     count = 3 * most // (2 * itemsize) + 7
 
@@ -793,7 +793,7 @@ def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype)
     for out, p in zip(outs, parts):
         check(out, p, "sum")
     if comm.backend == "mpi" and n > 1 and comm.topology.num_nodes == 1:
-        assert bool(comm._direct) == direct_copies_expected(comm)
+        assert bool(comm._direct.usable) == direct_copies_expected(comm)
 
 
 def test_large_allreduce_uses_the_arena_on_every_rank_when_one_rank_turns_direct_copies_off(comm):
@@ -802,7 +802,7 @@ def test_large_allreduce_uses_the_arena_on_every_rank_when_one_rank_turns_direct
 
     if not direct_copies_expected(comm):
         pytest.skip("needs the MPI backend on one node, several ranks, with direct copies on")
-    from hpctrain.comm.mpi import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most
+    from hpctrain.comm.mpi_direct import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most
     sub = comm.split(0)                      # a fresh communicator: not probed yet
     config = sub._rt.config
     try:
@@ -812,7 +812,7 @@ def test_large_allreduce_uses_the_arena_on_every_rank_when_one_rank_turns_direct
               for r in range(sub.size)]
         out = sub.allreduce(xs[sub.rank])
         sub._rt.config = config
-        assert sub._direct == ()
+        assert sub._direct.usable is False
         assert out.tobytes() == ordered_sum(xs, "sum", sub.size).tobytes()
         assert same_on_all_ranks(comm, out)
     finally:

@@ -1,0 +1,242 @@
+"""The reductions of a communicator: all-reduce, grouped all-reduce and reduce-scatter, planned and run.
+
+:class:`Reductions` turns a call into a plan (see :mod:`hpctrain.comm.base`):
+it converts the input, checks the op, chooses the algorithm through
+:mod:`hpctrain.collectives.registry` and binds the work: a registered
+algorithm's ``run`` on the flat accumulation buffer, or the backend's
+shared-memory path for the algorithms that run on its windows.  It remembers
+the plans of calls a training loop repeats (same dtype, shape, op and
+algorithm) and forgets them when the registry changes.  Cost of a plan: one
+conversion and one registry choice; a repeated numpy call skips both.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+
+from ..collectives import registry
+from ..collectives.fusion import FusionBuffers, fusion_groups
+from ..collectives.ops import accumulation_dtype, check_op, finish, segment_bounds, to_accumulator
+from ..collectives.results import ResultBuffers
+from ..collectives.shm import Flat
+from ..tensors import dtype_name, framework_of, to_numpy
+from .handle import Plan, same as _same
+from .links import Links
+from .signature import Call
+
+__all__ = ["Reductions"]
+
+
+def _copy_back_into(x: Any, arr: np.ndarray, restore: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Return a restore function that leaves the result in ``x`` (``arr`` is x's numpy form) and returns ``x``.
+
+    Raises ValueError (at planning time, so every rank hears of it) when ``x``
+    cannot be written: TensorFlow tensors, read-only or non-contiguous arrays.
+    """
+    kind = framework_of(x)
+    if kind == "tensorflow":
+        raise ValueError("allreduce(inplace=True) cannot write into a TensorFlow tensor (they are immutable)")
+    if kind == "numpy" and not (isinstance(x, np.ndarray) and x.flags.writeable
+                                and (x.size == 0 or np.may_share_memory(arr, x))):
+        raise ValueError("allreduce(inplace=True) needs a writable C-contiguous numpy array")
+
+    view = kind == "numpy" or (x.device.type == "cpu" and x.is_contiguous())  # is ``arr`` x's memory?
+
+    def into(result: np.ndarray) -> Any:
+        if not (view and np.may_share_memory(result, arr)):
+            if kind == "numpy":
+                np.copyto(x, result.reshape(x.shape))
+            else:
+                x.copy_(restore(result).view(x.shape))   # torch on CUDA, or a widened dtype
+        return x
+    return into
+
+
+class Reductions:
+    """The reductions of one communicator ``comm`` and what they remember between calls."""
+
+    def __init__(self, comm):
+        self._c = comm
+        self.seen: dict = {}               # (dtype, shape, op, algorithm) -> (checked call, algorithm, lean path)
+        self.seen_grouped: dict = {}       # (op, algorithm, dtypes and shapes) -> grouped_allreduce's plan
+        self.algorithms: dict = {}         # name -> registry.Algorithm, as chosen here before
+        self.fusion = FusionBuffers()
+        self.results = ResultBuffers()     # memory of large results, reused once the caller drops them
+        self.links = Links(comm)
+        registry.on_change(self.forget)
+
+    def where(self) -> registry.Where:
+        """What choosing an algorithm here depends on (see :class:`hpctrain.collectives.registry.Where`)."""
+        c = self._c
+        return registry.Where(c.backend, c.size, c.topology.num_nodes, c._no_shared_memory(), c.config)
+
+    def choose(self, algorithm: str, nbytes: int) -> str:
+        """Return the name of the all-reduce algorithm to run (``auto``: the registry's cheapest here)."""
+        where = self.where()
+        if algorithm == "auto":
+            chosen = registry.choose("allreduce", where, nbytes)
+        else:
+            chosen = registry.lookup("allreduce", algorithm)
+            if chosen is None or not chosen.runs_on(self._c.backend):
+                raise ValueError(f"unknown algorithm {algorithm!r} for the {self._c.backend} backend; "
+                                 f"expected one of {', '.join(self._c.allreduce_algorithms())}")
+            why = chosen.refusal(where, self._c.name)
+            if why:
+                raise ValueError(why)
+        self.algorithms[chosen.name] = chosen
+        return chosen.name
+
+    def forget(self) -> None:
+        """Drop the remembered plans of repeated calls (the registered algorithms changed)."""
+        self.seen.clear()
+        self.seen_grouped.clear()
+
+    def shared_alg(self, alg: str) -> bool:
+        """Return True if ``alg`` (chosen here before) runs on the backend's shared memory."""
+        return self.algorithms[alg].shared_memory
+
+    def plan_allreduce(self, x, op, algorithm, inplace=False) -> Plan:
+        # A training loop repeats a few calls: a C-contiguous numpy input of a dtype, shape, op and
+        # algorithm seen before skips the checks it passed then (they depend on nothing else).
+        seen = (type(x) is np.ndarray and not inplace and x.flags.c_contiguous
+                and self.seen.get((x.dtype, x.shape, op, algorithm)))
+        if seen:
+            call, alg, _ = seen
+            return call.at(self._c._next_seq()), self._allreduce_work(x, op, alg, False), _same
+
+        def build(seq):
+            arr, restore = to_numpy(x)
+            check_op(op, arr.dtype)
+            alg = self.choose(algorithm, arr.nbytes)
+            shared = (inplace and self.shared_alg(alg) and self._c._size > 1 and arr.size > 0
+                      and accumulation_dtype(arr.dtype) == arr.dtype and self._c._shared_buffer_of(arr) is not None)
+            call = Call("allreduce", seq, dtype_name(arr.dtype), arr.shape, op=op, algorithm=alg,
+                        layout="shared buffer" if shared else None)
+            if inplace:
+                restore = _copy_back_into(x, arr, restore)
+            if shared:    # (a small one rides along with the call check: one exchange, no fences)
+                riding = self._c._riding_allreduce(arr, op, alg, True)
+                return call, riding or (lambda: self._allreduce_shared_buffer(arr, op)), restore
+            if type(x) is np.ndarray and not inplace and x.flags.c_contiguous:
+                if len(self.seen) > 256:
+                    self.seen.clear()
+                self.seen[(x.dtype, x.shape, op, algorithm)] = (call, alg,
+                                                                           self._c._lean_allreduce(call, arr, op, alg))
+            return call, self._allreduce_work(arr, op, alg, inplace), restore
+        return self._c._build("allreduce", build, op=op, algorithm=algorithm)
+
+    def _allreduce_work(self, arr: np.ndarray, op: str, alg: str, inplace: bool):
+        riding = self._c._riding_allreduce(arr, op, alg, inplace) if self.shared_alg(alg) and self._c._size > 1 else None
+        return riding if riding is not None else (lambda: self._do_allreduce(arr, op, alg, inplace))
+
+    def _do_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool = False) -> np.ndarray:
+        same = inplace and accumulation_dtype(arr.dtype) == arr.dtype
+        if self.shared_alg(alg) and self._c._size > 1 and arr.size:
+            # in place, the result goes straight into ``arr``: its parts are read before they are written
+            acc = self._shared_reduction(arr, op, alg, into=arr.reshape(-1) if same else None)
+            return finish(acc, op, self._c._size, arr.dtype).reshape(arr.shape)
+        acc = arr.reshape(-1) if same else self._accumulator(arr)
+        if self._c._size > 1 and acc.size:
+            acc = self.algorithms[alg].run(self.links, acc, op)
+        return finish(acc, op, self._c._size, arr.dtype).reshape(arr.shape)
+
+    def _allreduce_shared_buffer(self, arr: np.ndarray, op: str) -> np.ndarray:
+        """In-place all-reduce of a buffer from :meth:`shared_empty`: no copies in or out (see its docstring)."""
+        self._c._reduce_shared_buffer(self._c._shared_buffer_of(arr), op)
+        return finish(arr.reshape(-1), op, self._c._size, arr.dtype).reshape(arr.shape)
+
+    def _accumulator(self, arr: np.ndarray) -> np.ndarray:
+        """Return a copy of ``arr``, flat, in its accumulation dtype, in memory from the result pool."""
+        acc = self.results.empty(arr.size, accumulation_dtype(arr.dtype))
+        np.copyto(acc, arr.reshape(-1), casting="unsafe")
+        return acc
+
+    def _shared_reduction(self, arr: np.ndarray, op: str, alg: str,
+                          into: Optional[np.ndarray] = None) -> np.ndarray:
+        """Return the "shm"/"hierarchical" reduction of ``arr``: a flat accumulation-dtype array (``into`` if given)."""
+        acc = self.results.empty(arr.size, accumulation_dtype(arr.dtype)) if into is None else into
+        self._c._allreduce_shared(Flat([arr]), Flat([acc]), op, alg)
+        return acc
+
+    def plan_grouped(self, xs, op, algorithm, inplace) -> Plan:
+        def build(seq):
+            if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
+                raise TypeError(f"grouped_allreduce needs a list of tensors, got {type(xs).__name__}")
+            items = list(xs)
+            converted = [to_numpy(x) for x in items]
+            arrs = [a for a, _ in converted]
+            # a training loop repeats one list: its plan depends only on the dtypes, shapes, op and algorithm
+            key = (op, algorithm, tuple((a.dtype, a.shape) for a in arrs))
+            plan = self.seen_grouped.get(key)
+            if plan is None:
+                dtype_set = {a.dtype for a in arrs}
+                for d in dtype_set:
+                    check_op(op, d)
+                groups = fusion_groups(arrs, self._c._rt.config.fusion_threshold)
+                algs = [self.choose(algorithm, g.numel * arrs[g.members[0]].itemsize) for g in groups]
+                shapes = repr([(a.dtype.str, a.shape) for a in arrs]).encode()
+                plan = (groups, algs, "+".join(sorted(str(d) for d in dtype_set)), sum(a.size for a in arrs),
+                        f"{len(arrs)} tensors/{zlib.crc32(shapes):08x}")
+                if len(self.seen_grouped) > 64:
+                    self.seen_grouped.clear()
+                self.seen_grouped[key] = plan
+            groups, algs, dtypes, total, layout = plan
+            call = Call("grouped_allreduce", seq, dtypes, (total,), op=op, algorithm=algorithm, layout=layout)
+            restores = [_copy_back_into(x, a, r) if inplace else r for x, (a, r) in zip(items, converted)]
+            return (call, lambda: self._do_grouped(arrs, groups, algs, op),
+                    lambda outs: [r(o) for r, o in zip(restores, outs)])
+        return self._c._build("grouped_allreduce", build, op=op, algorithm=algorithm)
+
+    def _do_grouped(self, arrs: List[np.ndarray], groups, algs: List[str], op: str) -> List[np.ndarray]:
+        outs: List[Optional[np.ndarray]] = [None] * len(arrs)
+        for g, alg in zip(groups, algs):
+            dtype = arrs[g.members[0]].dtype
+            if self.shared_alg(alg) and self._c._size > 1:
+                # the results are views of one buffer from the result pool: no page faults once it is warm,
+                # and the buffer is reused only when the caller has dropped all of them
+                acc = self.results.empty(g.numel, accumulation_dtype(dtype))
+                self._c._allreduce_shared(Flat([arrs[i] for i in g.members]), Flat([acc]), op, alg)
+                for i, off, n in zip(g.members, g.offsets, g.numels):
+                    outs[i] = finish(acc[off:off + n], op, self._c._size, dtype).reshape(arrs[i].shape)
+                continue
+            flat = self._do_allreduce(self.fusion.pack(arrs, g), op, alg, inplace=True)
+            for i, off, n in zip(g.members, g.offsets, g.numels):
+                outs[i] = flat[off:off + n].reshape(arrs[i].shape).copy()
+        return outs
+
+    def plan_reduce_scatter(self, x, op, algorithm) -> Plan:
+        def build(seq):
+            arr, restore = to_numpy(x)
+            if arr.ndim == 0:
+                raise ValueError("reduce_scatter needs a tensor with at least one dimension (it splits dim 0)")
+            check_op(op, arr.dtype)
+            alg = self.choose(algorithm, arr.nbytes)
+            call = Call("reduce_scatter", seq, dtype_name(arr.dtype), arr.shape, op=op, algorithm=alg)
+            return call, lambda: self._do_reduce_scatter(arr, op, alg), restore
+        return self._c._build("reduce_scatter", build, op=op, algorithm=algorithm)
+
+    def _do_reduce_scatter(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
+        n, r = self._c._size, self._c._rank
+        row = int(np.prod(arr.shape[1:], dtype=np.int64))
+        rows = segment_bounds(arr.shape[0], n)
+        bounds = rows * row
+        if self.shared_alg(alg) and n > 1 and arr.size:
+            if alg == "shm":
+                acc = self._c._reduce_scatter_shared(arr.reshape(-1), bounds, accumulation_dtype(arr.dtype), op)
+            else:   # hierarchical: the full reduction, then the own block
+                acc = self._shared_reduction(arr, op, alg)[bounds[r]:bounds[r + 1]]
+            out = finish(acc, op, n, arr.dtype)
+            return out.reshape((int(rows[r + 1] - rows[r]),) + arr.shape[1:])
+        acc = to_accumulator(arr)
+        if n > 1 and acc.size:
+            algorithm = self.algorithms[alg]
+            if algorithm.reduce_scatter is not None:
+                acc = algorithm.reduce_scatter(self.links, acc, bounds, op)
+            else:     # the full all-reduce, then the own block
+                acc = algorithm.run(self.links, acc, op)[bounds[r]:bounds[r + 1]]
+        else:
+            acc = acc[bounds[r]:bounds[r + 1]]
+        out = finish(acc, op, n, arr.dtype)
+        return out.reshape((int(rows[r + 1] - rows[r]),) + arr.shape[1:])
