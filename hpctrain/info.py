@@ -103,18 +103,12 @@ SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
 def algorithm_lines(comm) -> List[str]:
     """Return the registered all-reduce algorithms (those of this backend marked *) and what ``auto`` picks."""
     from .collectives import registry
+    from .settings import format_bytes
 
     offered = set(comm.allreduce_algorithms())
     lines = ["  all-reduce algorithms (* runs on this backend):"]
     for a in registry.algorithms("allreduce"):
         backends = ", ".join(a.backends) if a.backends else "any backend"
         lines.append(f"    {'*' if a.name in offered else ' '} {a.name:<13} {backends:<13} {a.summary}")
-    picks = ", ".join(f"{_size(n)} -> {comm.allreduce_algorithm(n)}" for n in SIZES)
+    picks = ", ".join(f"{format_bytes(n)} -> {comm.allreduce_algorithm(n)}" for n in SIZES)
     return lines + [f"  auto picks here: {picks}"]
-
-
-def _size(nbytes: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"

@@ -163,6 +163,13 @@ def get(name: str, env: Optional[Mapping[str, str]] = None, default: Any = None)
     return setting.parse(text)
 
 
+def format_bytes(nbytes: int) -> str:
+    """Return ``nbytes`` in the largest of MiB, KiB and B that divides it ("64 MiB", "256 KiB", "1000 B")."""
+    if nbytes and nbytes % MIB == 0:
+        return f"{nbytes // MIB} MiB"
+    return f"{nbytes // KIB} KiB" if nbytes and nbytes % KIB == 0 else f"{nbytes} B"
+
+
 def markdown_table() -> str:
     """Return the settings as a markdown table (the README's settings section is this table)."""
     rows = ["| variable | default | allowed | meaning | read by |", "|---|---|---|---|---|"]
@@ -171,7 +178,7 @@ def markdown_table() -> str:
         if s.kind == "flag":
             default = "1" if default else "0"
         elif s.kind == "bytes" and default and default % KIB == 0:
-            default = f"{default // MIB} MiB" if default % MIB == 0 else f"{default // KIB} KiB"
+            default = format_bytes(default)
         elif s.kind == "seconds":
             default = f"{default:g}"
         shown = f"`{default}`" if default != "" else "(empty)"

@@ -138,8 +138,8 @@ def _builtins() -> None:
         _loaded = True
         for module in _BUILTIN_MODULES:
             importlib.import_module(module)
+        order = {name: i for i, name in enumerate(_BUILTIN_ORDER)}
         for collective, table in _REGISTRY.items():
-            order = {name: i for i, name in enumerate(_BUILTIN_ORDER)}
             _REGISTRY[collective] = dict(sorted(table.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 

@@ -41,8 +41,9 @@ class Exchanges:
             if algorithm not in valid:
                 raise ValueError(f"unknown allgather algorithm {algorithm!r} for the {self._c.backend} backend; "
                                  f"expected one of {', '.join(valid)}")
-            if algorithm == "shm" and shm.refusal(self._c._reductions.where(), self._c.name):
-                raise ValueError(shm.refusal(self._c._reductions.where(), self._c.name))
+            why = shm.refusal(self._c._reductions.where(), self._c.name) if algorithm == "shm" else ""
+            if why:
+                raise ValueError(why)
             call = Call("allgather", seq, dtype_name(arr.dtype), arr.shape, algorithm=algorithm, free_dim0=True)
             return call, lambda: self._do_allgather(arr, algorithm), restore
         return self._c._build("allgather", build, algorithm=algorithm)
