@@ -1,6 +1,7 @@
 """Exceptions raised by hpctrain."""
 
-__all__ = ["HpctrainError", "CollectiveMismatchError", "NotInitializedError", "BackendUnavailableError"]
+__all__ = ["HpctrainError", "CollectiveMismatchError", "NotInitializedError", "BackendUnavailableError",
+           "CheckpointError"]
 
 
 class HpctrainError(RuntimeError):
@@ -21,3 +22,7 @@ class NotInitializedError(HpctrainError):
 
 class BackendUnavailableError(HpctrainError):
     """The requested backend cannot run here (a library is missing or the launch is broken)."""
+
+
+class CheckpointError(HpctrainError):
+    """A checkpoint could not be saved or restored; raised on every rank."""

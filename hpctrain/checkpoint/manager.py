@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 import weakref
@@ -42,22 +41,17 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from ..agreement import check_same
-from ..errors import HpctrainError
+from ..errors import CheckpointError
 from .hostcopy import HostCopier, default_copy_threads
-from .layout import Mismatch, Sharded, by_rank, compare_replicas, read_entries, write_files, write_manifest
-from .state import encode, load_entry
-from .tensorfile import CorruptFileError
+from .layout import Sharded, by_rank, compare_replicas, write_files, write_manifest
+from .restore import committed_steps, restore_newest, step_path
+from .state import encode
 
 __all__ = ["CheckpointManager", "Sharded", "CheckpointError", "EXIT_PREEMPTED"]
 
 log = logging.getLogger("hpctrain")
 
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: the job stopped early on purpose and may be run again to resume
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(HpctrainError):
-    """A checkpoint could not be saved or restored; raised on every rank."""
 
 
 class _Pending:
@@ -171,16 +165,7 @@ class CheckpointManager:
 
     def all_steps(self) -> List[int]:
         """Return the steps of the committed checkpoints, oldest first (not verified)."""
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
-        steps = []
-        for name in names:
-            m = _STEP_DIR.match(name)
-            if m and os.path.exists(os.path.join(self.directory, name, "manifest.json")):
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        return committed_steps(self.directory)
 
     def latest_step(self) -> Optional[int]:
         """Return the step of the newest committed checkpoint, or None (its files are checked by ``restore``)."""
@@ -189,7 +174,7 @@ class CheckpointManager:
 
     def step_dir(self, step: int) -> str:
         """Return the directory of the checkpoint of ``step``."""
-        return os.path.join(self.directory, f"step-{step:09d}")
+        return step_path(self.directory, step)
 
     def save(self, step: int, state: Mapping[str, Any], force: bool = False) -> bool:
         """Save ``state`` as the checkpoint of ``step`` if one is due; return whether a save started.
@@ -246,51 +231,10 @@ class CheckpointManager:
         plain values replace the entries of ``state``.
         """
         self.wait()
-        candidates = self.comm.broadcast_object(
-            [s for s in reversed(self.all_steps()) if step is None or s == step] if self.comm.rank == 0 else None)
-        if step is not None and not candidates:
-            raise CheckpointError(f"no committed checkpoint of step {step} in {self.directory}")
-        for cand in candidates:
-            loaded, err, mismatch = None, None, None
-            try:
-                loaded = read_entries(self.step_dir(cand), cand, state, self.comm.rank)
-            except Mismatch as exc:
-                mismatch = str(exc)
-            except (CorruptFileError, OSError, ValueError, KeyError, TypeError) as exc:
-                err = f"{type(exc).__name__}: {exc}"
-            errors = self.comm.allgather_object((err, mismatch))
-            wrong = [(r, m) for r, (_, m) in enumerate(errors) if m]
-            if wrong:
-                raise CheckpointError(f"checkpoint {self.step_dir(cand)} does not fit this state or layout:\n"
-                                      f"{by_rank(wrong)}")
-            bad = [(r, e) for r, (e, _) in enumerate(errors) if e]
-            if bad:
-                if self.comm.rank == 0:
-                    log.warning("hpctrain: checkpoint %s is not usable, trying an older one:\n%s",
-                                self.step_dir(cand), by_rank(bad))
-                continue
-            try:
-                for key, (kind, value) in loaded.items():
-                    target = state[key]
-                    if isinstance(target, Sharded):
-                        holder = {key: target.obj}
-                        load_entry(holder, key, kind, value)
-                        target.obj = holder[key]      # plain values are replaced, not loaded in place
-                    else:
-                        load_entry(state, key, kind, value)
-                err = None
-            except Exception as exc:  # noqa: BLE001 - reported on every rank below
-                err = f"{type(exc).__name__}: {exc}"
-            errors = self.comm.allgather_object(err)
-            bad = [(r, e) for r, e in enumerate(errors) if e]
-            if bad:
-                raise CheckpointError(f"loading checkpoint {self.step_dir(cand)} into the state failed "
-                                      f"(does the state match what was saved?):\n{by_rank(bad)}")
-            self._last_step = cand
-            return cand
-        if candidates and self.comm.rank == 0:
-            log.warning("hpctrain: no usable checkpoint in %s; starting from scratch", self.directory)
-        return None
+        found = restore_newest(self.comm, self.directory, state, step)
+        if found is not None:
+            self._last_step = found
+        return found
 
     # -- save steps -----------------------------------------------------------
     def _start(self, step: int, state: Mapping[str, Any]) -> None:

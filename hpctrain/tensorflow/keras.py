@@ -21,10 +21,10 @@ from typing import Dict, Optional
 
 import keras
 
-from ..compression import gradient_compressor, reducer_for
+from ..gradients import GradientAverager
 from ..metrics import average_metrics
 from ..world import comm_or_world
-from .ops import broadcast_variables, reduce_gradients
+from .ops import average_gradients, broadcast_variables
 from .tape import _name
 
 __all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
@@ -38,21 +38,16 @@ class _DistributedMixin:
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
+        averager = self._hpctrain
         names = None
-        if self._hpctrain_compressor is not None:
+        if averager.compressor is not None:
             variables = trainable_variables if trainable_variables is not None else self._trainable_variables
             names = [_name(v, i) for i, v in enumerate(variables)]
-        grads = reduce_gradients(grads, op=self._hpctrain_op, comm=self._hpctrain_comm,
-                                 sparse_as_dense=self._hpctrain_sparse_as_dense,
-                                 compression=self._hpctrain_compressor, names=names,
-                                 compression_policy=self._hpctrain_policy)
-        return super().apply(grads, trainable_variables)
+        return super().apply(average_gradients(averager, grads, names), trainable_variables)
 
     def compression_stats(self) -> dict:
-        """The compressor's traffic figures (``CompressedReducer.stats``); needs ``compression``."""
-        if self._hpctrain_compressor is None:
-            raise RuntimeError("this DistributedOptimizer has no compressor")
-        return reducer_for(self._hpctrain_compressor, comm_or_world(self._hpctrain_comm)).stats()
+        """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
+        return self._hpctrain.stats()
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None, op: str = "avg",
@@ -76,7 +71,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
         compression: a compressor of :mod:`hpctrain.compression` (or its
             name); gradients are named by their variables' paths.
         op: ``"avg"`` or ``"sum"``.
-        sparse_as_dense: densify ``IndexedSlices`` gradients before reducing.
+        sparse_as_dense: densify ``IndexedSlices`` gradients before reducing
+            (the sparse policy: :mod:`hpctrain.gradients`).
         comm: the communicator (default: the world).
         compression_policy: which gradients are compressed (default
             :class:`hpctrain.compression.Policy`).
@@ -85,14 +81,12 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-    compressor = gradient_compressor(op, compression)
+    averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
     cls = type(optimizer)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Distributed{cls.__name__}", (_DistributedMixin, cls), {"__module__": __name__})
     optimizer.__class__ = _CLASSES[cls]
-    optimizer._hpctrain_op, optimizer._hpctrain_comm = op, comm
-    optimizer._hpctrain_sparse_as_dense = sparse_as_dense
-    optimizer._hpctrain_compressor, optimizer._hpctrain_policy = compressor, compression_policy
+    optimizer._hpctrain = averager
     return optimizer
 
 

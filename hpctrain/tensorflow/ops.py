@@ -18,11 +18,12 @@ import numpy as np
 import tensorflow as tf
 
 from ..agreement import check_same
-from ..compression import Policy, gradient_compressor, reducer_for
+from ..compression import Policy
+from ..gradients import GradientAverager
 from ..metrics import average_metrics
 from ..world import comm_or_world
 
-__all__ = ["allreduce", "reduce_gradients", "broadcast_variables", "average_metrics", "host_call"]
+__all__ = ["allreduce", "reduce_gradients", "average_gradients", "broadcast_variables", "average_metrics", "host_call"]
 
 
 def _in_xla() -> bool:
@@ -64,12 +65,13 @@ def reduce_gradients(grads: Sequence[Any], op: str = "avg", comm=None, sparse_as
 
     Dense gradients go through one :meth:`Communicator.grouped_allreduce`
     (packed by dtype into fusion buffers, the same fusion as everywhere in
-    hpctrain).  A sparse ``tf.IndexedSlices`` gradient (embedding lookups) is
-    all-gathered: the result holds every rank's rows and indices, values
-    divided by N for ``op="avg"``, which an optimizer's scatter-add turns into
-    the averaged dense gradient; ``sparse_as_dense=True`` densifies it first
-    (better when most rows are touched).  All the communication of one call is
-    one graph op inside ``tf.function``.  On one rank nothing is sent.
+    hpctrain).  A sparse ``tf.IndexedSlices`` gradient (embedding lookups)
+    follows the sparse policy of :mod:`hpctrain.gradients`, the same as
+    PyTorch's: every rank's rows and indices are gathered, values divided by
+    N for ``op="avg"``, which an optimizer's scatter-add turns into the
+    averaged dense gradient; ``sparse_as_dense=True`` densifies it first.  All
+    the communication of one call is one graph op inside ``tf.function``.  On
+    one rank nothing is sent.
 
     Cost: ``2 (N-1)/N`` x dense bytes per rank for ring-like all-reduces; the
     sparse rows of all ranks for each gathered gradient.
@@ -78,42 +80,39 @@ def reduce_gradients(grads: Sequence[Any], op: str = "avg", comm=None, sparse_as
     for the dense gradients, named by ``names`` (the variables' paths; the
     compressor keeps per-name state and ``compression_policy`` picks tensors
     by name) or ``grad<i>``.  It runs on one rank too, so a 1-rank run trains
-    with the same method.  Sparse gradients are not compressed.  Its traffic:
+    with the same method.  Its traffic:
     ``hpctrain.compression.reducer_for(compressor, comm).stats()``.
     """
-    compressor = gradient_compressor(op, compression)
-    comm = comm_or_world(comm)
-    grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g for g in grads]
+    averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
+    return average_gradients(averager, grads, names)
+
+
+def average_gradients(averager: GradientAverager, grads: Sequence[Any],
+                      names: Optional[Sequence[str]] = None) -> List[Any]:
+    """:func:`reduce_gradients` through a :class:`~hpctrain.gradients.GradientAverager` the caller keeps (its stats).
+
+    Counts one step on the averager whenever it communicates.
+    """
     if names is not None and len(names) != len(grads):
         raise ValueError(f"reduce_gradients got {len(names)} names for {len(grads)} gradients")
-    reducer = reducer_for(compressor, comm, compression_policy) if compressor is not None else None
-    if comm.size == 1 and reducer is None:
+    grads = [tf.convert_to_tensor(g) if averager.sparse_as_dense and isinstance(g, tf.IndexedSlices) else g
+             for g in grads]
+    if not averager.communicates:
         return grads
     dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
     sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
     inputs = [tf.convert_to_tensor(grads[i]) for i in dense]
     for i in sparse:
-        inputs += [grads[i].values, grads[i].indices]
+        inputs += [grads[i].indices, grads[i].values]
     if not inputs:
         return grads
-    nd, size = len(dense), comm.size
-
+    nd = len(dense)
     keys = [str(names[i]) if names is not None else f"grad{i}" for i in dense]
 
-    def reduce_dense(arrays):
-        if reducer is None:
-            return list(comm.grouped_allreduce([np.ascontiguousarray(a) for a in arrays], op=op))
-        copies = [np.array(a, copy=True, order="C") for a in arrays]
-        reducer.reduce(list(zip(keys, copies)), op=op)
-        reducer.count_step()
-        return copies
-
     def communicate(*arrays):
-        out = reduce_dense(arrays[:nd]) if nd else []
+        out = averager.reduce(arrays[:nd], keys)
         for k in range(nd, len(arrays), 2):
-            values = comm.allgather(np.ascontiguousarray(arrays[k]))
-            out += [(values / size).astype(values.dtype) if op == "avg" else values,
-                    comm.allgather(np.ascontiguousarray(arrays[k + 1]))]
+            out += averager.gather_rows(arrays[k], arrays[k + 1])
         return out
 
     outs = host_call(communicate, inputs, [t.dtype for t in inputs], "reduce_gradients")
@@ -122,7 +121,7 @@ def reduce_gradients(grads: Sequence[Any], op: str = "avg", comm=None, sparse_as
         o.set_shape(t.shape)
         result[i] = o
     for k, i in enumerate(sparse):
-        values, indices = outs[nd + 2 * k], outs[nd + 2 * k + 1]
+        indices, values = outs[nd + 2 * k], outs[nd + 2 * k + 1]
         values.set_shape([None] + grads[i].values.shape[1:].as_list())
         indices.set_shape([None])
         result[i] = tf.IndexedSlices(values, indices, dense_shape=grads[i].dense_shape)

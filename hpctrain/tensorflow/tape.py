@@ -5,9 +5,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from ..compression import gradient_compressor, reducer_for
-from ..world import comm_or_world
-from .ops import reduce_gradients
+from ..gradients import GradientAverager
+from .ops import average_gradients
 
 __all__ = ["DistributedGradientTape"]
 
@@ -40,7 +39,8 @@ class DistributedGradientTape:
         compression: a compressor of :mod:`hpctrain.compression` (or its
             name); gradients are named by their variables' paths.
         op: ``"avg"`` (default) or ``"sum"``.
-        sparse_as_dense: densify ``IndexedSlices`` gradients before reducing.
+        sparse_as_dense: densify ``IndexedSlices`` gradients before reducing
+            (the sparse policy: :mod:`hpctrain.gradients`).
         comm: the communicator (default: the world).
         compression_policy: which gradients are compressed (default
             :class:`hpctrain.compression.Policy`).
@@ -50,15 +50,12 @@ class DistributedGradientTape:
                  comm=None, compression_policy=None):
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
-        self._compressor = gradient_compressor(op, compression)
-        self._tape, self._op, self._sparse_as_dense, self._comm = tape, op, sparse_as_dense, comm
-        self._policy = compression_policy
+        self._tape = tape
+        self._averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
 
     def compression_stats(self) -> dict:
-        """The compressor's traffic figures (``CompressedReducer.stats``); needs ``compression``."""
-        if self._compressor is None:
-            raise RuntimeError("this DistributedGradientTape has no compressor")
-        return reducer_for(self._compressor, comm_or_world(self._comm)).stats()
+        """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
+        return self._averager.stats()
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE) -> Any:
@@ -67,10 +64,9 @@ class DistributedGradientTape:
                                     unconnected_gradients=unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
         names = None
-        if self._compressor is not None:
+        if self._averager.compressor is not None:
             names = [_name(v, i) for i, v in enumerate(tf.nest.flatten(sources, expand_composites=False))]
-        reduced = reduce_gradients(flat, op=self._op, comm=self._comm, sparse_as_dense=self._sparse_as_dense,
-                                   compression=self._compressor, names=names, compression_policy=self._policy)
+        reduced = average_gradients(self._averager, flat, names)
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
 
     def __enter__(self) -> "DistributedGradientTape":

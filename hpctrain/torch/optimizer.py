@@ -14,16 +14,21 @@ How it works (the same scheme as PyTorch DDP's reducer):
   got no gradient) are launched too; ``step()`` only waits for what is still in
   flight and copies the averaged gradients back.
 
-Each flat buffer carries one extra element per parameter: 1 if this rank has a
-gradient for it.  After the reduction a parameter keeps ``grad=None`` only if no
-rank had a gradient, so optimizers such as Adam skip it exactly as a single
-process would, and every rank applies the same update.
+Each flat buffer carries two flags per parameter (:func:`hpctrain.gradients.bucket_length`):
+this rank has a gradient for it; it is sparse and travels as rows.  After the
+reduction a parameter keeps ``grad=None`` only if no rank had a gradient, so
+optimizers such as Adam skip it exactly as a single process would, and every
+rank applies the same update.  Sparse gradients follow the policy of
+:mod:`hpctrain.gradients` (the same as TensorFlow's ``IndexedSlices``): every
+rank's rows are gathered, unless ``sparse_as_dense=True``.
 
 Cost per step: one copy of every gradient into its bucket and one back, plus
 one all-reduce per bucket (2 (N-1)/N x bytes on the wire for ring-like
 algorithms).  Memory: one flat buffer per bucket (the size of the gradients).
 On one rank nothing is copied or sent: gradients are only averaged over the
-accumulated passes (and sparse ones densified) in place.
+accumulated passes in place.  The buckets and hooks are
+:class:`hpctrain.torch.gradient_sync.GradientSync`'s, the reduction
+:class:`hpctrain.gradients.GradientAverager`'s.
 
 With a compressor (``compression=``, see :mod:`hpctrain.compression`) each
 bucket is compressed as soon as it is ready, while backward goes on, and its
@@ -35,14 +40,13 @@ staged through a float32 host copy for the compressor.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, Optional
 
-import numpy as np
 import torch
 
-from ..agreement import check_same
-from ..collectives.buckets import plan_buckets
-from ..compression import Policy, gradient_compressor, reducer_for
+from ..compression import Policy
+from ..gradients import GradientAverager
+from .gradient_sync import GradientSync
 
 __all__ = ["DistributedOptimizer"]
 
@@ -51,8 +55,8 @@ _CLASSES: Dict[type, type] = {}
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                          compression=None, op: str = "avg", backward_passes_per_step: int = 1,
-                         bucket_mb: float = 25, comm=None, compression_policy: Optional[Policy] = None
-                         ) -> torch.optim.Optimizer:
+                         bucket_mb: float = 25, comm=None, compression_policy: Optional[Policy] = None,
+                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
     """Make ``optimizer`` average its gradients across ranks before every step.
 
     The optimizer object itself is returned, its class changed to a subclass
@@ -82,27 +86,25 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         compression_policy: which parameters are compressed (default
             :class:`hpctrain.compression.Policy`: not biases, norms or tensors
             under 1024 values).
+        sparse_as_dense: densify sparse gradients (``nn.Embedding(sparse=True)``)
+            and reduce them with the dense ones, instead of gathering every
+            rank's rows (the policy and its cost: :mod:`hpctrain.gradients`).
     """
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    compressor = gradient_compressor(op, compression)
+    averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
     if bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
-    if comm is None:
-        from .. import world
-        comm = world()
     base = type(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:
         cls = _CLASSES[base] = type(f"Distributed{base.__name__}", (_DistributedMixin, base),
                                     {"__module__": __name__, "__doc__": base.__doc__})
-    reducer = reducer_for(compressor, comm, compression_policy) if compressor is not None else None
-    sync = _GradientSync(optimizer, named_parameters, comm, op, backward_passes_per_step,
-                         int(bucket_mb * 2 ** 20), reducer)
+    sync = GradientSync(optimizer, named_parameters, averager, backward_passes_per_step, int(bucket_mb * 2 ** 20))
     optimizer.__class__ = cls
     optimizer._hpctrain = sync
     patched = optimizer.__dict__.get("step")
@@ -121,7 +123,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
 class _DistributedMixin:
     """The methods a DistributedOptimizer adds to the wrapped optimizer's class."""
 
-    _hpctrain: "_GradientSync"
+    _hpctrain: GradientSync
 
     def synchronize(self) -> None:
         """Finish all-reducing the gradients now (before clipping them, say); ``step()`` then skips it."""
@@ -161,250 +163,7 @@ class _DistributedMixin:
         self._hpctrain.remove_hooks()
 
     def compression_stats(self) -> dict:
-        """Bytes of gradient payload sent and received, per step and in total (see ``CompressedReducer.stats``).
-
-        Without a compressor: the float32 bytes of the buckets.
-        """
+        """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
         return self._hpctrain.stats()
 
 
-class _GradientSync:
-    """The reducer behind one DistributedOptimizer: buckets, hooks and the per-step state."""
-
-    def __init__(self, optimizer, named_parameters, comm, op: str, passes_per_step: int, cap_bytes: int,
-                 reducer=None):
-        self.comm, self.op, self.k, self.reducer = comm, op, passes_per_step, reducer
-        self.steps = 0
-        params: List[torch.Tensor] = []
-        seen = set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        self.params = params
-        self.names = self._names(params, named_parameters)
-        shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.names, params)]
-        check_same(comm, "the parameters given to DistributedOptimizer (name, shape, dtype)",
-                   shapes, f"{len(shapes)} parameters, first differences: {shapes[:3]}")
-        self.buckets = plan_buckets([(p.numel(), p.element_size(), (p.dtype, p.device)) for p in params],
-                                    cap_bytes)
-        self.bucket_of = {}
-        for b in self.buckets:
-            for m in b.members:
-                self.bucket_of[m] = b.index
-        self.flat = [self._bucket_buffer(b) for b in self.buckets] if comm.size > 1 or reducer else []
-        self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
-        self.skip = self.no_sync = False
-        self.join_flag = False          # set by hpctrain.torch.Join
-        self.reset()
-
-    def _bucket_buffer(self, bucket) -> torch.Tensor:
-        """A zeroed flat buffer for ``bucket``: in node-shared memory when it is a CPU float32/float64 bucket.
-
-        Shared memory (:meth:`Communicator.shared_empty`) lets the all-reduce
-        read the peers' buffers in place, with no copy in or out.
-        """
-        dtype, device = bucket.kind
-        n = bucket.numel + len(bucket.members)
-        if device.type == "cpu" and dtype in (torch.float32, torch.float64) and self.reducer is None:
-            flat = torch.from_numpy(self.comm.shared_empty(n, np.float32 if dtype == torch.float32 else np.float64))
-            return flat.zero_()
-        return torch.zeros(n, dtype=dtype, device=device)
-
-    @staticmethod
-    def _names(params, named_parameters) -> List[str]:
-        if named_parameters is None:
-            return [f"param{i}" for i in range(len(params))]
-        by_id = {}
-        for name, p in named_parameters:
-            by_id.setdefault(id(p), name)
-        missing = [i for i, p in enumerate(params) if id(p) not in by_id]
-        if missing:
-            raise ValueError(f"named_parameters lacks {len(missing)} of the optimizer's parameters "
-                             f"(positions {missing[:10]}); pass model.named_parameters() of the model "
-                             f"whose parameters the optimizer updates")
-        return [by_id[id(p)] for p in params]
-
-    # -- per-step state -----------------------------------------------------
-    def reset(self) -> None:
-        """Start a new step: nothing fired, nothing launched."""
-        self.passes = 0
-        self.in_backward = False
-        self.fired = [False] * len(self.params)
-        self.ready = [0] * len(self.buckets)
-        self.launched = 0
-        self.handles: List = [None] * len(self.buckets)
-        self.flag_handle = None
-        self.synchronized = False
-
-    def _final_pass(self) -> bool:
-        return not self.no_sync and self.passes >= self.k
-
-    def _hook(self, i: int):
-        def hook(param):
-            if not self.in_backward:
-                self._begin_backward()
-            if self._final_pass() and not self.fired[i]:
-                self.fired[i] = True
-                self.ready[self.bucket_of[i]] += 1
-                self._launch_ready()
-        return hook
-
-    def _begin_backward(self) -> None:
-        if self.launched or self.synchronized:
-            raise RuntimeError(
-                "backward() ran again after the gradients of this step were sent; call optimizer.step() "
-                f"after every {self.k} backward pass(es), or accumulate inside optimizer.no_sync()")
-        self.in_backward = True
-        self.passes += 1
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _end_backward(self) -> None:
-        self.in_backward = False
-        if self._final_pass():
-            self._launch_upto(len(self.buckets))
-
-    def _launch_ready(self) -> None:
-        while self.launched < len(self.buckets) and \
-                self.ready[self.launched] == len(self.buckets[self.launched].members):
-            self._launch(self.launched)
-
-    def _launch_upto(self, end: int) -> None:
-        while self.launched < end:
-            self._launch(self.launched)
-
-    def _launch(self, b: int) -> None:
-        bucket = self.buckets[b]
-        if self.flat:
-            self._pack(bucket, self.flat[b])
-        else:
-            self._local(bucket)
-        if b == 0 and self.join_flag:
-            self.flag_handle = self.comm.allreduce_async(np.ones(1, dtype=np.int64))
-        if self.flat:
-            self.handles[b] = self._reduce_async(b)
-        self.launched = b + 1
-
-    def _reduce_async(self, b: int):
-        """Start reducing bucket ``b``'s flat buffer; the handle's ``wait()`` returns the reduced buffer."""
-        flat = self.flat[b]
-        if self.reducer is None:
-            return self.comm.allreduce_async(flat, op=self.op, inplace=True)
-        return _CompressedBucket(self, b, flat)
-
-    def _local(self, bucket) -> None:
-        """One rank: the reduction is the identity, so only densify and average over the passes, in place."""
-        with torch.no_grad():
-            for i in bucket.members:
-                p = self.params[i]
-                if p.grad is not None and p.grad.is_sparse:
-                    p.grad = p.grad.to_dense()
-                if p.grad is not None and self.op == "avg" and self.passes > 1:
-                    p.grad.div_(self.passes)
-
-    def _pack(self, bucket, flat) -> None:
-        """Copy the bucket's gradients (and one has-gradient flag per parameter) into its flat buffer."""
-        with torch.no_grad():
-            for j, (i, off, n) in enumerate(zip(bucket.members, bucket.offsets, bucket.numels)):
-                g = self.params[i].grad
-                if g is None:
-                    flat[off:off + n].zero_()
-                    flat[bucket.numel + j] = 0
-                else:
-                    if g.is_sparse or g.data_ptr() != flat[off:off + n].data_ptr() or g.dtype != flat.dtype:
-                        flat[off:off + n].copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
-                    flat[bucket.numel + j] = 1        # (else: the gradient is already its bucket's view)
-            if self.op == "avg" and self.passes > 1:
-                flat[:bucket.numel].div_(self.passes)
-
-    def synchronize(self) -> None:
-        """Launch what is left, wait for every bucket and write the reduced gradients back."""
-        if self.synchronized:
-            return
-        self._launch_upto(len(self.buckets))
-        if self.flag_handle is not None:
-            self.flag_handle.wait()
-        for b, h in enumerate(self.handles):
-            if h is not None:       # None: one rank, nothing was sent
-                self.apply(b, h.wait())
-        self.synchronized = True
-        self._count_step()
-
-    def _count_step(self) -> None:
-        self.steps += 1
-        if self.reducer is not None:
-            self.reducer.count_step()
-
-    def stats(self) -> dict:
-        """The compressor's traffic figures, or the float32 bucket bytes without one."""
-        if self.reducer is not None:
-            return self.reducer.stats()
-        nbytes = sum(b.numel * self.params[b.members[0]].element_size() for b in self.buckets) \
-            if self.comm.size > 1 else 0
-        return {"compressor": None, "steps": self.steps, "sent_bytes_per_step": nbytes,
-                "received_bytes_per_step": nbytes, "dense_bytes_per_step": nbytes, "ratio_to_fp32": 1.0}
-
-    def apply(self, b: int, reduced: torch.Tensor) -> None:
-        """Point the gradients at bucket ``b``'s reduced buffer (None where no rank had one).
-
-        When the reduction ran in the bucket's own buffer, each gradient
-        becomes a view of it (as DDP's ``gradient_as_bucket_view``): nothing is
-        copied back, and a backward pass after ``zero_grad(set_to_none=False)``
-        accumulates straight into the bucket, so packing copies nothing
-        either.  The views are overwritten by the next step's reduction.
-        """
-        bucket = self.buckets[b]
-        flags = reduced[bucket.numel:].tolist()
-        own = self.flat and reduced.data_ptr() == self.flat[b].data_ptr()
-        with torch.no_grad():
-            for j, (i, off, n) in enumerate(zip(bucket.members, bucket.offsets, bucket.numels)):
-                p = self.params[i]
-                view = reduced[off:off + n].view_as(p)
-                if flags[j] == 0:
-                    p.grad = None
-                elif own and view.dtype == p.dtype and view.stride() == p.stride():
-                    if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view
-                elif p.grad is None or p.grad.is_sparse:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
-
-    def shadow(self) -> None:
-        """Take part in one step with zero gradients (a rank that has run out of data)."""
-        for flat in self.flat:
-            flat.zero_()
-        handles = [self._reduce_async(b) for b in range(len(self.flat))]
-        for b, h in enumerate(handles):
-            self.apply(b, h.wait())
-        self._count_step()
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks."""
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
-
-
-class _CompressedBucket:
-    """One bucket through the compressor: its gradients by name, its has-gradient flags uncompressed."""
-
-    def __init__(self, sync: _GradientSync, b: int, flat: torch.Tensor):
-        bucket = sync.buckets[b]
-        self.flat = flat
-        staged = flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64, torch.float16)
-        self.host = flat.detach().to("cpu", torch.float32, copy=True) if staged else flat.detach()
-        arr = self.host.numpy()
-        entries = [(sync.names[i], arr[off:off + n].reshape(tuple(sync.params[i].shape)))
-                   for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels)]
-        self.pending = sync.reducer.start(entries, op=sync.op)
-        self.flags = sync.comm.allreduce_async(arr[bucket.numel:], op=sync.op, inplace=True)
-        self.staged = staged
-
-    def wait(self) -> torch.Tensor:
-        self.pending.wait()
-        self.flags.wait()
-        if self.staged:
-            self.flat.copy_(self.host)
-        return self.flat

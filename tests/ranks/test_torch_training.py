@@ -198,23 +198,36 @@ def test_uneven_inputs_finish_with_join(comm):
     assert_close(model, ref)
 
 
-def test_sparse_gradients_are_densified(comm):
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_gathered_or_densified_equal_one_process(comm, sparse_as_dense):
+    """The sparse policy: rows gathered (grad stays sparse) or densified; some ranks skip the table."""
     n, r = comm.size, comm.rank
 
-    def build():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(12, 1))
-    model, ref = build(), build()
-    opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.table, self.head = torch.nn.Embedding(20, 4, sparse=True), torch.nn.Linear(12, 1)
+
+        def forward(self, idx, use_table):
+            e = self.table(idx) if use_table else torch.ones(idx.shape + (4,))
+            return self.head(e.flatten(1))
+
+    uses = [q % 3 != 1 for q in range(n)]           # rank 1 never touches the table
+    model, ref = Net(), Net()
+    opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), sparse_as_dense=sparse_as_dense,
+                                  comm=comm)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(3)
     for step in range(4):
         idx = torch.randint(0, 20, (n, B, 3), generator=g)
         opt.zero_grad()
-        model(idx[r]).pow(2).mean().backward()
+        model(idx[r], uses[r]).pow(2).mean().backward()
         opt.step()
+        if any(uses):
+            assert model.table.weight.grad.is_sparse != sparse_as_dense
         ref_opt.zero_grad()
-        ref(idx.reshape(n * B, 3)).pow(2).mean().backward()
+        sum(ref(idx[q], uses[q]).pow(2).mean() for q in range(n)).div(n).backward()
         ref_opt.step()
         assert_identical_across_ranks(comm, model)
     assert_close(model, ref)

@@ -1,0 +1,97 @@
+"""Finding and loading committed checkpoints: the read side of :class:`~hpctrain.checkpoint.CheckpointManager`.
+
+A checkpoint is committed once its directory ``step-<N>`` holds a
+``manifest.json``.  ``restore_newest`` tries them newest first: every rank
+reads and verifies its files (sizes and CRC-32 against the manifest), the
+ranks exchange what went wrong, and a checkpoint that any rank cannot read is
+skipped for the previous one, with a warning naming the ranks and the fault.
+A checkpoint that does not fit the state or the layout is an error, not a
+fallback.  Nothing is unpickled.  Cost: one read of the rank's files plus two
+object all-gathers per candidate.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, List, Mapping, Optional
+
+from ..errors import CheckpointError
+from .layout import Mismatch, Sharded, by_rank, read_entries
+from .state import load_entry
+from .tensorfile import CorruptFileError
+
+__all__ = ["committed_steps", "step_path", "restore_newest"]
+
+log = logging.getLogger("hpctrain")
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_path(directory: str, step: int) -> str:
+    """The directory of the checkpoint of ``step`` under ``directory``."""
+    return os.path.join(directory, f"step-{step:09d}")
+
+
+def committed_steps(directory: str) -> List[int]:
+    """The steps of the committed checkpoints under ``directory``, oldest first (not verified)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        m = _STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(directory, name, "manifest.json")):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optional[int] = None) -> Optional[int]:
+    """Load the newest valid checkpoint (or that of ``step``) into ``state``; return its step or None (collective)."""
+    candidates = comm.broadcast_object(
+        [s for s in reversed(committed_steps(directory)) if step is None or s == step] if comm.rank == 0 else None)
+    if step is not None and not candidates:
+        raise CheckpointError(f"no committed checkpoint of step {step} in {directory}")
+    for cand in candidates:
+        path = step_path(directory, cand)
+        loaded, err, mismatch = None, None, None
+        try:
+            loaded = read_entries(path, cand, state, comm.rank)
+        except Mismatch as exc:
+            mismatch = str(exc)
+        except (CorruptFileError, OSError, ValueError, KeyError, TypeError) as exc:
+            err = f"{type(exc).__name__}: {exc}"
+        errors = comm.allgather_object((err, mismatch))
+        wrong = [(r, m) for r, (_, m) in enumerate(errors) if m]
+        if wrong:
+            raise CheckpointError(f"checkpoint {path} does not fit this state or layout:\n"
+                                  f"{by_rank(wrong)}")
+        bad = [(r, e) for r, (e, _) in enumerate(errors) if e]
+        if bad:
+            if comm.rank == 0:
+                log.warning("hpctrain: checkpoint %s is not usable, trying an older one:\n%s",
+                            path, by_rank(bad))
+            continue
+        try:
+            for key, (kind, value) in loaded.items():
+                target = state[key]
+                if isinstance(target, Sharded):
+                    holder = {key: target.obj}
+                    load_entry(holder, key, kind, value)
+                    target.obj = holder[key]      # plain values are replaced, not loaded in place
+                else:
+                    load_entry(state, key, kind, value)
+            err = None
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            err = f"{type(exc).__name__}: {exc}"
+        errors = comm.allgather_object(err)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            raise CheckpointError(f"loading checkpoint {path} into the state failed "
+                                  f"(does the state match what was saved?):\n{by_rank(bad)}")
+        return cand
+    if candidates and comm.rank == 0:
+        log.warning("hpctrain: no usable checkpoint in %s; starting from scratch", directory)
+    return None
+
