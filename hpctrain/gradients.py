@@ -43,7 +43,7 @@ from .collectives.buckets import Bucket
 from .compression import Policy, gradient_compressor, reducer_for
 from .compression.exchange import Pending
 
-__all__ = ["GradientAverager", "bucket_length", "rows_of"]
+__all__ = ["GradientAverager", "bucket_length", "no_rows"]
 
 
 def bucket_length(bucket: Bucket) -> int:
@@ -167,12 +167,6 @@ class GradientAverager:
                 "received_bytes_per_step": per_step, "dense_bytes_per_step": per_step, "ratio_to_fp32": 1.0}
 
 
-def rows_of(dense_shape: Sequence[int], indices: Optional[np.ndarray], values: Optional[np.ndarray],
-            dtype: Any, index_dims: int = 1) -> Tuple[np.ndarray, np.ndarray]:
-    """A rank's sparse rows for :meth:`GradientAverager.gather_rows`, or empty ones when it has none."""
-    if indices is not None:
-        return indices, values
-    empty_values = np.zeros((0,) + tuple(dense_shape[index_dims:]), dtype=dtype)
-    shape = (0,) if index_dims == 1 else (0, index_dims)
-    return np.zeros(shape, dtype=np.int64), empty_values
-
+def no_rows(dense_shape: Sequence[int], dtype: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """The rows of a rank that has no sparse gradient for a tensor: none, in the right trailing shape."""
+    return np.zeros(0, dtype=np.int64), np.zeros((0,) + tuple(dense_shape[1:]), dtype=dtype)

@@ -62,6 +62,7 @@ class Reductions:
         self.seen: dict = {}               # (dtype, shape, op, algorithm) -> (checked call, algorithm, lean path)
         self.seen_grouped: dict = {}       # (op, algorithm, dtypes and shapes) -> grouped_allreduce's plan
         self.algorithms: dict = {}         # name -> registry.Algorithm, as chosen here before
+        self.chosen: dict = {}             # (algorithm asked for, bytes) -> registry.Algorithm
         self.fusion = FusionBuffers()
         self.results = ResultBuffers()     # memory of large results, reused once the caller drops them
         self.links = Links(comm)
@@ -73,7 +74,21 @@ class Reductions:
         return registry.Where(c.backend, c.size, c.topology.num_nodes, c._no_shared_memory(), c.config)
 
     def choose(self, algorithm: str, nbytes: int) -> str:
-        """Return the name of the all-reduce algorithm to run (``auto``: the registry's cheapest here)."""
+        """Return the name of the all-reduce algorithm to run (``auto``: the registry's cheapest here).
+
+        A choice depends only on the name, the size and this communicator, so
+        it is remembered (until the registry changes).
+        """
+        chosen = self.chosen.get((algorithm, nbytes))
+        if chosen is None:
+            chosen = self._choose(algorithm, nbytes)
+            if len(self.chosen) > 256:
+                self.chosen.clear()
+            self.chosen[(algorithm, nbytes)] = chosen
+        self.algorithms[chosen.name] = chosen
+        return chosen.name
+
+    def _choose(self, algorithm: str, nbytes: int) -> registry.Algorithm:
         where = self.where()
         if algorithm == "auto":
             chosen = registry.choose("allreduce", where, nbytes)
@@ -85,11 +100,11 @@ class Reductions:
             why = chosen.refusal(where, self._c.name)
             if why:
                 raise ValueError(why)
-        self.algorithms[chosen.name] = chosen
-        return chosen.name
+        return chosen
 
     def forget(self) -> None:
-        """Drop the remembered plans of repeated calls (the registered algorithms changed)."""
+        """Drop the remembered choices and plans of repeated calls (the registered algorithms changed)."""
+        self.chosen.clear()
         self.seen.clear()
         self.seen_grouped.clear()
 

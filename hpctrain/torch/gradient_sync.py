@@ -22,7 +22,7 @@ import torch
 
 from ..agreement import check_same
 from ..collectives.buckets import plan_buckets
-from ..gradients import GradientAverager, bucket_length, rows_of
+from ..gradients import GradientAverager, bucket_length, no_rows
 
 __all__ = ["GradientSync"]
 
@@ -228,19 +228,21 @@ class GradientSync:
                 else:
                     p.grad.copy_(view)
 
-    def _gather_rows(self) -> None:
-        """Gather the rows of every gradient some rank sent sparse; every rank does it in the same order."""
+    def _gather_rows(self, contribute: bool = True) -> None:
+        """Gather the rows of every gradient some rank sent sparse; every rank does it in the same order.
+
+        ``contribute=False``: this rank sends no rows (it shadows a step without data).
+        """
         due, self.rows_due = self.rows_due, []
         for i, dense_part in due:
             p = self.params[i]
-            g = p.grad
+            g = p.grad if contribute else None
             wire = torch.float32 if p.dtype == torch.bfloat16 else p.dtype
             if g is not None and self._as_rows(g):
                 g = g.coalesce()
-                mine = rows_of(p.shape, g.indices()[0].cpu().numpy(), g.values().detach().to("cpu", wire).numpy(),
-                               None)
+                mine = g.indices()[0].cpu().numpy(), g.values().detach().to("cpu", wire).numpy()
             else:
-                mine = rows_of(p.shape, None, None, torch.empty(0, dtype=wire).numpy().dtype)
+                mine = no_rows(p.shape, torch.empty(0, dtype=wire).numpy().dtype)
             indices, values = self.averager.gather_rows(*mine)
             sparse = torch.sparse_coo_tensor(torch.from_numpy(indices).reshape(1, -1), torch.from_numpy(values),
                                              p.shape, check_invariants=True).to(p.device, p.dtype).coalesce()
@@ -253,7 +255,7 @@ class GradientSync:
         handles = [self._reduce_async(b) for b in range(len(self.flat))]
         for b, h in enumerate(handles):
             self.apply(b, h.wait())
-        self._gather_rows()
+        self._gather_rows(contribute=False)
         self.averager.count_step()
 
     def remove_hooks(self) -> None:

@@ -233,6 +233,32 @@ def test_sparse_gradients_gathered_or_densified_equal_one_process(comm, sparse_a
     assert_close(model, ref)
 
 
+def test_join_with_sparse_gradients(comm):
+    """A rank that has run out of data sends no rows, not its last step's gradient again."""
+    n, r = comm.size, comm.rank
+    steps = [2 + q for q in range(n)]
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(12, 1))
+    model, ref = build(), build()
+    opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    idx = torch.randint(0, 20, (max(steps), n, B, 3), generator=torch.Generator().manual_seed(5))
+    with ht.Join(opt) as join:
+        for step in range(steps[r]):
+            opt.zero_grad()
+            model(idx[step, r]).pow(2).mean().backward()
+            opt.step()
+    assert join.steps_joined == max(steps) - steps[r]
+    for step in range(max(steps)):
+        ref_opt.zero_grad()
+        sum(ref(idx[step, q]).pow(2).mean() for q in range(n) if step < steps[q]).div(n).backward()
+        ref_opt.step()
+    assert_identical_across_ranks(comm, model)
+    assert_close(model, ref)
+
+
 def test_broadcast_makes_replicas_and_optimizer_state_identical(comm):
     r = comm.rank
     model = make_model(seed=100 + r)
