@@ -122,8 +122,9 @@ class GradientAverager:
     def flags(self, values: Sequence[float]) -> Tuple[List[bool], List[bool], List[bool]]:
         """Per tensor of a reduced bucket: did any rank have a gradient, send rows, have a dense one.
 
-        ``values`` are the bucket's last ``2 m`` elements.  Each rank sets its flags to 0 or 1; they are reduced with the
-        gradients, so after ``op="avg"`` a flag is k/N for k ranks that set it.
+        ``values`` are the bucket's last ``2 m`` elements.  Each rank sets its
+        flags to 0 or 1; they are reduced with the gradients, so after
+        ``op="avg"`` a flag is k/N for k ranks that set it.
         """
         m = len(values) // 2
         half = 0.5 / self.comm.size if self.op == "avg" else 0.5
@@ -133,8 +134,8 @@ class GradientAverager:
     def gather_rows(self, indices: np.ndarray, values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """The sparse policy: every rank's rows, ``(indices, values)`` concatenated in rank order.
 
-        ``indices`` has one entry (or one row of coordinates) per value row;
-        ranks may pass different numbers of rows, but the same trailing shape.
+        ``indices`` (1-D) has one entry per row of ``values``; ranks may pass
+        different numbers of rows, with the same trailing shape and dtypes.
         Values are divided by N for ``op="avg"``.  Cost: two all-gathers.
         """
         comm = self.comm

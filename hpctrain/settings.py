@@ -117,6 +117,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "(empty: `$XDG_CONFIG_HOME/hpctrain/tune.json`, else `~/.config/hpctrain/tune.json`)"),
     Setting("HPCTRAIN_REQUEUE", "flag", False, "after a preemption checkpoint, rank 0 runs `scontrol requeue` "
             "(set by `slurm/preemptible.sbatch`)"),
+    Setting("HPCTRAIN_START_FRESH_IF_INVALID", "flag", False, "when every checkpoint in the directory is refused, "
+            "`CheckpointManager.restore` starts from scratch (moving them to `refused/`) instead of raising"),
     Setting("HPCTRAIN_LAUNCHER", "choice", "", "launcher of `hpctrain launch` and the sbatch scripts (empty: "
             "srun inside a Slurm allocation, else mpirun)", choices=("", "mpirun", "srun")),
     Setting("HPCTRAIN_SRUN_MPI", "text", "pmix", "the `--mpi=` plugin of srun launches"),

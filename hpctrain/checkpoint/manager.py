@@ -40,6 +40,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
+from .. import settings
 from ..agreement import check_same
 from ..errors import CheckpointError
 from .hostcopy import HostCopier, default_copy_threads
@@ -221,17 +222,25 @@ class CheckpointManager:
         self._pool.shutdown(wait=True)
         self._copier.close()
 
-    def restore(self, state: Mapping[str, Any], step: Optional[int] = None) -> Optional[int]:
+    def restore(self, state: Mapping[str, Any], step: Optional[int] = None,
+                start_fresh_if_invalid: Optional[bool] = None) -> Optional[int]:
         """Load the newest valid checkpoint (or that of ``step``) into ``state``; return its step or None.
 
         Collective.  Checkpoints whose files do not match their manifest are
-        skipped with a warning.  Replicated entries restore into any world
-        size; :class:`Sharded` entries need their shard id in the checkpoint.
-        Objects are loaded in place (``load_state_dict``, array copies);
-        plain values replace the entries of ``state``.
+        skipped with a warning and moved to ``refused/`` (never deleted).  When
+        the directory holds checkpoints and none is valid, ``CheckpointError``
+        lists each with why it was refused (on every rank), unless
+        ``start_fresh_if_invalid`` (default: ``HPCTRAIN_START_FRESH_IF_INVALID``):
+        then None is returned and training starts from scratch.  An empty or
+        missing directory returns None.  Replicated entries restore into any
+        world size; :class:`Sharded` entries need their shard id in the
+        checkpoint.  Objects are loaded in place (``load_state_dict``, array
+        copies); plain values replace the entries of ``state``.
         """
         self.wait()
-        found = restore_newest(self.comm, self.directory, state, step)
+        if start_fresh_if_invalid is None:
+            start_fresh_if_invalid = settings.get("HPCTRAIN_START_FRESH_IF_INVALID")
+        found = restore_newest(self.comm, self.directory, state, step, bool(start_fresh_if_invalid))
         if found is not None:
             self._last_step = found
         return found

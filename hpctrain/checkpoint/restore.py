@@ -4,9 +4,11 @@ A checkpoint is committed once its directory ``step-<N>`` holds a
 ``manifest.json``.  ``restore_newest`` tries them newest first: every rank
 reads and verifies its files (sizes and CRC-32 against the manifest), the
 ranks exchange what went wrong, and a checkpoint that any rank cannot read is
-skipped for the previous one, with a warning naming the ranks and the fault.
-A checkpoint that does not fit the state or the layout is an error, not a
-fallback.  Nothing is unpickled.  Cost: one read of the rank's files plus two
+skipped for the previous one, with a warning naming the ranks and the fault,
+and set aside in ``refused/``.  When every checkpoint is refused, restoring is
+an error that lists them (starting from scratch would lose their progress)
+unless the caller opts in.  A checkpoint that does not fit the state or the
+layout is an error, not a fallback.  Nothing is unpickled.  Cost: one read of the rank's files plus two
 object all-gathers per candidate.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
 from .layout import Mismatch, Sharded, by_rank, read_entries
@@ -47,12 +49,22 @@ def committed_steps(directory: str) -> List[int]:
     return sorted(steps)
 
 
-def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optional[int] = None) -> Optional[int]:
-    """Load the newest valid checkpoint (or that of ``step``) into ``state``; return its step or None (collective)."""
+def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optional[int] = None,
+                   start_fresh_if_invalid: bool = False) -> Optional[int]:
+    """Load the newest valid checkpoint (or that of ``step``) into ``state``; return its step or None (collective).
+
+    Every checkpoint refused on the way (a rank could not read or verify it)
+    is moved to ``refused/`` by rank 0, so that later saves of the same steps
+    do not collide with it; nothing is deleted.  When the directory holds
+    checkpoints and none is usable, ``CheckpointError`` lists each with why it
+    was refused, unless ``start_fresh_if_invalid``: then this returns None
+    (start from scratch) and says so.  An empty or missing directory returns None.
+    """
     candidates = comm.broadcast_object(
         [s for s in reversed(committed_steps(directory)) if step is None or s == step] if comm.rank == 0 else None)
     if step is not None and not candidates:
         raise CheckpointError(f"no committed checkpoint of step {step} in {directory}")
+    refused: List[Tuple[str, str]] = []
     for cand in candidates:
         path = step_path(directory, cand)
         loaded, err, mismatch = None, None, None
@@ -65,13 +77,12 @@ def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optiona
         errors = comm.allgather_object((err, mismatch))
         wrong = [(r, m) for r, (_, m) in enumerate(errors) if m]
         if wrong:
-            raise CheckpointError(f"checkpoint {path} does not fit this state or layout:\n"
-                                  f"{by_rank(wrong)}")
+            raise CheckpointError(f"checkpoint {path} does not fit this state or layout:\n{by_rank(wrong)}")
         bad = [(r, e) for r, (e, _) in enumerate(errors) if e]
         if bad:
+            refused.append((path, by_rank(bad)))
             if comm.rank == 0:
-                log.warning("hpctrain: checkpoint %s is not usable, trying an older one:\n%s",
-                            path, by_rank(bad))
+                log.warning("hpctrain: checkpoint %s is not usable, trying an older one:\n%s", path, by_rank(bad))
             continue
         try:
             for key, (kind, value) in loaded.items():
@@ -90,8 +101,40 @@ def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optiona
         if bad:
             raise CheckpointError(f"loading checkpoint {path} into the state failed "
                                   f"(does the state match what was saved?):\n{by_rank(bad)}")
+        _set_aside(comm, directory, refused)
         return cand
-    if candidates and comm.rank == 0:
-        log.warning("hpctrain: no usable checkpoint in %s; starting from scratch", directory)
+    if refused:
+        listing = "\n".join(f"  {path}:\n    " + why.replace("\n", "\n    ") for path, why in refused)
+        if not start_fresh_if_invalid:
+            raise CheckpointError(
+                f"none of the {len(refused)} checkpoint(s) in {directory} can be restored; refusing to start from "
+                f"scratch and lose their progress. Each was refused because:\n{listing}\n"
+                f"To start from scratch anyway (they are then moved to {os.path.join(directory, 'refused')}), pass "
+                f"start_fresh_if_invalid=True to restore() or set HPCTRAIN_START_FRESH_IF_INVALID=1.")
+        _set_aside(comm, directory, refused)
+        if comm.rank == 0:
+            log.warning("hpctrain: no usable checkpoint in %s; starting from scratch as asked "
+                        "(start_fresh_if_invalid); the refused ones are in %s:\n%s", directory,
+                        os.path.join(directory, "refused"), listing)
     return None
 
+
+def _set_aside(comm, directory: str, refused: List[Tuple[str, str]]) -> None:
+    """Rank 0 moves the refused checkpoints to ``<directory>/refused/`` (never deleted); errors raise everywhere."""
+    if not refused:
+        return
+    err = None
+    if comm.rank == 0:
+        try:
+            target_dir = os.path.join(directory, "refused")
+            os.makedirs(target_dir, exist_ok=True)
+            for path, _ in refused:
+                target, k = os.path.join(target_dir, os.path.basename(path)), 1
+                while os.path.exists(target):
+                    target, k = os.path.join(target_dir, f"{os.path.basename(path)}.{k}"), k + 1
+                os.rename(path, target)
+        except OSError as exc:
+            err = f"cannot move refused checkpoints out of {directory}: {exc}"
+    err = comm.broadcast_object(err)
+    if err:
+        raise CheckpointError(err)

@@ -137,13 +137,14 @@ class Reductions:
             if type(x) is np.ndarray and not inplace and x.flags.c_contiguous:
                 if len(self.seen) > 256:
                     self.seen.clear()
-                self.seen[(x.dtype, x.shape, op, algorithm)] = (call, alg,
-                                                                           self._c._lean_allreduce(call, arr, op, alg))
+                lean = self._c._lean_allreduce(call, arr, op, alg)
+                self.seen[(x.dtype, x.shape, op, algorithm)] = (call, alg, lean)
             return call, self._allreduce_work(arr, op, alg, inplace), restore
         return self._c._build("allreduce", build, op=op, algorithm=algorithm)
 
     def _allreduce_work(self, arr: np.ndarray, op: str, alg: str, inplace: bool):
-        riding = self._c._riding_allreduce(arr, op, alg, inplace) if self.shared_alg(alg) and self._c._size > 1 else None
+        shared = self.shared_alg(alg) and self._c._size > 1
+        riding = self._c._riding_allreduce(arr, op, alg, inplace) if shared else None
         return riding if riding is not None else (lambda: self._do_allreduce(arr, op, alg, inplace))
 
     def _do_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool = False) -> np.ndarray:

@@ -113,8 +113,12 @@ def judge(descs: Sequence[bytes], where: str, seq: int, world_ranks: Optional[Se
         key, _, text = bytes(d).rstrip(b"\0").decode(errors="replace").partition("\0")
         keys.append(key)
         texts.append(text)
-    if len(set(keys)) == 1 and not keys[0].endswith("|True"):
-        return ""
+    if len(set(keys)) == 1:
+        if not keys[0].endswith("|True"):
+            return ""
+        # every rank made the same call with the same invalid argument: say what is wrong, not "disagree"
+        call, _, error = texts[0].partition(": INVALID: ")
+        return f"invalid argument to {call} (collective call #{seq} on {where}, the same on every rank): {error}"
     groups: dict = {}
     for rank, text in enumerate(texts):
         groups.setdefault(text, []).append(rank)

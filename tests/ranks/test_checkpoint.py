@@ -202,6 +202,62 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(comm, ckdir, damag
     assert np.all(x == 1)
     if comm.rank == 0:
         assert "step-000000002" in caplog.text and "not usable" in caplog.text
+    assert manager.all_steps() == [1]                     # the refused one is set aside, not deleted
+    assert os.path.isdir(os.path.join(ckdir, "refused", "step-000000002"))
+    x[:] = 2
+    manager.save(2, {"x": x})                             # so training on saves step 2 again
+    manager.wait()
+    x[:] = 0
+    assert manager.restore({"x": x}) == 2 and np.all(x == 2)
+
+
+def _damage(path: str, damage: str) -> None:
+    """Damage the checkpoint directory ``path`` as a failing disk or an editor would."""
+    data = os.path.join(path, "replicated.safetensors")
+    if damage == "flip":
+        with open(data, "r+b") as f:
+            f.seek(os.path.getsize(data) - 100)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+    elif damage == "truncate":
+        os.truncate(data, os.path.getsize(data) - 8)
+    elif damage == "manifest":
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            f.write('{"format": ')
+    else:                                                 # a shard file lost
+        shard = max(n for n in os.listdir(path) if n.startswith("shard-"))
+        os.remove(os.path.join(path, shard))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "manifest", "missing shard"])
+def test_when_every_checkpoint_is_bad_restore_raises_unless_told_to_start_fresh(comm, ckdir, damage):
+    x, mine = np.zeros(1000), np.zeros(4)
+    manager = CheckpointManager(ckdir, keep=5)
+    for step in (1, 2):
+        x[:], mine[:] = step, comm.rank
+        manager.save(step, {"x": x, "mine": Sharded(mine)})
+    manager.wait()
+    if comm.rank == 0:
+        for step in (1, 2):
+            _damage(manager.step_dir(step), damage)
+    comm.barrier()
+    with pytest.raises(CheckpointError) as err:
+        manager.restore({"x": x, "mine": Sharded(mine)})
+    text = str(err.value)
+    assert "none of the 2 checkpoint(s)" in text and "start_fresh_if_invalid" in text, text
+    assert "step-000000001:" in text and "step-000000002:" in text and "rank" in text, text
+    assert manager.all_steps() == [1, 2]                  # nothing moved or deleted without the opt-in
+    x[:] = -1
+    assert manager.restore({"x": x, "mine": Sharded(mine)}, start_fresh_if_invalid=True) is None
+    assert np.all(x == -1) and manager.all_steps() == []
+    assert sorted(os.listdir(os.path.join(ckdir, "refused"))) == ["step-000000001", "step-000000002"]
+    for step in (1, 2):                                   # the run from scratch saves the same steps again
+        x[:] = 10 + step
+        manager.save(step, {"x": x, "mine": Sharded(mine)})
+    manager.wait()
+    x[:] = 0
+    assert manager.restore({"x": x, "mine": Sharded(mine)}) == 2 and np.all(x == 12)
 
 
 def test_keep_prunes_old_checkpoints_after_the_new_one_commits(comm, ckdir):

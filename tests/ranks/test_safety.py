@@ -87,6 +87,15 @@ def test_invalid_argument_on_one_rank(comm):
     still_works(comm)
 
 
+@pytest.mark.parametrize("op", ["Average", "mean"])
+def test_an_unknown_op_on_every_rank_is_named_with_the_valid_ops_not_as_a_disagreement(comm, op):
+    msg = raised_everywhere(comm, lambda: comm.allreduce(np.ones(3), op=op), match=f"unknown reduction op '{op}'")
+    assert "sum, avg, min, max, prod" in msg and "disagree" not in msg, msg
+    if comm.size > 1:
+        assert "the same on every rank" in msg and "invalid argument to allreduce(" in msg, msg
+    still_works(comm)
+
+
 def test_async_mismatch_reported_at_wait(comm):
     if comm.size == 1:
         pytest.skip("a world of one rank cannot disagree with itself")
