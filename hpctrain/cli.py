@@ -1,4 +1,4 @@
-"""The ``hpctrain`` command: ``launch`` ranks, print ``info``, ``tune`` the all-reduce thresholds."""
+"""The ``hpctrain`` command: ``launch`` ranks, print ``info``, ``check`` what works, ``tune`` the thresholds."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,17 @@ def _info(args) -> int:
     return 0
 
 
+def _check(args) -> int:
+    from .check import run_checks
+
+    print(f"hpctrain check: a small all-reduce on each backend and framework (timeout {args.timeout:g} s each)",
+          flush=True)
+    outcomes = run_checks(args.only, args.timeout)
+    for outcome in outcomes:
+        print(outcome.line(), flush=True)
+    return 0 if all(o.works for o in outcomes) else 1
+
+
 def _tune(args) -> int:
     from .tune import run_tune
 
@@ -49,8 +60,13 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("program", nargs=argparse.REMAINDER, help="script.py args..., or a command")
     p.set_defaults(func=_launch)
-    p = sub.add_parser("info", help="versions, launcher, rank layout and working backends")
+    p = sub.add_parser("info", help="versions, launcher, rank layout and importable backends")
     p.set_defaults(func=_info)
+    p = sub.add_parser("check", help="run a 2-rank all-reduce on each backend and framework; say what works")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="these checks only (local, mpi, horovod, torch, "
+                   "tensorflow)")
+    p.add_argument("--timeout", type=float, default=120, help="seconds each check may take (default 120)")
+    p.set_defaults(func=_check)
     p = sub.add_parser("tune", help="measure the all-reduce thresholds of this machine and save them")
     p.add_argument("-n", "--np", dest="n", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--out", default="",

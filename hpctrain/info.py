@@ -1,4 +1,7 @@
-"""Report versions, the detected launcher, the rank layout and which backends work (``hpctrain info``)."""
+"""Report versions, the detected launcher, the rank layout and which backends import (``hpctrain info``).
+
+Importing is not working: ``hpctrain check`` (:mod:`hpctrain.check`) runs each backend.
+"""
 from __future__ import annotations
 
 import importlib
@@ -63,13 +66,13 @@ def versions() -> List[Tuple[str, str]]:
 
 
 def backends(items: List[Tuple[str, str]]) -> Dict[str, str]:
-    """Return which backends can run, from the ``versions()`` items."""
+    """Return which backends import, from the ``versions()`` items (``hpctrain check`` runs them)."""
     got = dict(items)
     ok = lambda v: not v.startswith("not available")  # noqa: E731
     return {
-        "local": "works",
-        "mpi": "works" if ok(got["mpi4py"]) and ok(got["MPI library"]) else "missing mpi4py/MPI",
-        "horovod": "works" if ok(got["horovod"]) else "missing (run scripts/install_horovod.sh)",
+        "local": "importable",
+        "mpi": "importable" if ok(got["mpi4py"]) and ok(got["MPI library"]) else "missing mpi4py/MPI",
+        "horovod": "importable" if ok(got["horovod"]) else "missing (run scripts/install_horovod.sh)",
     }
 
 
@@ -90,7 +93,7 @@ def report() -> str:
     lines += [f"  {k:<{width}}  {v}" for k, v in items]
     lines += ["", f"  launcher   {launch.launcher if launch else 'none (plain python: world of size 1)'}",
               f"  backend    {comm.backend} (world size {comm.size}, {comm.topology.num_nodes} node(s))", "",
-              "  backends:"]
+              "  backends (imported only; `hpctrain check` runs them):"]
     lines += [f"    {k:<8} {v}" for k, v in backends(items).items()]
     lines += ["", "  rank  host                  local_rank  node"]
     lines += [f"  {r:>4}  {h:<20}  {lr:>10}  {nr:>4}" for r, h, lr, nr in layout]

@@ -10,8 +10,9 @@ others are read by the scripts under ``slurm/`` and ``scripts/`` and are here
 so that the table (:func:`markdown_table`, the README's settings section) is
 complete.
 
-Kinds: ``flag`` (1/0, true/false, yes/no, on/off), ``bytes`` and ``int``
-(whole numbers, ``1e6`` allowed), ``seconds`` (a number), ``choice`` (one of
+Kinds: ``flag`` (1/0, true/false, yes/no, on/off), ``bytes`` (a whole number,
+``1e6`` allowed, or with a binary suffix: ``64KiB``, ``64MiB``, ``1GiB``),
+``int`` (whole numbers, ``1e6`` allowed), ``seconds`` (a number), ``choice`` (one of
 ``choices``), ``text`` (any text, e.g. a path).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = ["Setting", "SettingError", "SETTINGS", "setting", "default", "get", "
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _KINDS = ("flag", "bytes", "int", "seconds", "choice", "text")
+_BINARY = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
 class SettingError(ValueError):
@@ -50,7 +52,8 @@ class Setting:
             return ", ".join(c or "(empty)" for c in self.choices)
         if self.kind == "text":
             return "text"
-        what = {"bytes": "bytes", "int": "a whole number", "seconds": "seconds"}[self.kind]
+        what = {"bytes": "bytes (e.g. 65536, 1e6, 64KiB, 64MiB, 1GiB)", "int": "a whole number",
+                "seconds": "seconds"}[self.kind]
         return what if self.minimum is None else f"{what}, at least {self.minimum:g}"
 
     def parse(self, text: str) -> Any:
@@ -67,8 +70,11 @@ class Setting:
             return v
         if self.kind == "text":
             return text
+        scale = 1
+        if self.kind == "bytes" and v[-3:] in _BINARY:
+            v, scale = v[:-3].strip(), _BINARY[v[-3:]]
         try:
-            number = float(v)
+            number = float(v) * scale
         except ValueError:
             raise bad from None
         if self.kind in ("bytes", "int"):

@@ -6,6 +6,7 @@ are needed.
 """
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import traceback
@@ -24,6 +25,7 @@ BACKENDS = ("auto", "mpi", "horovod", "local")
 _lock = threading.Lock()
 _world: Optional[Communicator] = None
 _saved_excepthook = None
+_atexit_installed = False
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -52,7 +54,10 @@ def init(backend: str = "auto") -> Communicator:
         backend: "auto", "mpi", "horovod" or "local" (see :func:`resolve_backend`).
 
     With the MPI and Horovod backends, an uncaught exception on any rank
-    aborts the whole job instead of leaving the others waiting.
+    aborts the whole job instead of leaving the others waiting, and a rank
+    that leaves (returns, exits or calls :func:`shutdown`) while others still
+    call collectives makes them fail within seconds, naming it (see
+    :mod:`hpctrain.comm.departures`).
     """
     global _world
     with _lock:
@@ -72,7 +77,16 @@ def init(backend: str = "auto") -> Communicator:
         _world = impl.init_world(config)
         if _world.backend != "local":
             _install_excepthook(_world)
+            _install_atexit()
         return _world
+
+
+def _install_atexit() -> None:
+    """Shut down at interpreter exit, so a rank that returns or exits early tells the others it left."""
+    global _atexit_installed
+    if not _atexit_installed:
+        atexit.register(shutdown)
+        _atexit_installed = True
 
 
 def _install_excepthook(comm: Communicator) -> None:

@@ -45,3 +45,39 @@ def test_stall_watchdog_names_missing_rank_and_aborts(n):
     assert "has not finished after" in out and "stalled for" in out and "aborting the job" in out, out[-3000:]
     if n > 1:  # rank 0 knows who never made the call
         assert f"not yet joined by rank {n - 1} of world (world rank {n - 1})" in out, out[-3000:]
+
+
+LEAVERS = [(n, leaver, ("return", "exit", "shutdown")[(n + i) % 3])
+           for n in (2, 3, 4) for i, leaver in enumerate(("first", "last"))]
+
+
+@pytest.mark.parametrize("n, leaver, how", LEAVERS)
+def test_a_rank_that_leaves_early_ends_the_job_within_10s_naming_it(n, leaver, how):
+    victim = 0 if leaver == "first" else n - 1
+    result, took = launch(n, [str(PROGRAMS / "die.py")], how, victim, HPCTRAIN_STALL_TIMEOUT_S=600)
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "steps done" in result.stdout
+    assert took < 10 + 10, f"the job took {took:.1f} s to end"       # the launch itself takes seconds
+    message = (f"world rank {victim} left the job (returned, exited or called hpctrain.shutdown()) while this "
+               f"rank waits for it in allreduce(float64[1000]")
+    waiting = [r for r in range(n) if r != victim]
+    assert any(f"hpctrain: rank {r}: {message}" in result.stdout for r in waiting), result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("n, leaver, how", [(2, "last", "exit"), (3, "first", "return")])
+def test_on_horovod_a_rank_that_leaves_early_ends_the_job_naming_the_call(n, leaver, how):
+    victim = 0 if leaver == "first" else n - 1
+    result, took = launch(n, [str(PROGRAMS / "die.py")], how, victim, HPCTRAIN_STALL_TIMEOUT_S=600,
+                          HPCTRAIN_BACKEND="horovod")
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert took < 10 + 15, f"the job took {took:.1f} s to end"
+    assert "another rank left the job (returned, exited or called hpctrain.shutdown()) or failed while this rank " \
+           "waits in allreduce(float64[1000]" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_ranks_that_finish_together_leave_cleanly(n):
+    result, took = launch(n, [str(PROGRAMS / "die.py")], "return", -1, HPCTRAIN_STALL_WARNING_S=2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "steps done" in result.stdout and "left the job" not in result.stdout
+    assert "waits for" not in result.stdout, result.stdout[-3000:]      # nobody waited 2 s for the others

@@ -56,12 +56,35 @@ def test_hpctrain_info_lists_versions_and_layout():
     for word in ("Open MPI", "mpi4py", "numpy", "torch", "tensorflow", "horovod", "launcher   openmpi",
                  "world size 2"):
         assert word in out, f"{word!r} missing from:\n{out}"
-    assert "horovod  works" in out and "mpi      works" in out
+    assert "horovod  importable" in out and "mpi      importable" in out and "works" not in out
     assert out.count("hpctrain info") == 1, "only rank 0 prints"
     for name in ("native", "ring", "shm", "hierarchical"):
         assert re.search(rf"^    \* {name} ", out, re.M), f"algorithm {name} not listed:\n{out}"
     # one node, two ranks: the shared-memory all-reduce up to HPCTRAIN_SHM_SMALL_BYTES (default 256 KiB)
     assert re.search(r"^  auto picks here: 1 KiB -> shm, ", out, re.M), out
+
+
+def test_hpctrain_check_runs_every_backend_and_framework():
+    result = run([str(BIN / "hpctrain"), "check", "--timeout", "150"], base_env(), 600)
+    assert result.returncode == 0, result.stdout
+    for name, ranks in (("local", "1 rank"), ("mpi", "2 ranks"), ("horovod", "2 ranks"), ("torch", "2 ranks"),
+                        ("tensorflow", "2 ranks")):
+        assert re.search(rf"^  {name} +works \({ranks}, ", result.stdout, re.M), result.stdout
+
+
+def test_hpctrain_check_reports_a_failure_with_its_reason():
+    env = base_env(HPCTRAIN_STALL_TIMEOUT_S="-1")          # every launch refuses this setting
+    result = run([str(BIN / "hpctrain"), "check", "--only", "local", "mpi"], env, 300)
+    assert result.returncode == 1, result.stdout
+    for name in ("local", "mpi"):
+        assert re.search(rf"^  {name} +fails \(\d ranks?\): exit status \d+: .*HPCTRAIN_STALL_TIMEOUT_S='-1': "
+                         rf"expected seconds, at least 0", result.stdout, re.M), result.stdout
+    result = run([str(BIN / "hpctrain"), "check", "--only", "mpi", "--timeout", "0.5"], base_env(), 120)
+    assert result.returncode == 1 and "mpi         fails (2 ranks): no result within 0.5 s" in result.stdout, \
+        result.stdout
+    bad = subprocess.run([str(BIN / "hpctrain"), "check", "--only", "gloo"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "unknown check(s) gloo; known: local, mpi, horovod" in bad.stderr
 
 
 def test_hpctrain_launch_bad_arguments_fail_clearly():

@@ -68,7 +68,8 @@ def test_readme_settings_table_is_the_module_table():
 
 @pytest.mark.parametrize("name, text, value", [
     ("HPCTRAIN_CHECK", "off", False), ("HPCTRAIN_CHECK", " Yes ", True), ("HPCTRAIN_CHECK", "", True),
-    ("HPCTRAIN_FUSION_THRESHOLD", "1e6", 1_000_000), ("HPCTRAIN_STALL_TIMEOUT_S", "0", 0.0),
+    ("HPCTRAIN_FUSION_THRESHOLD", "1e6", 1_000_000), ("HPCTRAIN_FUSION_THRESHOLD", "64MiB", 64 << 20),
+    ("HPCTRAIN_SHM_MIN_BYTES", " 256 KiB", 256 << 10), ("HPCTRAIN_STALL_TIMEOUT_S", "0", 0.0),
     ("HPCTRAIN_STALL_WARNING_S", "2.5", 2.5), ("HPCTRAIN_BACKEND", "horovod", "horovod"),
     ("HPCTRAIN_RANKS_PER_NODE", "2", 2), ("HPCTRAIN_TUNE_FILE", "/x y/t.json", "/x y/t.json"),
 ])
@@ -79,10 +80,11 @@ def test_values_parse(name, text, value):
 
 @pytest.mark.parametrize("name, text, allowed", [
     ("HPCTRAIN_CHECK", "maybe", "1/0, true/false, yes/no, on/off"),
-    ("HPCTRAIN_FUSION_THRESHOLD", "64MB", "bytes, at least 1"),
-    ("HPCTRAIN_FUSION_THRESHOLD", "0", "bytes, at least 1"),
-    ("HPCTRAIN_SHM_ARENA_BYTES", "1000", "bytes, at least 4096"),
-    ("HPCTRAIN_RING_CHUNK_BYTES", "1.5", "bytes, at least 1"),
+    ("HPCTRAIN_FUSION_THRESHOLD", "64MB", "bytes (e.g. 65536, 1e6, 64KiB, 64MiB, 1GiB), at least 1"),
+    ("HPCTRAIN_FUSION_THRESHOLD", "64k", "bytes (e.g. 65536, 1e6, 64KiB, 64MiB, 1GiB), at least 1"),
+    ("HPCTRAIN_FUSION_THRESHOLD", "0", "bytes (e.g. 65536, 1e6, 64KiB, 64MiB, 1GiB), at least 1"),
+    ("HPCTRAIN_SHM_ARENA_BYTES", "1000", "bytes (e.g. 65536, 1e6, 64KiB, 64MiB, 1GiB), at least 4096"),
+    ("HPCTRAIN_RING_CHUNK_BYTES", "1.5", "bytes (e.g. 65536, 1e6, 64KiB, 64MiB, 1GiB), at least 1"),
     ("HPCTRAIN_STALL_TIMEOUT_S", "-1", "seconds, at least 0"),
     ("HPCTRAIN_BACKEND", "nccl", "auto, mpi, horovod, local"),
     ("HPCTRAIN_RANKS_PER_NODE", "two", "a whole number, at least 0"),

@@ -88,16 +88,17 @@ def read_entries(path: str, step: int, state: Mapping[str, Any], rank: int) -> D
             manifest = json.load(f)
     except ValueError as exc:
         raise CorruptFileError(f"{path}/manifest.json is not valid JSON ({exc})") from None
-    if manifest.get("format") != FORMAT or manifest.get("step") != step:
-        raise CorruptFileError(f"{path}/manifest.json: unknown format {manifest.get('format')!r} "
-                               f"or step {manifest.get('step')!r}")
+    _check_manifest(path, manifest, step)
     files = manifest["files"]
     wanted_rep = [k for k, v in state.items() if not isinstance(v, Sharded)]
     wanted_sh = [k for k, v in state.items() if isinstance(v, Sharded)]
     out: Dict[str, Tuple[str, Any]] = {}
 
     def load(fname, keys):
-        info = files[fname]
+        info = files.get(fname)
+        if not isinstance(info, dict) or not {"size", "crc32"} <= set(info):
+            raise CorruptFileError(f"{path}/manifest.json: its field 'files' has no size and crc32 for {fname} "
+                                   f"(it lists {sorted(files)})")
         tensors, metadata = read_tensors(os.path.join(path, fname), info["size"], info["crc32"])
         tree = json.loads(metadata["hpctrain.tree"])
         for k in keys:
@@ -118,6 +119,28 @@ def read_entries(path: str, step: int, state: Mapping[str, Any], rank: int) -> D
             raise Mismatch(f"checkpoint {path} has no shard {shard} (it was written with shards {written} "
                            f"by {manifest['world_size']} ranks)")
     return out
+
+
+_FIELDS = {"format": str, "step": int, "world_size": int, "shard_of_rank": list, "files": dict}
+_KIND_NAMES = {str: "text", int: "whole number", list: "list", dict: "JSON object"}
+
+
+def _check_manifest(path: str, manifest: Any, step: int) -> None:
+    """Raise CorruptFileError naming the field of ``manifest`` that is missing or disagrees, and with what."""
+    where = f"{path}/manifest.json"
+    if not isinstance(manifest, dict):
+        raise CorruptFileError(f"{where} holds a {type(manifest).__name__}, expected a JSON object")
+    for field, kind in _FIELDS.items():
+        if field not in manifest:
+            raise CorruptFileError(f"{where} lacks the field {field!r}")
+        if not isinstance(manifest[field], kind) or (kind is int and isinstance(manifest[field], bool)):
+            raise CorruptFileError(f"{where}: field {field!r} is {manifest[field]!r}, expected a {_KIND_NAMES[kind]}")
+    if manifest["format"] != FORMAT:
+        raise CorruptFileError(f"{where}: field 'format' is {manifest['format']!r}, expected {FORMAT!r} "
+                               f"(written by another program or another version)")
+    if manifest["step"] != step:
+        raise CorruptFileError(f"{where}: field 'step' is {manifest['step']}, but the directory "
+                               f"{os.path.basename(path)} is the checkpoint of step {step}")
 
 
 class Mismatch(Exception):

@@ -280,7 +280,7 @@ class Communicator(Primitives):
         self._rt.abort(message)
 
     def close(self) -> None:
-        """Finish the queued calls, stop the engine, free the node's shared memory (the world's; collective)."""
+        """Finish the queued calls, leave (see :mod:`hpctrain.comm.departures`), free the node's shared memory."""
         self._rt.close()
         self._release_shared()
 
@@ -306,12 +306,13 @@ class Communicator(Primitives):
 
     def _run(self, plan: Plan) -> Any:
         call, work, restore = plan
-        return restore(self._rt.run(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}"))
+        return restore(self._rt.run(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
+                                    self.world_ranks))
 
     def _submit(self, plan: Plan) -> Handle:
         call, work, restore = plan
-        return Handle(self._rt.submit(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}"),
-                      restore)
+        return Handle(self._rt.submit(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
+                                      self.world_ranks), restore)
 
     def _task(self, call: Call, work: Optional[Callable[[], Any]]) -> Callable[[], Any]:
         riding = work if isinstance(work, Riding) else None

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, HpctrainError
 from .abort import abort_job
 from .base import Communicator, Topology
 from .runtime import Config, Runtime
@@ -65,9 +65,18 @@ class HorovodCommunicator(Communicator):
         adds at most 1/8 to an operation's latency and leaves the core free.
         """
         start = time.perf_counter()
-        while not self._hvd.poll(handle):
-            time.sleep(min(1e-3, max(2e-5, (time.perf_counter() - start) / 8)))
-        return self._hvd.synchronize(handle)
+        try:
+            while not self._hvd.poll(handle):
+                time.sleep(min(1e-3, max(2e-5, (time.perf_counter() - start) / 8)))
+            return self._hvd.synchronize(handle)
+        except Exception as exc:
+            if "has been shut down" not in str(exc):
+                raise
+            cur = self._rt.collectives.inflight
+            call = cur.describe() if cur is not None else "a collective"
+            raise HpctrainError(f"rank {self._hvd.rank()}: another rank left the job (returned, exited or called "
+                                f"hpctrain.shutdown()) or failed while this rank waits in {call}: Horovod was "
+                                f"shut down there and does not say which rank; the MPI backend names it") from exc
 
     def _exchange_calls(self, call: Call, riding=None) -> str:
         own = np.zeros((1, DESC_BYTES), dtype=np.uint8)

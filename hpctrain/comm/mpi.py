@@ -32,6 +32,7 @@ from .mpi_direct import DIRECT_MIN_BYTES, DirectCopies
 from .mpi_requests import RequestHandle, RingTransport
 from .abort import abort_job
 from .base import Communicator, Handle, Riding, Topology
+from .departures import Departures, MPINotices
 from .mailbox import Mailbox
 from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from .runtime import Config, Runtime
@@ -176,6 +177,7 @@ No call object, plan or closure per call beyond the lane's; the call's
             return None
         key_hash, desc = encoded(call)
         shape, dtype, n, lane, note = arr.shape, arr.dtype, self._size, self._rt.collectives, self._note_missing
+        members = self.world_ranks
         code = mb.sum_code(acc, op) if acc == dtype else None
 
         def task(x: np.ndarray, seq: int) -> np.ndarray:
@@ -192,7 +194,7 @@ No call object, plan or closure per call beyond the lane's; the call's
         def allreduce(x: np.ndarray) -> np.ndarray:
             self._seq += 1
             seq = self._seq
-            return lane.run(lambda: task(x, seq), lambda: f"{call.text()} #{seq} on {self.name}")
+            return lane.run(lambda: task(x, seq), lambda: f"{call.text()} #{seq} on {self.name}", members)
         return allreduce
 
     # -- buffer primitives -----------------------------------------------------
@@ -369,4 +371,7 @@ def init_world(config: Config) -> MPICommunicator:
             f"OpenMPI 5; use srun --mpi=pmix or mpirun). Refusing to run {launch.size} independent copies.")
 
     runtime = Runtime(config, world.Get_rank(), abort_job)
+    if world.Get_size() > 1:
+        notices = MPINotices(world, MPI)
+        runtime.departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
     return MPICommunicator(runtime, world, "world", range(world.Get_size()), owns=False)

@@ -13,6 +13,9 @@ The watchdog thread looks at the collective in flight: after
 ``HPCTRAIN_STALL_WARNING_S`` seconds it logs which call is stuck and, where
 known, which ranks have not joined; after ``HPCTRAIN_STALL_TIMEOUT_S`` seconds
 (0 disables) it aborts the whole job with that message instead of hanging.
+It also reads the departures board (:mod:`hpctrain.comm.departures`): a
+collective that waits for a rank that has left ends the job a few seconds
+after the notice arrived.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 from .. import settings
 
@@ -102,10 +105,11 @@ def read_tuning() -> dict:
 class InFlight:
     """The collective being executed, as the watchdog sees it (``text`` may be a function that returns it)."""
 
-    __slots__ = ("text", "start", "waiting_on", "warned")
+    __slots__ = ("text", "start", "waiting_on", "warned", "members")
 
-    def __init__(self, text: Union[str, Callable[[], str]], start: float):
+    def __init__(self, text: Union[str, Callable[[], str]], start: float, members: Tuple[int, ...] = ()):
         self.text, self.start, self.waiting_on, self.warned = text, start, "", False
+        self.members = members      # world ranks of the call's communicator (for departures)
 
     def describe(self) -> str:
         """Return the call as text (formatted only when someone reads it)."""
@@ -130,21 +134,26 @@ class Lane:
         self._closed = False
         self._worker: Optional[threading.Thread] = None
 
-    def run(self, fn: Callable[[], object], text: Union[str, Callable[[], str]]) -> object:
-        """Run ``fn`` now, after the asynchronous calls issued before it, and return its result."""
+    def run(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
+            ) -> object:
+        """Run ``fn`` now, after the asynchronous calls issued before it, and return its result.
+
+        ``members``: the world ranks the call waits for (the watchdog's departures check).
+        """
         if self._pending:                     # (no lock needed: this thread's earlier submits raised it)
             with self._cv:
                 while self._pending:
                     self._cv.wait()
-        return self._execute(fn, text)
+        return self._execute(fn, text, members)
 
-    def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]]) -> Future:
+    def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
+               ) -> Future:
         """Queue ``fn`` for the worker thread and return a Future of its result."""
         fut: Future = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError("hpctrain was shut down; call hpctrain.init() again")
-            self._queue.append((fn, text, fut))
+            self._queue.append((fn, text, fut, members))
             self._pending += 1
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name=f"hpctrain-{self.name}", daemon=True)
@@ -152,9 +161,9 @@ class Lane:
             self._cv.notify_all()
         return fut
 
-    def _execute(self, fn, text):
+    def _execute(self, fn, text, members=()):
         with self._exec_lock:
-            self.inflight = InFlight(text, time.monotonic())
+            self.inflight = InFlight(text, time.monotonic(), members)
             try:
                 return fn()
             finally:
@@ -167,10 +176,10 @@ class Lane:
                     self._cv.wait()
                 if not self._queue:
                     return
-                fn, text, fut = self._queue.popleft()
+                fn, text, fut, members = self._queue.popleft()
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(self._execute(fn, text))
+                    fut.set_result(self._execute(fn, text, members))
                 except BaseException as exc:  # delivered to the caller's wait()
                     fut.set_exception(exc)
             with self._cv:
@@ -209,17 +218,20 @@ class Runtime:
         self.collectives = Lane("collectives")
         self.receives = Lane("receives")
         self.before_close: list = []   # callables run by close() first (checkpoint managers flush)
+        self.departures = None         # a departures.Departures where the backend sends leaving notices
         self._closed = False
         self._watchdog = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._watchdog.start()
 
-    def run(self, fn: Callable[[], object], text: Union[str, Callable[[], str]]) -> object:
+    def run(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
+            ) -> object:
         """Run a collective now, after the asynchronous ones issued before it."""
-        return self.collectives.run(fn, text)
+        return self.collectives.run(fn, text, members)
 
-    def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]]) -> Future:
+    def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
+               ) -> Future:
         """Queue a collective for the background thread and return a Future of its result."""
-        return self.collectives.submit(fn, text)
+        return self.collectives.submit(fn, text, members)
 
     def note_waiting(self, waiting_on: str) -> None:
         """Record who the collective in flight is waiting for (shown by the watchdog)."""
@@ -235,17 +247,37 @@ class Runtime:
         self.collectives.close(drain=True)
         self.receives.close(drain=False)
         self._closed = True
+        if self.departures is not None:      # no collective is left on this rank: leave, with the others
+            self.departures.leave(self.config.stall_warning_s)
+            self.departures = None
 
     def abort(self, message: str) -> None:
         """End the whole job with ``message`` (never returns)."""
         self._abort(message)
 
     # -- watchdog ------------------------------------------------------
+    def _check_departures(self) -> None:
+        """End the job when the collective in flight waits for a rank that has left (see departures.py)."""
+        if self.departures is None:
+            return
+        self.departures.update()
+        cur = self.collectives.inflight
+        if cur is None or not cur.members:
+            return
+        gone = self.departures.blocking(cur.members, cur.start, time.monotonic())
+        if gone and not self._closed:
+            from .signature import format_ranks
+
+            self._abort(f"hpctrain: rank {self.world_rank}: world {format_ranks(gone)} left the job (returned, "
+                        f"exited or called hpctrain.shutdown()) while this rank waits for it in "
+                        f"{cur.describe()}; it will never join, aborting the job")
+
     def _watch(self):
         cfg = self.config
         period = max(0.05, min(1.0, cfg.stall_warning_s / 4))
         while not self._closed:
             time.sleep(period)
+            self._check_departures()
             for lane in (self.collectives, self.receives):
                 cur = lane.inflight
                 if cur is None:

@@ -1,4 +1,8 @@
-"""Misbehave on one rank: ``die.py sigkill|raise|stall VICTIM``; the other ranks keep calling allreduce."""
+"""Misbehave on one rank: ``die.py sigkill|raise|stall|return|exit|shutdown VICTIM``; the others keep calling allreduce.
+
+``return``, ``exit`` and ``shutdown`` leave early without an error (the script ends, ``sys.exit(0)``,
+``hpctrain.shutdown()``); VICTIM -1: nobody misbehaves and every rank finishes the same loop.
+"""
 import os
 import signal
 import sys
@@ -24,6 +28,14 @@ if comm.rank == victim:
         if comm.size == 1:
             comm.recv(source=0, tag=99)  # nothing was sent: the receive stalls
         time.sleep(600)
-for step in range(1000):
+    elif mode == "exit":
+        sys.exit(0)
+    elif mode == "shutdown":
+        hpctrain.shutdown()
+        time.sleep(1)
+leaves = comm.rank == victim and mode in ("return", "shutdown")
+if leaves:
+    print(f"rank {comm.rank} leaves early", flush=True)   # and the script ends: no Join, no error
+for step in range(0 if leaves else 1000 if victim >= 0 else 20):
     comm.allreduce(x)
     time.sleep(0.01)

@@ -260,6 +260,30 @@ def test_when_every_checkpoint_is_bad_restore_raises_unless_told_to_start_fresh(
     assert manager.restore({"x": x, "mine": Sharded(mine)}) == 2 and np.all(x == 12)
 
 
+@pytest.mark.parametrize("edit, expected", [
+    (lambda m: m.update(step=7), "field 'step' is 7, but the directory step-000000001 is the checkpoint of step 1"),
+    (lambda m: m.update(format="other/2"), "field 'format' is 'other/2', expected 'hpctrain-checkpoint/1'"),
+    (lambda m: m.pop("files"), "lacks the field 'files'"),
+    (lambda m: m.update(world_size="two"), "field 'world_size' is 'two', expected a whole number"),
+    (lambda m: m["files"].pop("replicated.safetensors"), "has no size and crc32 for replicated.safetensors"),
+])
+def test_an_edited_manifest_is_refused_naming_the_field(comm, ckdir, edit, expected):
+    manager = CheckpointManager(ckdir)
+    manager.save(1, {"x": np.ones(3)})
+    manager.wait()
+    if comm.rank == 0:
+        path = os.path.join(manager.step_dir(1), "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        edit(manifest)
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    comm.barrier()
+    with pytest.raises(CheckpointError) as err:
+        manager.restore({"x": np.zeros(3)})
+    assert expected in str(err.value), str(err.value)
+
+
 def test_keep_prunes_old_checkpoints_after_the_new_one_commits(comm, ckdir):
     manager = CheckpointManager(ckdir, keep=2, every_steps=3)
     saved = [s for s in range(1, 11) if manager.save(s, {"x": np.full(2, s)})]
