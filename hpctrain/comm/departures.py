@@ -12,8 +12,11 @@ naming the ranks that left and the call it waits in, a few seconds after the
 notice arrived (:data:`GRACE_S`, so a call the leaver had already finished
 can complete).
 
-Cost: ``N - 1`` messages of 8 bytes sent per rank at shutdown (``N (N - 1)``
-in all), and a matched probe per watchdog period while running.
+Transports: MPI messages (:class:`MPINotices`: the MPI backend, and Horovod
+under its MPI controller) or the key-value store of ``horovodrun --gloo``'s
+rendezvous server (:class:`KVNotices`).  Cost: ``N - 1`` notices sent per rank
+at shutdown (``N (N - 1)`` in all), and a poll per watchdog period while a
+collective has waited a second or more.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Callable, Dict, Iterable, List
 
 import numpy as np
 
-__all__ = ["Departures", "MPINotices", "GRACE_S"]
+__all__ = ["Departures", "MPINotices", "KVNotices", "GRACE_S"]
 
 log = logging.getLogger("hpctrain")
 
@@ -65,7 +68,7 @@ class Departures:
                 log.warning("hpctrain: rank %d has finished and waits for %s to finish too", rank,
                             format_ranks(sorted(others - set(self.left))))
                 warned = True
-            time.sleep(0.005)
+            time.sleep(min(0.25, 0.005 + (time.monotonic() - start) / 20))   # soon, then every 0.25 s
         self._free()
 
     def update(self) -> Dict[int, float]:
@@ -110,3 +113,46 @@ class MPINotices:
     def free(self) -> None:
         """Release the communicator (after every other rank has left too)."""
         self._comm.Free()
+
+
+class KVNotices:
+    """Leaving notices through a key-value store over HTTP (the rendezvous server of ``horovodrun --gloo``).
+
+    A leaving rank PUTs ``/<scope>/left-<rank>``; ``poll`` GETs the key of
+    every rank not yet known to have left (404: still running).  Cost: one
+    HTTP request per other rank and poll; the watchdog polls only while a
+    collective has waited a second or more.
+    """
+
+    def __init__(self, addr: str, port: int, rank: int, size: int, scope: str = "hpctrain-departures"):
+        self.rank, self.size = rank, size
+        self._base = f"http://{addr}:{port}/{scope}"
+        self._known: set = set()
+
+    def announce(self) -> None:
+        """PUT this rank's key."""
+        from urllib.request import Request, urlopen
+
+        req = Request(f"{self._base}/left-{self.rank}", data=b"1", method="PUT")
+        urlopen(req, timeout=10).close()
+
+    def poll(self) -> List[int]:
+        """The ranks whose keys appeared since the last poll."""
+        from urllib.error import HTTPError, URLError
+        from urllib.request import urlopen
+
+        out = []
+        for r in range(self.size):
+            if r == self.rank or r in self._known:
+                continue
+            try:
+                urlopen(f"{self._base}/left-{r}", timeout=10).close()
+            except HTTPError as exc:
+                if exc.code == 404:
+                    continue
+                raise
+            except URLError:
+                continue          # the store is gone: the launcher is ending the job anyway
+            self._known.add(r)
+            out.append(r)
+        return out

@@ -195,5 +195,24 @@ def init_world(config: Config) -> HorovodCommunicator:
 
     topo = Topology(hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())
     runtime = Runtime(config, hvd.rank(), abort_job)
+    runtime.departures = _departures(hvd)
     registry = {tuple(range(hvd.size())): hvd.global_process_set}  # Horovod refuses a duplicate
     return HorovodCommunicator(runtime, hvd, hvd.global_process_set, "world", range(hvd.size()), topo, registry)
+
+
+def _departures(hvd):
+    """Where this world sends leaving notices: MPI under Horovod's MPI controller, else horovodrun's store."""
+    from .departures import Departures, KVNotices, MPINotices
+
+    if hvd.size() == 1:
+        return None
+    if hvd.mpi_enabled():
+        from mpi4py import MPI
+
+        notices = MPINotices(MPI.COMM_WORLD, MPI)
+        return Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
+    addr, port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    if not addr or not port:
+        return None        # no channel: a departure shows as Horovod's shutdown error, naming the call
+    notices = KVNotices(addr, int(port), hvd.rank(), hvd.size())
+    return Departures(notices.rank, notices.size, notices.poll, notices.announce)
