@@ -28,14 +28,13 @@ if comm.rank == victim:
         if comm.size == 1:
             comm.recv(source=0, tag=99)  # nothing was sent: the receive stalls
         time.sleep(600)
-    elif mode == "exit":
-        sys.exit(0)
-    elif mode == "shutdown":
-        hpctrain.shutdown()
-        time.sleep(1)
-leaves = comm.rank == victim and mode in ("return", "shutdown")
-if leaves:
-    print(f"rank {comm.rank} leaves early", flush=True)   # and the script ends: no Join, no error
+    elif mode in ("return", "exit", "shutdown"):
+        print(f"rank {comm.rank} leaves early at {time.time():.3f}", flush=True)
+        if mode == "exit":
+            sys.exit(0)
+        if mode == "shutdown":
+            hpctrain.shutdown()
+leaves = comm.rank == victim and mode in ("return", "shutdown")   # the script ends: no Join, no error
 for step in range(0 if leaves else 1000 if victim >= 0 else 20):
     comm.allreduce(x)
     time.sleep(0.01)
