@@ -258,11 +258,11 @@ class Runtime:
     # -- watchdog ------------------------------------------------------
     def _check_departures(self) -> None:
         """End the job when the collective in flight waits for a rank that has left (see departures.py)."""
-        cur = self.collectives.inflight
-        if self.departures is None or cur is None or not cur.members or time.monotonic() - cur.start < 1.0:
+        cur, board = self.collectives.inflight, self.departures
+        if board is None or cur is None or not cur.members or time.monotonic() - cur.start < 1.0:
             return              # (a call that has not waited a second is not held up by anyone yet)
-        self.departures.update()
-        gone = self.departures.blocking(cur.members, cur.start, time.monotonic())
+        board.update()
+        gone = board.blocking(cur.members, cur.start, time.monotonic())
         if gone and not self._closed:
             from .signature import format_ranks
 
