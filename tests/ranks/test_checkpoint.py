@@ -231,7 +231,7 @@ def _damage(path: str, damage: str) -> None:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "manifest", "missing shard"])
-def test_when_every_checkpoint_is_bad_restore_raises_unless_told_to_start_fresh(comm, ckdir, damage):
+def test_when_every_checkpoint_is_bad_restore_raises_unless_told_to_start_fresh(comm, ckdir, damage, caplog):
     x, mine = np.zeros(1000), np.zeros(4)
     manager = CheckpointManager(ckdir, keep=5)
     for step in (1, 2):
@@ -249,8 +249,11 @@ def test_when_every_checkpoint_is_bad_restore_raises_unless_told_to_start_fresh(
     assert "step-000000001:" in text and "step-000000002:" in text and "rank" in text, text
     assert manager.all_steps() == [1, 2]                  # nothing moved or deleted without the opt-in
     x[:] = -1
-    assert manager.restore({"x": x, "mine": Sharded(mine)}, start_fresh_if_invalid=True) is None
+    with caplog.at_level(logging.WARNING, logger="hpctrain"):
+        assert manager.restore({"x": x, "mine": Sharded(mine)}, start_fresh_if_invalid=True) is None
     assert np.all(x == -1) and manager.all_steps() == []
+    if comm.rank == 0:                                    # it says so, and where the refused ones are
+        assert "starting from scratch as asked" in caplog.text and "refused" in caplog.text, caplog.text
     assert sorted(os.listdir(os.path.join(ckdir, "refused"))) == ["step-000000001", "step-000000002"]
     for step in (1, 2):                                   # the run from scratch saves the same steps again
         x[:] = 10 + step
