@@ -69,7 +69,9 @@ class Departures:
                             format_ranks(sorted(others - set(self.left))))
                 warned = True
             time.sleep(min(0.25, 0.005 + (time.monotonic() - start) / 20))   # soon, then every 0.25 s
-        self._free()
+        with self._lock:               # the watchdog may still be about to poll: make that a no-op first
+            self._poll = tuple
+            self._free()
 
     def update(self) -> Dict[int, float]:
         """Read the notices that arrived and return every departure known so far."""

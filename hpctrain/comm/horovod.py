@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..env import detect_launcher
 from ..errors import BackendUnavailableError, HpctrainError
 from .abort import abort_job
 from .base import Communicator, Topology
@@ -185,6 +186,15 @@ def init_world(config: Config) -> HorovodCommunicator:
     os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(config.stall_warning_s)))
     if config.stall_timeout_s:
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(config.stall_timeout_s)))
+    launch = detect_launcher()
+    if launch is not None and launch.uses_mpi:
+        # Under an MPI launcher MPI starts here, before Horovod: then Horovod's shutdown (coordinated
+        # across ranks, in its background thread) does not finalize MPI under the leaving notices
+        # (departures.py); mpi4py finalizes it at exit, after hpctrain's shutdown.
+        try:
+            from mpi4py import MPI  # noqa: F401
+        except ImportError:
+            pass
     try:
         import horovod.torch as hvd
     except ImportError as exc:
