@@ -30,7 +30,8 @@ bytes``, against ``2 (N-1)/N x table bytes`` for a dense all-reduce: rows are
 cheaper while N times the rows a rank touches stays well under the table's
 rows.  ``sparse_as_dense=True`` densifies sparse gradients first and reduces
 them with the dense ones (better when most rows are touched, and the only way
-to compress them: rows are never compressed).  On one rank nothing is sent and
+to compress them: rows are never compressed); torch gets the result back as
+a sparse tensor again, TensorFlow as a dense one.  On one rank nothing is sent and
 a sparse gradient stays sparse.
 """
 from __future__ import annotations

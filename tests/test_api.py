@@ -18,9 +18,11 @@ def public_objects():
     import hpctrain.collectives.ring as ring
     import hpctrain.env as env
     import hpctrain.launch as launch
+    import hpctrain.horovod.basics as hvd_basics
+    import hpctrain.horovod.torch as hvd_torch
     import hpctrain.tensors as tensors
 
-    for module in (hpctrain, ops, ring, env, launch, tensors):
+    for module in (hpctrain, ops, ring, env, launch, tensors, hvd_basics, hvd_torch):
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isfunction(obj) or inspect.isclass(obj):

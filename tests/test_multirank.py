@@ -56,3 +56,10 @@ def test_small_sums_without_the_c_kernel(n, rank_suites):
     """HPCTRAIN_NATIVE_KERNEL=0: the Python exchange does what the C kernel would, with the same results and bits."""
     rank_suites.get("no-c-kernel", n, ["test_collectives.py"], select="repeated_small or rank_order or mismatch",
                     HPCTRAIN_NATIVE_KERNEL=0).check_file("test_collectives.py")
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_horovod_api(n, rank_suites):
+    """hpctrain.horovod.torch in a launch of its own: its negotiation thread issues every collective there."""
+    rank_suites.get("horovod-api", n, ["test_horovod_api.py"]).check_file("test_horovod_api.py")

@@ -9,8 +9,8 @@ Four lines turn a single-process script into a data-parallel one::
 
 and :class:`hpctrain.data.DistributedSampler` gives each rank its share of the data.
 """
-from .broadcast import allreduce, average_metrics, broadcast_optimizer_state, broadcast_parameters
-from .join import Join
+from .state_broadcast import allreduce, average_metrics, broadcast_optimizer_state, broadcast_parameters
+from .joining import Join
 from .optimizer import DistributedOptimizer
 from .pipeline import Pipeline, PipelineError
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm

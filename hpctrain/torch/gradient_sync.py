@@ -155,12 +155,10 @@ class GradientSync:
         return _HostStaged(self.averager, flat, bucket, self.names, self.shapes)
 
     def _local(self, bucket) -> None:
-        """One rank, no compressor: the reduction is the identity; densify if asked, average over the passes."""
+        """One rank, no compressor: the reduction is the identity; average over the passes."""
         with torch.no_grad():
             for i in bucket.members:
                 p = self.params[i]
-                if p.grad is not None and p.grad.is_sparse and not self._as_rows(p.grad):
-                    p.grad = p.grad.to_dense()
                 if p.grad is not None and self.op == "avg" and self.passes > 1:
                     p.grad = p.grad / self.passes if p.grad.is_sparse else p.grad.div_(self.passes)
 
@@ -220,6 +218,8 @@ class GradientSync:
                     p.grad = None
                 elif rows[j]:
                     self.rows_due.append((i, view.clone() if dense[j] else None))
+                elif p.grad is not None and p.grad.is_sparse:      # densified to travel: sparse again
+                    p.grad = view.to_sparse(p.grad.sparse_dim())
                 elif own and view.dtype == p.dtype and view.stride() == p.stride():
                     if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
                         p.grad = view

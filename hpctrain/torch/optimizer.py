@@ -88,7 +88,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
             under 1024 values).
         sparse_as_dense: densify sparse gradients (``nn.Embedding(sparse=True)``)
             and reduce them with the dense ones, instead of gathering every
-            rank's rows (the policy and its cost: :mod:`hpctrain.gradients`).
+            rank's rows (the policy and its cost: :mod:`hpctrain.gradients`);
+            a gradient that was sparse is handed back sparse (``to_sparse``),
+            so optimizers such as SparseAdam keep working.
     """
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")

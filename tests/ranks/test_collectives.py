@@ -18,7 +18,7 @@ import hpctrain
 from hpctrain.collectives.ops import segment_bounds
 from hpctrain.tensors import BFLOAT16
 
-DTYPES = [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_]
+DTYPES = [np.float16, BFLOAT16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_]
 OPS = ["sum", "avg", "min", "max", "prod"]
 SIZES = ["0", "1", "n-1", "1000003"]
 BIG = 64 << 20  # 64 MiB

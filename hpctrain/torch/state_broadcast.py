@@ -9,7 +9,7 @@ from ..agreement import check_same
 from ..metrics import average_metrics
 from ..world import comm_or_world
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "allreduce", "average_metrics"]
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "named_tensors", "allreduce", "average_metrics"]
 
 
 def broadcast_tensors(tensors: List[torch.Tensor], root: int, comm) -> None:
@@ -34,24 +34,47 @@ def broadcast_tensors(tensors: List[torch.Tensor], root: int, comm) -> None:
                 off += t.numel()
 
 
-def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]],
+def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]],
+                                      Iterable[torch.Tensor]],
                          root: int = 0, comm=None) -> None:
     """Copy ``root``'s parameters (and buffers) into every rank's, in place.
 
     Args:
-        params: ``model.state_dict()`` (parameters and buffers) or
-            ``model.named_parameters()``; the same names on every rank.
+        params: ``model.state_dict()`` (parameters and buffers),
+            ``model.named_parameters()`` (or a list of ``(name, tensor)``
+            pairs), or ``model.parameters()`` (tensors, matched by position);
+            the same on every rank.
         root: the rank whose values win.
         comm: the communicator (default: the world).
 
-    Raises ValueError on every rank, naming the ranks, if the names, shapes or
-    dtypes differ between ranks.
+    Raises TypeError for anything else, saying what to pass, and ValueError
+    on every rank, naming the ranks, if the names, shapes or dtypes differ
+    between ranks.
     """
     comm = comm_or_world(comm)
-    items = sorted((params.items() if isinstance(params, Mapping) else list(params)), key=lambda kv: kv[0])
+    items = sorted(named_tensors(params), key=lambda kv: kv[0])
     check_same(comm, "the tensors to broadcast (name, shape, dtype)",
                [(n, tuple(t.shape), str(t.dtype)) for n, t in items], f"{len(items)} tensors")
     broadcast_tensors([t for _, t in items], root, comm)
+
+
+def named_tensors(params) -> List[Tuple[str, torch.Tensor]]:
+    """Return ``params`` (a state dict, named pairs or bare tensors) as ``(name, tensor)`` pairs.
+
+    Bare tensors are named by position (``"00000"``, ...) so that sorting by
+    name keeps their order.
+    """
+    what = ("broadcast_parameters takes model.state_dict(), model.named_parameters() or model.parameters() "
+            "(or a list of (name, tensor) pairs)")
+    if isinstance(params, torch.Tensor) or isinstance(params, (str, bytes)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"{what}; got a {type(params).__name__}")
+    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    if all(isinstance(t, torch.Tensor) for t in items):
+        return [(f"{i:05d}", t) for i, t in enumerate(items)]
+    if all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[1], torch.Tensor) for kv in items):
+        return items
+    bad = next(x for x in items if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)))
+    raise TypeError(f"{what}; got an element of type {type(bad).__name__}: mixed or non-tensor entries")
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0, comm=None) -> None:

@@ -1,0 +1,345 @@
+"""Horovod's negotiation: ranks agree by name on which collectives are ready, then run them in one order.
+
+Horovod matches collectives by *name*, not by call order: rank 0 may start
+allreduce "a" and then "b" while rank 1 starts "b" and then "a", and a rank
+may wait in a barrier while an asynchronous allreduce of its own is still
+open.  hpctrain's communicators run calls in program order, so this module
+puts Horovod's protocol on top of them.  A background thread on every rank
+runs cycles:
+
+1. every rank contributes the requests started since its last cycle (name,
+   process set, signature) and whether it has joined or shut down: one
+   ``allgather_object`` over the world;
+2. every rank adds them to the same table, so all agree which names are
+   ready (every member of the request's process set started it; a rank that
+   called ``join`` counts as started for allreduces, contributing zeros);
+3. ready requests run in the order they first appeared, on the process set's
+   communicator; allreduces with the same process set, dtype, op and scale
+   factors are fused into one ``grouped_allreduce``.
+
+Every collective therefore runs on this one thread, in an order all ranks
+share, and the rest of hpctrain (algorithms, fusion, checks) is used as is.
+Requests whose signatures differ (dtype, shape, op, root, an invalid
+argument on some rank) fail on every member with the ranks and their calls
+named.  A request that some ranks started and others did not for
+``HPCTRAIN_STALL_WARNING_S`` is logged with the missing ranks, and fails
+after ``HPCTRAIN_STALL_TIMEOUT_S`` (decided on rank 0's clock, so on every
+rank in the same cycle).
+
+Cost: one small allgather per cycle.  A cycle follows at once while requests
+arrive; when idle the pause doubles from 1 ms up to ``HOROVOD_CYCLE_TIME``
+(ms, default 5), and a rank that starts a request wakes its thread at once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from .. import settings
+from ..comm.signature import format_ranks
+from ..errors import CollectiveMismatchError, HpctrainError
+from . import execute
+
+__all__ = ["Controller", "OpHandle", "HorovodInternalError"]
+
+log = logging.getLogger("hpctrain")
+
+
+class HorovodInternalError(HpctrainError):
+    """Horovod's error for a collective that could not complete (shut down, or a rank lost)."""
+
+
+class OpHandle:
+    """The pending result of one request: ``done()``, ``wait()``."""
+
+    __slots__ = ("_event", "_value", "_error", "name")
+
+    def __init__(self, name: str):
+        self._event, self._value, self._error, self.name = threading.Event(), None, None, name
+
+    def done(self) -> bool:
+        """Return whether the request has finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self) -> Any:
+        """Block until the request finishes; return its result or raise its error."""
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _finish(self, value: Any = None, error: Optional[BaseException] = None) -> None:
+        self._value, self._error = value, error
+        self._event.set()
+
+
+class Request:
+    """One started collective: what the ranks compare (``sig``) and what this rank runs (``payload``)."""
+
+    __slots__ = ("name", "kind", "ps", "sig", "payload", "handle")
+
+    def __init__(self, name: str, kind: str, ps: int, sig: tuple, payload: Any):
+        self.name, self.kind, self.ps, self.sig, self.payload = name, kind, ps, sig, payload
+        self.handle = OpHandle(name)
+
+
+class Entry:
+    """A name in the shared table: who started it, with which signature, since when (rank 0's clock)."""
+
+    __slots__ = ("kind", "ps", "sigs", "since", "warned")
+
+    def __init__(self, kind: str, ps: int, since: float):
+        self.kind, self.ps, self.sigs, self.since, self.warned = kind, ps, {}, since, False
+
+
+class Controller:
+    """The negotiation thread of one rank over the world communicator ``world``.
+
+    Args:
+        world: hpctrain's world communicator.
+        sets: the process sets, ``{id: (world ranks, communicator or None)}``;
+            id 0 is the world.  The controller adds and removes entries when
+            ``add_process_set``/``remove_process_set`` requests run.
+        timeline: an object with ``negotiate``/``start``/``end``/``cycle``
+            methods, or None.
+    """
+
+    def __init__(self, world, sets: Dict[int, Tuple[Tuple[int, ...], Any]], timeline=None):
+        self.world, self.sets, self.timeline = world, sets, timeline
+        self.rank, self.size = world.rank, world.size
+        self._cv = threading.Condition()
+        self._new: List[Request] = []
+        self._mine: Dict[str, Request] = {}          # started here, not finished
+        self._table: Dict[str, Entry] = {}
+        self._noname: Dict[Tuple[str, int], int] = {}
+        self._joined: Dict[int, int] = {}            # rank -> cycle it joined in
+        self._join_handle: Optional[OpHandle] = None
+        self._join_sent = False
+        self._stop = False
+        self._next_set = max(sets) + 1
+        self._cycle = 0
+        self._pause = 0.0
+        self._max_pause = float(settings.get("HOROVOD_CYCLE_TIME")) / 1000.0
+        self._warn_s = world.config.stall_warning_s
+        self._timeout_s = world.config.stall_timeout_s
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._loop, name="hpctrain-horovod", daemon=True)
+        self._thread.start()
+
+    # -- what the API calls ---------------------------------------------------
+    def auto_name(self, kind: str, ps: int) -> str:
+        """Return the next name for an unnamed request of ``kind`` on process set ``ps``."""
+        with self._cv:
+            n = self._noname.get((kind, ps), 0)
+            self._noname[(kind, ps)] = n + 1
+        return f"{kind}.noname.{ps}.{n}"
+
+    def submit(self, name: Optional[str], kind: str, ps: int, sig: tuple, payload: Any) -> OpHandle:
+        """Start a request and return its handle; ValueError if ``name`` is already in flight here."""
+        if ps not in self.sets:
+            raise ValueError(f"process set {ps} is not registered (removed, or added on some ranks only)")
+        if self.sets[ps][1] is None:
+            raise ValueError(f"this rank ({self.rank}) is not a member of process set {ps} "
+                             f"(ranks {list(self.sets[ps][0])})")
+        name = name if name is not None else self.auto_name(kind, ps)
+        if ps:                           # names are per process set, as in Horovod
+            name = f"{name}@set{ps}"
+        req = Request(name, kind, ps, sig, payload)
+        with self._cv:
+            self._raise_if_stopped()
+            if name in self._mine:
+                raise ValueError(f"a {self._mine[name].kind} named {name!r} is still in flight on this rank "
+                                 f"(rank {self.rank}); names of concurrent requests must be unique")
+            self._mine[name] = req
+            self._new.append(req)
+            self._cv.notify()
+        return req.handle
+
+    def join(self) -> OpHandle:
+        """Mark this rank joined; the handle's result is the rank that joined last, once all have."""
+        with self._cv:
+            self._raise_if_stopped()
+            if self._join_handle is not None:
+                raise ValueError("join() is already in progress on this rank")
+            self._join_handle, self._join_sent = OpHandle("join"), False
+            self._cv.notify()
+            return self._join_handle
+
+    def stop(self) -> None:
+        """Shut down: every rank's thread ends after the next cycle and open requests fail."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _raise_if_stopped(self) -> None:
+        if self.error is not None or not self._thread.is_alive():
+            raise HorovodInternalError(f"Horovod has been shut down on rank {self.rank}"
+                                       + (f": {self.error}" if self.error is not None else ""))
+
+    # -- the cycle --------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while self._one_cycle():
+                pass
+        except BaseException as exc:        # the world itself failed: fail what is open
+            self.error = exc
+            log.error("hpctrain.horovod: the negotiation thread stopped: %s", exc)
+        reason = self.error or HorovodInternalError("Horovod has been shut down (hvd.shutdown() on some rank)")
+        with self._cv:
+            for req in list(self._mine.values()) + self._new:
+                req.handle._finish(error=reason)
+            self._mine.clear()
+            self._new = []
+            if self._join_handle is not None:
+                self._join_handle._finish(error=reason)
+
+    def _one_cycle(self) -> bool:
+        with self._cv:
+            if not self._new and not self._stop and (self._join_handle is None or self._join_sent):
+                if self._pause:
+                    self._cv.wait(self._pause)
+            new, self._new = self._new, []
+            joining = self._join_handle is not None and not self._join_sent
+            self._join_sent = self._join_sent or joining
+            stop = self._stop
+        msg = ([(r.name, r.kind, r.ps, r.sig) for r in new], joining, stop, time.time())
+        msgs = self.world.allgather_object(msg)
+        self._cycle += 1
+        now = msgs[0][3]
+        if self.timeline is not None:
+            self.timeline.cycle()
+        busy = False
+        for rank, (items, joining, _, _) in enumerate(msgs):
+            busy = busy or bool(items) or joining
+            for name, kind, ps, sig in items:
+                entry = self._table.get(name)
+                if entry is None:
+                    entry = self._table[name] = Entry(kind, ps, now)
+                    if self.timeline is not None:
+                        self.timeline.negotiate(name, kind)
+                entry.sigs[rank] = sig
+            if joining:
+                self._joined[rank] = self._cycle
+        if any(m[2] for m in msgs):
+            return False
+        self._run_ready(now)
+        self._finish_join()
+        self._pause = 0.0 if busy else min(max(2 * self._pause, 0.001), self._max_pause)
+        return True
+
+    def _run_ready(self, now: float) -> None:
+        ready: List[Tuple[str, Entry, str]] = []
+        for name, entry in self._table.items():
+            members = self.sets[entry.ps][0] if entry.ps in self.sets else ()
+            missing = [r for r in members if r not in entry.sigs]
+            absent = [r for r in missing if r not in self._joined]
+            if absent:
+                self._stalled(name, entry, absent, now, ready)
+                continue
+            error = self._verdict(name, entry, missing)
+            ready.append((name, entry, error))
+        if not ready:
+            return
+        for name, _, _ in ready:
+            del self._table[name]
+        for group in execute.plan(ready, self._mine, self.sets):
+            self._run_group(group)
+
+    def _verdict(self, name: str, entry: Entry, joined: List[int]) -> str:
+        """Return "" when the ranks' signatures agree and the joined ranks can take part, else the error."""
+        sigs = entry.sigs
+        first = next(iter(sigs.values()))
+        if entry.ps not in self.sets:
+            return f"{entry.kind} {name!r}: process set {entry.ps} was removed while it was in flight"
+        if joined and entry.kind not in ("allreduce", "grouped_allreduce"):
+            return (f"{entry.kind} {name!r} cannot run while {format_ranks(joined)} "
+                    f"{'has' if len(joined) == 1 else 'have'} joined (hvd.join()); only allreduce can")
+        if all(s == first for s in sigs.values()):
+            invalid = execute.invalid(first)
+            return f"{entry.kind} {name!r}: {invalid} (the same on every rank)" if invalid else ""
+        groups: Dict[Any, List[int]] = {}
+        for r, s in sorted(sigs.items()):
+            groups.setdefault(s, []).append(r)
+        lines = "\n".join(f"  {format_ranks(ranks)}: {execute.describe(s)}" for s, ranks in groups.items())
+        return f"ranks disagree on {entry.kind} {name!r}:\n{lines}"
+
+    def _stalled(self, name: str, entry: Entry, absent: List[int], now: float, ready: list) -> None:
+        waited = now - entry.since
+        text = (f"{entry.kind} {name!r} was started by {format_ranks(sorted(entry.sigs))} "
+                f"but not by {format_ranks(absent)} for {waited:.0f} s")
+        if self._timeout_s and waited > self._timeout_s:
+            ready.append((name, entry, text + " (HPCTRAIN_STALL_TIMEOUT_S)"))
+        elif self._warn_s and waited > self._warn_s and not entry.warned:
+            entry.warned = True
+            if self.rank == 0:
+                log.warning("hpctrain.horovod: %s; those ranks may have stopped early or call "
+                            "collectives in a different way", text)
+
+    def _run_group(self, group: "execute.Group") -> None:
+        mine = [self._mine.pop(name, None) for name in group.names]
+        if group.error:
+            for req in mine:
+                if req is not None:
+                    req.handle._finish(error=CollectiveMismatchError(group.error))
+            self._count_joined(group.names)
+            return
+        if self.rank not in group.members:
+            return
+        if any(req is None and self.rank not in self._joined for req in mine):
+            raise RuntimeError(f"internal error: {group.kind} {group.names} is ready but rank {self.rank} "
+                               f"has no request for it")
+        if self.timeline is not None:
+            for name in group.names:
+                self.timeline.start(name, group.kind)
+        try:
+            results = group.run(mine, self)
+            error = None
+        except (ValueError, TypeError, ArithmeticError) as exc:   # a bad argument the signature did not show
+            results, error = [None] * len(mine), exc
+        if self.timeline is not None:
+            for name in group.names:
+                self.timeline.end(name, group.kind)
+        for req, value in zip(mine, results):
+            if req is not None:
+                req.handle._finish(value, error)
+        self._count_joined(group.names)
+
+    def _count_joined(self, names: List[str]) -> None:
+        """A joined rank took part in unnamed requests: advance its counters as if it had started them."""
+        if self.rank not in self._joined:
+            return
+        for name in names:
+            kind, tag, ps, n = (name.split(".") + ["", "", ""])[:4]
+            if tag == "noname" and ps.isdigit() and n.isdigit():
+                key = (kind, int(ps))
+                with self._cv:
+                    self._noname[key] = max(self._noname.get(key, 0), int(n) + 1)
+
+    def _finish_join(self) -> None:
+        if len(self._joined) < self.size:
+            return
+        last = max(self._joined.values())
+        last_rank = max(r for r, c in self._joined.items() if c == last)
+        self._joined.clear()
+        with self._cv:
+            handle, self._join_handle = self._join_handle, None
+        if handle is not None:
+            handle._finish(last_rank)
+
+    # -- helpers for execute ----------------------------------------------------
+    def add_set(self, ranks: Tuple[int, ...], comm) -> int:
+        """Register a process set (called in the shared order, so ids agree on every rank)."""
+        ps, self._next_set = self._next_set, self._next_set + 1
+        self.sets[ps] = (ranks, comm)
+        return ps
+
+    def remove_set(self, ps: int) -> None:
+        """Forget process set ``ps`` and free its communicator."""
+        ranks, comm = self.sets.pop(ps)
+        if comm is not None and ps != 0:
+            comm.free()
+

@@ -1,0 +1,222 @@
+"""hpctrain.horovod.torch behaves as Horovod's API promises, checked against numpy and one-process references.
+
+Runs at 1-4 ranks in its own launch (the negotiation thread must be the only
+issuer of collectives while ``hvd`` is initialised).  Each test compares with
+a reference computed another way: numpy on every rank's input (each rank can
+rebuild the others' inputs from the seed), finite differences of a global
+loss for gradients, the Adasum formula in numpy, and a single process
+training on the concatenated batch for DistributedOptimizer.
+"""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import hpctrain.horovod.torch as hvd
+from hpctrain.collectives.adasum import adasum_reference
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def inputs(shape, dtype=np.float32, seed=0, low=-50, high=50):
+    """Every rank's input (a list, rank order), the same on every rank."""
+    g = np.random.default_rng(seed)
+    return [g.integers(low, high, size=shape).astype(dtype) for _ in range(hvd.size())]
+
+
+def t(a):
+    return torch.from_numpy(np.array(a))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float32, np.float64])
+def test_allreduce_ops_and_scale_factors(dtype):
+    xs = inputs((5, 3), dtype, seed=1)
+    x = t(xs[hvd.rank()])
+    stack = np.stack(xs)
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum).numpy(), stack.sum(0))
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Min).numpy(), stack.min(0))
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Max).numpy(), stack.max(0))
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Product).numpy(), stack.prod(0))
+    avg = hvd.allreduce(x).numpy()             # Average is the default
+    if np.dtype(dtype).kind == "i":
+        want = np.trunc(stack.sum(0).astype(np.float64) / hvd.size()).astype(dtype)
+        np.testing.assert_array_equal(avg, want)
+    else:
+        np.testing.assert_allclose(avg, stack.mean(0), rtol=1e-6)
+    pre = (stack.astype(np.float64) * 0.37).astype(dtype).sum(0)
+    got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.37).numpy()
+    np.testing.assert_allclose(got, pre, rtol=1e-6)
+    post = (stack.sum(0).astype(np.float64) * 1.5).astype(dtype)
+    np.testing.assert_allclose(hvd.allreduce(x, op=hvd.Sum, postscale_factor=1.5).numpy(), post, rtol=1e-6)
+
+
+def test_requests_match_by_name_not_by_order():
+    a, b = torch.full((4,), float(hvd.rank())), torch.full((7,), 2.0 * hvd.rank())
+    order = [("a", a), ("b", b)] if hvd.rank() % 2 == 0 else [("b", b), ("a", a)]
+    handles = {name: hvd.allreduce_async(x, name=name, op=hvd.Sum) for name, x in order}
+    total = sum(range(hvd.size()))
+    assert torch.equal(hvd.synchronize(handles["a"]), torch.full((4,), float(total)))
+    assert torch.equal(hvd.synchronize(handles["b"]), torch.full((7,), 2.0 * total))
+
+
+def test_open_request_across_a_barrier_and_duplicate_names():
+    x = torch.ones(3)
+    if hvd.rank() == 0:
+        h = hvd.allreduce_async(x, name="late", op=hvd.Sum)
+        with pytest.raises(ValueError, match="still in flight"):
+            hvd.allreduce_async(x, name="late")
+    hvd.barrier()
+    if hvd.rank() != 0:
+        h = hvd.allreduce_async(x, name="late", op=hvd.Sum)
+    assert torch.equal(hvd.synchronize(h), torch.full((3,), float(hvd.size())))
+    with pytest.raises(ValueError, match="handle"):
+        hvd.synchronize(h)
+
+
+def test_in_place_and_grouped_forms():
+    xs = inputs((6,), np.float64, seed=2)
+    x = t(xs[hvd.rank()])
+    assert hvd.allreduce_(x, op=hvd.Sum) is x
+    np.testing.assert_allclose(x.numpy(), np.sum(xs, 0))
+    zs = inputs((2, 3), np.float32, seed=3)
+    n, r = hvd.size(), hvd.rank()
+    ys = [t(zs[r]), torch.arange(4, dtype=torch.int64) + r]
+    out = hvd.grouped_allreduce(ys, op=hvd.Sum)
+    np.testing.assert_allclose(out[0].numpy(), np.sum(zs, 0), rtol=1e-6)
+    assert torch.equal(out[1], torch.arange(4) * n + sum(range(n)))
+    assert hvd.grouped_allreduce_(ys, op=hvd.Max) == ys
+    np.testing.assert_array_equal(ys[0].numpy(), np.max(zs, 0))
+    assert torch.equal(ys[1], torch.arange(4) + n - 1)
+
+
+def test_allgather_broadcast_alltoall_reducescatter():
+    r, n = hvd.rank(), hvd.size()
+    rows = [k % 3 + 1 for k in range(n)]
+    parts = [np.full((rows[k], 2), k, np.float32) for k in range(n)]
+    np.testing.assert_array_equal(hvd.allgather(t(parts[r])).numpy(), np.concatenate(parts))
+    g1, g2 = hvd.grouped_allgather([t(parts[r]), torch.tensor([r])])
+    assert g2.tolist() == list(range(n))
+    for root in range(n):
+        assert hvd.broadcast(torch.tensor([r, 2 * r]), root).tolist() == [root, 2 * root]
+    splits = [(r + k) % 2 + 1 for k in range(n)]      # rank r sends splits[k] rows to rank k
+    send = torch.cat([torch.full((s,), 10 * r + k) for k, s in enumerate(splits)])
+    got, received = hvd.alltoall(send, torch.tensor(splits, dtype=torch.int32))
+    assert received.tolist() == [(k + r) % 2 + 1 for k in range(n)]
+    assert got.tolist() == [10 * k + r for k in range(n) for _ in range((k + r) % 2 + 1)]
+    xs = inputs((2 * n + 1, 3), np.float32, seed=4)
+    total = np.sum(xs, 0)
+    mine = hvd.reducescatter(t(xs[r]), op=hvd.Sum).numpy()
+    np.testing.assert_allclose(mine, np.array_split(total, n)[r], rtol=1e-6)
+
+
+def test_disagreements_fail_on_every_rank_with_the_ranks_named():
+    if hvd.size() == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    r = hvd.rank()
+    cases = [lambda: hvd.allreduce(torch.ones(3 + (r == 1))),
+             lambda: hvd.allreduce(torch.ones(3, dtype=torch.int32 if r == 1 else torch.float32)),
+             lambda: hvd.broadcast(torch.ones(2), root_rank=r),
+             lambda: hvd.allgather(torch.ones(2, 2 + (r == 1))),
+             lambda: hvd.reducescatter(torch.tensor(1.0))]
+    for case in cases:
+        with pytest.raises(RuntimeError) as info:
+            case()
+        assert "rank" in str(info.value)
+        texts = hvd.allgather_object(str(info.value))
+        assert len(set(texts)) == 1, texts
+    with pytest.raises(ValueError, match="int32"):
+        hvd.alltoall(torch.ones(hvd.size()), torch.ones(hvd.size()))
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
+
+
+def test_join_contributes_zeros_and_refuses_gathers():
+    r, n = hvd.rank(), hvd.size()
+    for first in range(n):
+        if r == first:
+            last = hvd.join()
+        else:
+            out = hvd.allreduce(torch.full((3,), float(r + 1)), name=f"j{first}", op=hvd.Sum)
+            assert out.tolist() == [float(sum(k + 1 for k in range(n) if k != first))] * 3
+            if n > 1:
+                with pytest.raises(RuntimeError, match="joined"):
+                    hvd.allgather(torch.ones(1))
+            last = hvd.join()
+        assert hvd.allgather_object(last) == [last] * n
+        assert n == 1 or last != first
+
+
+def test_process_sets():
+    r, n = hvd.rank(), hvd.size()
+    even = hvd.add_process_set([k for k in range(n) if k % 2 == 0])
+    odd = hvd.add_process_set([k for k in range(n) if k % 2 == 1]) if n > 1 else None
+    mine = even if r % 2 == 0 else odd
+    assert mine.included() and mine.rank() == r // 2 and mine.size() == len(mine.ranks)
+    out = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=mine)
+    assert out.item() == sum(mine.ranks)
+    assert hvd.allgather_object(r, process_set=mine) == mine.ranks
+    hvd.barrier(process_set=mine)
+    for ps in (odd, even):
+        if ps is not None:
+            assert hvd.remove_process_set(ps)
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allreduce(torch.ones(1), process_set=mine)
+
+
+def global_loss(fn, x, weights, scale):
+    """scale * sum over ranks of <weights, fn(x)>: the same number on every rank."""
+    local = float((fn(x) * weights).sum())
+    return scale * hvd.allreduce(torch.tensor([local], dtype=torch.float64), op=hvd.Sum).item()
+
+
+# (collective, loss scale): each gradient convention is the derivative of scale * (sum of the ranks' losses)
+GRADIENT_CASES = {
+    "allreduce_sum": (lambda x: hvd.allreduce(x, op=hvd.Sum), lambda n: 1.0),
+    "allreduce_avg": (lambda x: hvd.allreduce(x), lambda n: 1.0),
+    "allgather": (lambda x: hvd.allgather(x), lambda n: 1.0 / n),
+    "broadcast": (lambda x: hvd.broadcast(x, root_rank=hvd.size() - 1), lambda n: 1.0 / n),
+    "alltoall": (lambda x: hvd.alltoall(x)[0], lambda n: 1.0),
+    "reducescatter_sum": (lambda x: hvd.reducescatter(x, op=hvd.Sum), lambda n: float(n)),
+    "reducescatter_avg": (lambda x: hvd.reducescatter(x, op=hvd.Average), lambda n: float(n)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRADIENT_CASES))
+def test_gradients_equal_finite_differences(case):
+    fn, scale_of = GRADIENT_CASES[case]
+    n, r = hvd.size(), hvd.rank()
+    scale = scale_of(n)
+    g = np.random.default_rng(7)
+    xs = [g.standard_normal((n, 2)) for _ in range(n)]
+    x = torch.tensor(xs[r], requires_grad=True)
+    y = fn(x)
+    weights = torch.tensor(np.random.default_rng(100 + r).standard_normal(tuple(y.shape)))
+    (y * weights).sum().backward()
+    grad = x.grad.numpy()
+    eps, bad = 1e-6, []
+    for q, i in itertools.product(range(n), range(xs[0].size)):
+        bumped = []
+        for sign in (1, -1):
+            xb = xs[r].copy()
+            if r == q:
+                xb.flat[i] += sign * eps
+            bumped.append(global_loss(fn, torch.tensor(xb), weights, scale))
+        fd = (bumped[0] - bumped[1]) / (2 * eps)
+        if r == q and not abs(fd - grad.flat[i]) < 1e-6 * max(1.0, abs(fd)):
+            bad.append((i, fd, grad.flat[i]))
+    assert not bad, f"{case}: (element, finite difference, autograd) on rank {r}: {bad}"
+
+
+def test_adasum_matches_the_formula():
+    vs = [np.random.default_rng(k).standard_normal(33) for k in range(hvd.size())]
+    got = hvd.allreduce(torch.tensor(vs[hvd.rank()]), op=hvd.Adasum).numpy()
+    np.testing.assert_allclose(got, adasum_reference(vs), rtol=1e-12, atol=1e-12)
+    same = hvd.allreduce(torch.ones(5, dtype=torch.float64), op=hvd.Adasum)
+    assert torch.allclose(same, torch.ones(5, dtype=torch.float64))      # equal vectors: their average
+    with pytest.raises(RuntimeError, match="floating-point"):
+        hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum)
