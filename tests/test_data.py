@@ -82,3 +82,12 @@ def test_advance_counts_trained_samples_not_prefetched_ones():
         s.advance(-1)
     s.set_epoch(1)
     assert s.state_dict()["consumed"] == 0
+
+
+def test_a_data_set_is_taken_as_torch_takes_it():
+    """DistributedSampler(dataset) as with torch's sampler: the data set's length is what counts."""
+    data = list(range(23))
+    assert DistributedSampler(data, num_replicas=3, rank=2, seed=4).indices() == \
+        DistributedSampler(23, num_replicas=3, rank=2, seed=4).indices()
+    with pytest.raises(TypeError, match="data set"):
+        DistributedSampler(object(), num_replicas=1, rank=0)

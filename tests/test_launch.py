@@ -92,3 +92,31 @@ def test_hpctrain_launch_bad_arguments_fail_clearly():
     out = subprocess.run([str(BIN / "hpctrain"), "launch", "-n", "0", "x.py"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "at least 1" in out.stderr
+
+
+def test_horovodrun_flags_of_hpctrain_launch(tmp_path):
+    """-np, -H, --hostfile and --gloo as horovodrun takes them; the hosts reach a real 2-rank launch."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    code = "import hpctrain; c = hpctrain.init(); print('rank', c.rank, 'of', c.size, c.backend)"
+    for flags in (["-np", "2", "-H", "localhost:2"], ["--num-proc", "2", "--hostfile", str(hostfile)]):
+        result = run([str(BIN / "hpctrain"), "launch", *flags, "--verbose", "python", "-c", code], base_env(), 120)
+        assert sorted(re.findall(r"rank \d of 2 mpi", result.stdout)) == ["rank 0 of 2 mpi", "rank 1 of 2 mpi"]
+        assert ("--host localhost:2" if "-H" in flags else f"--hostfile {hostfile}") in result.stdout
+    gloo = build_command(2, ["python", "x.py"], gloo=True, start_timeout=30)
+    assert gloo[1:5] == ["--gloo", "-np", "2", "-H"] and gloo[5] == "localhost:2" and "--start-timeout" in gloo
+    with pytest.raises(ValueError, match="not both"):
+        build_command(2, ["x.py"], hosts="a:1", hostfile=str(hostfile))
+
+
+def test_horovod_run_returns_every_ranks_result():
+    """hpctrain.horovod.run(fn, args, np) as horovod.run: a function on 3 ranks, results in rank order."""
+    code = ("import hpctrain.horovod as horovod\n"
+            "def work(scale):\n"
+            "    import numpy as np, hpctrain\n"
+            "    c = hpctrain.init()\n"
+            "    return c.rank, float(c.allreduce(np.array([c.rank + 1.0]))[0]) * scale\n"
+            "if __name__ == '__main__':\n"
+            "    print(horovod.run(work, args=(10,), np=3))\n")
+    result = run([sys.executable, "-c", code], base_env(), 180)
+    assert "[(0, 60.0), (1, 60.0), (2, 60.0)]" in result.stdout, result.stdout

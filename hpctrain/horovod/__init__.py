@@ -7,3 +7,6 @@ framework-neutral part, :mod:`hpctrain.horovod.controller` Horovod's
 negotiation of collectives by name.  Importing this package imports no
 framework.
 """
+from .runner import run
+
+__all__ = ["run"]

@@ -46,8 +46,8 @@ def host_call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], 
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
-def allreduce(tensor: Any, op: str = "avg", comm=None) -> tf.Tensor:
-    """Return ``tensor`` reduced over ranks (default: averaged); see :meth:`Communicator.allreduce`.
+def allreduce(tensor: Any, op: str = "sum", comm=None) -> tf.Tensor:
+    """Return ``tensor`` reduced over ranks (default: summed, as every collective); see :meth:`Communicator.allreduce`.
 
     Works eagerly and inside ``tf.function``.  Formula: ``out = op(x_0, ..., x_{N-1})``.
     """

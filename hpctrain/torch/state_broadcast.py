@@ -121,6 +121,6 @@ def _fill(obj: Any, out: List[torch.Tensor]) -> Any:
     return obj
 
 
-def allreduce(tensor: torch.Tensor, op: str = "avg", comm=None) -> torch.Tensor:
-    """Return ``tensor`` reduced over ranks (default: averaged); see :meth:`Communicator.allreduce`."""
+def allreduce(tensor: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
+    """Return ``tensor`` reduced over ranks (default: summed, as every collective); see :meth:`Communicator.allreduce`."""
     return comm_or_world(comm).allreduce(tensor, op=op)
