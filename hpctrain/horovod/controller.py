@@ -26,9 +26,11 @@ named.  A request that some ranks started and others did not for
 after ``HPCTRAIN_STALL_TIMEOUT_S`` (decided on rank 0's clock, so on every
 rank in the same cycle).
 
-Cost: one small allgather per cycle.  A cycle follows at once while requests
-arrive; when idle the pause doubles from 1 ms up to ``HOROVOD_CYCLE_TIME``
-(ms, default 5), and a rank that starts a request wakes its thread at once.
+Cost: one small allgather per cycle (:mod:`hpctrain.horovod.exchange`, which
+waits without spinning, so cycles do not take the training thread's core).
+A cycle follows at once while requests arrive; when idle the pause doubles
+from 1 ms up to ``HOROVOD_CYCLE_TIME`` (ms, default 5), and a rank that
+starts a request wakes its thread at once.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from .. import settings
 from ..comm.signature import format_ranks
 from ..errors import CollectiveMismatchError, HpctrainError
 from . import execute
+from .exchange import CycleExchange
 
 __all__ = ["Controller", "OpHandle", "HorovodInternalError"]
 
@@ -125,6 +128,7 @@ class Controller:
         self._warn_s = world.config.stall_warning_s
         self._timeout_s = world.config.stall_timeout_s
         self.error: Optional[BaseException] = None
+        self._exchange = CycleExchange(world)
         self._thread = threading.Thread(target=self._loop, name="hpctrain-horovod", daemon=True)
         self._thread.start()
 
@@ -196,6 +200,7 @@ class Controller:
             self._new = []
             if self._join_handle is not None:
                 self._join_handle._finish(error=reason)
+        self._exchange.free()
 
     def _one_cycle(self) -> bool:
         with self._cv:
@@ -207,7 +212,7 @@ class Controller:
             self._join_sent = self._join_sent or joining
             stop = self._stop
         msg = ([(r.name, r.kind, r.ps, r.sig) for r in new], joining, stop, time.time())
-        msgs = self.world.allgather_object(msg)
+        msgs = self._exchange.allgather(msg)
         self._cycle += 1
         now = msgs[0][3]
         if self.timeline is not None:
