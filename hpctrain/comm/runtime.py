@@ -219,6 +219,7 @@ class Runtime:
         self.receives = Lane("receives")
         self.before_close: list = []   # callables run by close() first (checkpoint managers flush)
         self.departures = None         # a departures.Departures where the backend sends leaving notices
+        self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
         self._closed = False
         self._watchdog = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._watchdog.start()
@@ -226,12 +227,26 @@ class Runtime:
     def run(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
             ) -> object:
         """Run a collective now, after the asynchronous ones issued before it."""
+        if self.owner is not None:
+            self._check_owner()
         return self.collectives.run(fn, text, members)
 
     def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
                ) -> Future:
         """Queue a collective for the background thread and return a Future of its result."""
+        if self.owner is not None:
+            self._check_owner()
         return self.collectives.submit(fn, text, members)
+
+    def _check_owner(self) -> None:
+        """Refuse a collective from another thread than ``owner`` (hpctrain.horovod's negotiation thread)."""
+        owner = self.owner
+        if owner is not None and threading.current_thread() is not owner:
+            from ..errors import HpctrainError
+            raise HpctrainError("hpctrain.horovod is initialised: its negotiation thread issues every collective "
+                                "of this process, so hpctrain's own collectives cannot run beside it (they could "
+                                "cross a Horovod request on another rank); use the hvd functions, or call "
+                                "hvd.shutdown() first")
 
     def note_waiting(self, waiting_on: str) -> None:
         """Record who the collective in flight is waiting for (shown by the watchdog)."""

@@ -130,6 +130,7 @@ class Controller:
         self.error: Optional[BaseException] = None
         self._exchange = CycleExchange(world)
         self._thread = threading.Thread(target=self._loop, name="hpctrain-horovod", daemon=True)
+        world._rt.owner = self._thread      # from now on only this thread may issue collectives
         self._thread.start()
 
     # -- what the API calls ---------------------------------------------------
@@ -201,6 +202,7 @@ class Controller:
             if self._join_handle is not None:
                 self._join_handle._finish(error=reason)
         self._exchange.free()
+        self.world._rt.owner = None
 
     def _one_cycle(self) -> bool:
         with self._cv:

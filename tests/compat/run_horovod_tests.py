@@ -99,12 +99,21 @@ def read_outcomes(folder: str):
     return outcomes, started
 
 
+def collect(folder: str, name: str, kfilter: str, env: dict) -> list:
+    """Return the ids of the tests pytest selects in ``name`` (collected in one process, no launch)."""
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", name]
+    out = subprocess.run(cmd + (["-k", kfilter] if kfilter else []), cwd=folder, env=env, capture_output=True,
+                         text=True)
+    return [line.strip() for line in out.stdout.splitlines() if "::" in line]
+
+
 def run_file(folder: str, name: str, ranks: int, timeout: int, kfilter: str, env: dict) -> dict:
-    """Run the file until every test has an outcome; return {test id: outcome}."""
+    """Run the file until every selected test has an outcome; return {test id: outcome}."""
     outcomes: dict = {}
     bindir = os.path.dirname(sys.executable)
     with open(os.path.join(folder, "conftest.py"), "w") as f:
         f.write(CONFTEST)
+    wanted = collect(folder, name, kfilter, env)
     while True:
         for old in os.listdir(folder):
             if old.startswith("outcomes-"):
@@ -112,20 +121,19 @@ def run_file(folder: str, name: str, ranks: int, timeout: int, kfilter: str, env
         cmd = [os.path.join(bindir, "mpirun"), "-n", str(ranks), "--allow-run-as-root", "--oversubscribe",
                "--bind-to", "none", "--mca", "osc", "^ucx", sys.executable, "-m", "pytest", "-p",
                "no:cacheprovider", "-q", f"--timeout={timeout}", "--timeout-method=thread", name]
-        if kfilter:
-            cmd += ["-k", kfilter]
-        for test in outcomes:
-            cmd += ["--deselect", test]
+        cmd += [t for t in wanted if t not in outcomes]
         proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True)
         seen, started = read_outcomes(folder)
         seen = {t: o for t, o in seen.items() if t not in outcomes}
         hung = [t for t in started if t not in seen and t not in outcomes]
         outcomes.update(seen)
-        if not hung:
-            if proc.returncode not in (0, 1, 5):
-                outcomes["<run>"] = f"exit {proc.returncode}"
+        if hung:
+            outcomes[hung[0]] = "HANG"          # the others that started without an outcome run again
+        elif not seen:                          # no progress: the launch itself fails
+            for t in wanted:
+                outcomes.setdefault(t, f"NOT RUN (exit {proc.returncode})")
+        if all(t in outcomes for t in wanted):
             return outcomes
-        outcomes[hung[0]] = "HANG"          # the others that started without an outcome run again
 
 
 def main() -> int:

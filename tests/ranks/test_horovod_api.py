@@ -220,3 +220,10 @@ def test_adasum_matches_the_formula():
     assert torch.allclose(same, torch.ones(5, dtype=torch.float64))      # equal vectors: their average
     with pytest.raises(RuntimeError, match="floating-point"):
         hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum)
+
+
+def test_native_collectives_are_refused_while_horovod_runs():
+    import hpctrain
+    with pytest.raises(hpctrain.HpctrainError, match="hvd.shutdown"):
+        hpctrain.world().allreduce(np.ones(2))
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 
-from ...comm.local import LocalCommunicator
+from ...comm.local import init_world as init_local_world
 from ...torch.optimizer import DistributedOptimizer as _native
 from .. import basics
 from ..basics import Average, global_process_set
@@ -66,8 +66,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         if not listed <= {id(p) for p in params}:
             raise ValueError("groups must list parameters of the optimizer")
     bucket_mb = max(total / count, 1) / 2 ** 20 if count else 25
-    if process_set.included() is False:
-        comm = LocalCommunicator(basics.controller().world._rt, f"not in {process_set}")
+    if process_set.included() is False:         # steps on its own gradients, with a runtime of its own
+        comm = init_local_world(basics.controller().world.config)
     else:
         comm = NegotiatedComm(process_set)
     opt = _native(optimizer, named_parameters=named, compression=compression.hpctrain_name,
