@@ -64,28 +64,11 @@ def build(model: str):
 
 
 def _resnet18(num_classes: int):
-    """ResNet-18 (He et al. 2016): 7x7 stem, four stages of two basic blocks, 11.2 M parameters."""
-    import torch.nn as nn
+    """ResNet-18 (He et al. 2016), the torch.nn one of examples/horovod/resnets.py."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "horovod"))
+    import resnets
 
-    class Block(nn.Module):
-        def __init__(self, cin, cout, stride):
-            super().__init__()
-            self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
-                                      nn.ReLU(inplace=True), nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
-                                      nn.BatchNorm2d(cout))
-            self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                         if stride != 1 or cin != cout else nn.Identity())
-
-        def forward(self, x):
-            return (self.body(x) + self.skip(x)).relu()
-
-    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
-    cin = 64
-    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
-        cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
-    return nn.Sequential(*layers)
+    return resnets.resnet18(num_classes=num_classes)
 
 
 # ---------------------------------------------------------------- worker (one launch, one peer)

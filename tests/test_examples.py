@@ -68,3 +68,27 @@ def test_hybrid_tf_example_trains(n, tmp_path):
     summary = json.loads(out.read_text())
     want_pp = int(HYBRID_TF[n][HYBRID_TF[n].index("--pp") + 1]) if HYBRID_TF[n] else 1
     assert summary["ranks"] == n and summary["pp"] == want_pp and summary["test_accuracy"] >= 0.93
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_horovod_style_mnist_example_reaches_95_percent(n):
+    """examples/horovod/pytorch_mnist.py: Horovod's MNIST recipe on hpctrain.horovod, digits data, 8 epochs."""
+    cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run",
+                           str(REPO / "examples" / "horovod" / "pytorch_mnist.py"), "--min-accuracy", "0.95"]
+    result = run(cmd, base_env(), timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    accuracy = float(re.findall(r"epoch 8: test loss [\d.]+, accuracy ([\d.]+)%", result.stdout)[-1])
+    assert accuracy >= 95.0
+
+
+def test_horovod_style_synthetic_benchmark_runs_on_every_api():
+    """examples/horovod/pytorch_synthetic_benchmark.py at 2 ranks, tiny: hpctrain.horovod and the native API."""
+    for api in ("hpctrain.horovod", "hpctrain"):
+        cmd = mpirun_cmd(2) + [str(BIN / "python"), str(REPO / "examples" / "horovod" /
+                                                        "pytorch_synthetic_benchmark.py"),
+                               "--api", api, "--batch-size", "2", "--image-size", "32", "--num-warmup-batches", "1",
+                               "--num-batches-per-iter", "1", "--num-iters", "2"]
+        result = run(cmd, base_env(), timeout=300)
+        assert result.returncode == 0, result.stdout[-4000:]
+        total = float(re.search(r"Total img/sec on 2 CPU\(s\): ([\d.]+)", result.stdout).group(1))
+        assert total > 0

@@ -1,0 +1,145 @@
+"""Run Horovod 0.28.1's own PyTorch example scripts on hpctrain.horovod, with only the import line changed.
+
+Usage (HOROVOD_SRC: a checkout of horovod/horovod at tag v0.28.1)::
+
+    .venv/bin/python tests/compat/run_horovod_examples.py --src HOROVOD_SRC [--ranks 2] [--impl horovod]
+
+Horovod's examples import torchvision, whose PyPI build needs torch's CUDA
+build; with the CPU build ``import torchvision`` fails.  So this harness
+writes a stand-in package named ``torchvision`` into the run's scratch folder
+(never installed, never shipped) and puts it on that run's PYTHONPATH only:
+
+* ``torchvision.models``: the ResNets of examples/horovod/resnets.py (torch.nn);
+* ``torchvision.datasets.MNIST``: reads ``MNIST.npz`` from the data folder
+  instead of downloading (no data set can be downloaded here).  The harness
+  writes that file from scikit-learn's bundled 8x8 digits, scaled to 28x28
+  uint8 images (1437 for training, 360 for testing);
+* ``torchvision.transforms``: ``Compose``, ``ToTensor``, ``Normalize``.
+
+Each example runs under ``hpctrain launch -np N`` (mpirun) at small sizes;
+the harness prints the example's last lines and exits non-zero if one fails.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from run_horovod_tests import rewrite  # noqa: E402
+
+STANDIN = {
+    "__init__.py": "from . import datasets, models, transforms  # a stand-in: see tests/compat/run_horovod_examples.py\n",
+    "models.py": "from resnets import resnet18, resnet34, resnet50  # noqa: F401\n",
+    "transforms.py": '''import torch
+
+
+class Compose:
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __call__(self, x):
+        for step in self.steps:
+            x = step(x)
+        return x
+
+
+class ToTensor:
+    def __call__(self, image):
+        return torch.from_numpy(image).float().div(255).unsqueeze(0)
+
+
+class Normalize:
+    def __init__(self, mean, std):
+        self.mean, self.std = mean[0], std[0]
+
+    def __call__(self, x):
+        return (x - self.mean) / self.std
+''',
+    "datasets.py": '''import os
+
+import numpy as np
+import torch
+
+
+class MNIST(torch.utils.data.Dataset):
+    """Reads <root>/MNIST.npz (written by the harness) instead of downloading."""
+
+    def __init__(self, root, train=True, download=False, transform=None):
+        data = np.load(os.path.join(root, "MNIST.npz"))
+        part = "train" if train else "test"
+        self.images, self.labels, self.transform = data[part + "_images"], data[part + "_labels"], transform
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        x = self.images[i]
+        return (self.transform(x) if self.transform else x), int(self.labels[i])
+''',
+}
+
+EXAMPLES = {
+    "pytorch_synthetic_benchmark.py": ["--model", "resnet18", "--batch-size", "4", "--num-warmup-batches", "1",
+                                       "--num-batches-per-iter", "2", "--num-iters", "2", "--no-cuda"],
+    "pytorch_mnist.py": ["--epochs", "2", "--no-cuda", "--log-interval", "20"],
+}
+
+
+def write_mnist(folder: str) -> None:
+    """MNIST.npz from scikit-learn's digits: 28x28 uint8 images, 80/20 split."""
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    rows = np.arange(28) * 8 // 28
+    images = (d.images[:, rows][:, :, rows] * 255 / 16).astype(np.uint8)
+    order = np.random.default_rng(0).permutation(len(images))
+    cut = int(0.8 * len(images))
+    np.savez(os.path.join(folder, "MNIST.npz"), train_images=images[order[:cut]], train_labels=d.target[order[:cut]],
+             test_images=images[order[cut:]], test_labels=d.target[order[cut:]])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--src", required=True)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--impl", choices=("hpctrain", "horovod"), default="hpctrain")
+    args = ap.parse_args()
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="hvdexamples-") as scratch:
+        os.makedirs(os.path.join(scratch, "standin", "torchvision"))
+        for name, text in STANDIN.items():
+            with open(os.path.join(scratch, "standin", "torchvision", name), "w") as f:
+                f.write(text)
+        data = os.path.join(scratch, "data")
+        os.makedirs(data)
+        write_mnist(data)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(scratch, "standin"),
+                                             os.path.join(ROOT, "examples", "horovod"), ROOT])
+        for name, extra in EXAMPLES.items():
+            with open(os.path.join(args.src, "examples", "pytorch", name)) as f:
+                text = f.read()
+            script = os.path.join(scratch, name)
+            with open(script, "w") as f:
+                f.write(rewrite(text) if args.impl == "hpctrain" else text)
+            extra = extra + (["--data-dir", data] if name == "pytorch_mnist.py" else [])
+            cmd = [os.path.join(os.path.dirname(sys.executable), "hpctrain"), "launch", "-np", str(args.ranks),
+                   "python", script] + extra
+            proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=1800)
+            lines = [line for line in proc.stdout.splitlines() if line.strip()]
+            print(f"== {name} ({args.impl}, {args.ranks} ranks): exit {proc.returncode}")
+            print("\n".join(lines[-4:]))
+            if proc.returncode:
+                print(proc.stderr[-2000:])
+                failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
