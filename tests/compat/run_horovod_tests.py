@@ -14,7 +14,9 @@ is counted as a hang and the file runs again without the tests that already
 have an outcome.  With hpctrain, a request that some ranks started and others
 did not fails after a third of the timeout (HPCTRAIN_STALL_TIMEOUT_S), so a
 test that failed on some ranks only (the others then wait in its next
-collective) costs that test, not the whole run.  Writes ``<out>/<file>-<impl>-<N>.json`` with every test's
+collective) costs that test, not the whole run; but the ranks may then stay
+out of step for a few tests.  So every test that failed or hung runs again on
+its own (a fresh launch), and both outcomes are reported.  Writes ``<out>/<file>-<impl>-<N>.json`` with every test's
 outcome and prints a summary line per run.  Needs the ``mock`` and
 ``parameterized`` packages (installed into the venv when missing).
 """
@@ -120,8 +122,8 @@ def run_file(folder: str, name: str, ranks: int, timeout: int, kfilter: str, env
                 os.remove(os.path.join(folder, old))
         cmd = [os.path.join(bindir, "mpirun"), "-n", str(ranks), "--allow-run-as-root", "--oversubscribe",
                "--bind-to", "none", "--mca", "osc", "^ucx", sys.executable, "-m", "pytest", "-p",
-               "no:cacheprovider", "-q", f"--timeout={timeout}", "--timeout-method=thread", name]
-        cmd += [t for t in wanted if t not in outcomes]
+               "no:cacheprovider", "-q", f"--timeout={timeout}", "--timeout-method=thread"]
+        cmd += [t for t in wanted if t not in outcomes] or [name]
         proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True)
         seen, started = read_outcomes(folder)
         seen = {t: o for t, o in seen.items() if t not in outcomes}
@@ -144,6 +146,8 @@ def main() -> int:
     ap.add_argument("--impl", choices=("hpctrain", "horovod"), default="hpctrain")
     ap.add_argument("--timeout", type=int, default=120)
     ap.add_argument("-k", dest="kfilter", default="not elastic")
+    ap.add_argument("--no-rerun-alone", dest="rerun_alone", action="store_false",
+                    help="do not run each test that failed or hung again on its own")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "compat"))
     args = ap.parse_args()
     for pkg in ("mock", "parameterized"):
@@ -159,15 +163,21 @@ def main() -> int:
             folder = prepare(args.src, args.file, args.impl, scratch)
             t0 = time.time()
             outcomes = run_file(folder, args.file, n, args.timeout, args.kfilter, env)
+            alone = {}
+            if args.rerun_alone:         # a failure on some ranks only puts the ranks out of step for the next tests
+                for test in sorted(t for t, o in outcomes.items() if o not in ("PASSED", "SKIPPED")):
+                    alone[test] = run_file(folder, test, n, args.timeout, "", env)[test]
         counts = {k: sum(1 for v in outcomes.values() if v == k) for k in sorted(set(outcomes.values()))}
         record = {"file": args.file, "impl": args.impl, "ranks": n, "seconds": round(time.time() - t0, 1),
-                  "counts": counts, "outcomes": outcomes}
+                  "counts": counts, "outcomes": outcomes, "alone": alone,
+                  "passed_alone": sorted(t for t, o in alone.items() if o == "PASSED")}
         with open(os.path.join(args.out, f"{args.file[:-3]}-{args.impl}-{n}.json"), "w") as f:
             json.dump(record, f, indent=1, sort_keys=True)
         print(f"{args.file} {args.impl} {n} ranks: {counts} in {record['seconds']} s")
         for test, outcome in sorted(outcomes.items()):
             if outcome not in ("PASSED", "SKIPPED"):
-                print(f"  {outcome}: {test}")
+                again = f" (run alone: {alone[test]})" if test in alone else ""
+                print(f"  {outcome}: {test}{again}")
     return 0
 
 
