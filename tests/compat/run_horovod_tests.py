@@ -11,12 +11,11 @@ and likewise for tensorflow/keras and ``horovod.common``; nothing with
 ``--impl horovod``).  The file runs under ``mpirun -n N python -m pytest``.  A
 test that outlives ``--timeout`` seconds ends that run (pytest-timeout): it
 is counted as a hang and the file runs again without the tests that already
-have an outcome.  With hpctrain, a request that some ranks started and others
-did not fails after a third of the timeout (HPCTRAIN_STALL_TIMEOUT_S), so a
-test that failed on some ranks only (the others then wait in its next
-collective) costs that test, not the whole run; but the ranks may then stay
-out of step for a few tests.  So every test that failed or hung runs again on
-its own (a fresh launch), and both outcomes are reported.  Writes ``<out>/<file>-<impl>-<N>.json`` with every test's
+have an outcome (so every launch starts with the ranks in step: a test that
+fails on some ranks only leaves the others waiting in its next collective,
+and that wait is recorded as a hang on either implementation).  Then every
+test that failed or hung runs again on its own, in a fresh launch, and both
+outcomes are reported.  Writes ``<out>/<file>-<impl>-<N>.json`` with every test's
 outcome and prints a summary line per run.  Needs the ``mock`` and
 ``parameterized`` packages (installed into the venv when missing).
 """
@@ -155,8 +154,7 @@ def main() -> int:
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", pkg], check=True)
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
-               OMPI_MCA_threads_pthreads_yield_strategy="nanosleep", PYTHONUNBUFFERED="1",
-               HPCTRAIN_STALL_WARNING_S="10", HPCTRAIN_STALL_TIMEOUT_S=str(max(args.timeout // 3, 10)))
+               OMPI_MCA_threads_pthreads_yield_strategy="nanosleep", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     for n in args.ranks:
         with tempfile.TemporaryDirectory(prefix="hvdcompat-") as scratch:
