@@ -28,7 +28,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
            "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet",
            "global_process_set", "add_process_set", "remove_process_set", "HorovodInternalError",
-           "HostsUpdatedInterrupt", "submit", "root_details", "resolve_op", "op_name", "controller"]
+           "HostsUpdatedInterrupt", "submit", "root_details", "op_name", "controller"]
 
 # Horovod's reduction ops (the same integer values as Horovod's).
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -279,8 +279,6 @@ def op_name(op: Optional[int], average: Optional[bool] = None) -> str:
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Adasum, Min, Max or Product")
     return _OP_NAMES[op]
 
-
-resolve_op = op_name
 
 
 def _set_id(process_set: Optional[ProcessSet]) -> int:

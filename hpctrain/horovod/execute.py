@@ -172,32 +172,23 @@ def _alltoall(g: Group, mine, ctl) -> List[Any]:
     return [(g.comm.alltoall(arr, splits=splits), received)]
 
 
-def _reducescatter(g: Group, mine, ctl) -> List[Any]:
-    arr = mine[0].payload
-    _, _, op, pre, post = g.sigs[0][2]
+def _reducescatter_array(comm, arr: np.ndarray, op: str, pre: float, post: float) -> np.ndarray:
+    """This rank's block of the reduction of ``arr``, with Horovod's scale and integer-average conventions."""
     integer = arr.dtype.kind in "iu"
-    hop = "sum" if (op == "avg" and integer) else op
-    out = g.comm.reduce_scatter(scale(arr, pre), op=hop)
+    out = comm.reduce_scatter(scale(arr, pre), op="sum" if (op == "avg" and integer) else op)
     if op == "avg" and integer:
-        out = _int_average(out, g.comm.size)
-    return [scale(out, post)]
+        out = _int_average(out, comm.size)
+    return scale(out, post)
+
+
+def _reducescatter(g: Group, mine, ctl) -> List[Any]:
+    _, _, op, pre, post = g.sigs[0][2]
+    return [_reducescatter_array(g.comm, mine[0].payload, op, pre, post)]
 
 
 def _grouped_reducescatter(g: Group, mine, ctl) -> List[Any]:
     op, pre, post = g.sigs[0][2][1:]
-    sub = Group("reducescatter", g.names, [], g.members, g.comm)
-    outs = []
-    for a in mine[0].payload:
-        sub.sigs = [(None, None, (a.dtype.str, a.shape, op, pre, post))]
-        outs.append(_reducescatter(sub, [_Payload(a)], ctl)[0])
-    return [outs]
-
-
-class _Payload:
-    __slots__ = ("payload",)
-
-    def __init__(self, payload):
-        self.payload = payload
+    return [[_reducescatter_array(g.comm, a, op, pre, post) for a in mine[0].payload]]
 
 
 def _barrier(g: Group, mine, ctl) -> List[Any]:

@@ -189,7 +189,7 @@ def sparse_allreduce_async(tensor, name=None, op=None, process_set=global_proces
     def wait():
         idx, val = synchronize(h_idx), synchronize(h_val)
         if op == "avg":
-            val = val / (len(process_set.ranks) if process_set.process_set_id else basics.size())
+            val = val / set_size(process_set)
         return torch.sparse_coo_tensor(idx.t(), val, size=tensor.shape)
     return wait
 
@@ -258,8 +258,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Start an alltoall: rows ``splits[i]`` go to rank i; :func:`synchronize` returns (output, received splits)."""
     arr, restore = _numpy(tensor)
-    n = len(process_set.ranks) if process_set.process_set_id else basics.size()
-    problem, counts = _check_splits(arr, splits, n)
+    problem, counts = _check_splits(arr, splits, set_size(process_set))
     details = ("invalid", problem) if problem else (arr.dtype.name, arr.shape[1:])
     payload = (arr[:sum(counts)] if counts else arr, counts)
     op_ = basics.submit("alltoall", name, process_set, details, payload)
