@@ -1,6 +1,6 @@
 """Exceptions raised by hpctrain."""
 
-__all__ = ["HpctrainError", "CollectiveMismatchError", "NotInitializedError", "BackendUnavailableError",
+__all__ = ["HpctrainError", "CollectiveMismatchError", "InvalidCollectiveError", "NotInitializedError", "BackendUnavailableError",
            "CheckpointError"]
 
 
@@ -14,6 +14,10 @@ class CollectiveMismatchError(HpctrainError, ValueError, TypeError):
     It is also a ValueError and a TypeError, so code that catches the error a
     single process raises for the same bad argument catches it too.
     """
+
+
+class InvalidCollectiveError(CollectiveMismatchError):
+    """Every rank made the same collective call with the same invalid argument; raised on every rank."""
 
 
 class NotInitializedError(HpctrainError):

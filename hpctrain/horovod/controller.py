@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import settings
 from ..comm.signature import format_ranks
-from ..errors import CollectiveMismatchError, HpctrainError
+from ..errors import CollectiveMismatchError, HpctrainError, InvalidCollectiveError
 from . import execute
 from .exchange import CycleExchange
 
@@ -239,7 +239,7 @@ class Controller:
         return True
 
     def _run_ready(self, now: float) -> None:
-        ready: List[Tuple[str, Entry, str]] = []
+        ready: List[Tuple[str, Entry, Optional[HpctrainError]]] = []
         for name, entry in self._table.items():
             members = self.sets[entry.ps][0] if entry.ps in self.sets else ()
             missing = [r for r in members if r not in entry.sigs]
@@ -256,30 +256,33 @@ class Controller:
         for group in execute.plan(ready, self._mine, self.sets):
             self._run_group(group)
 
-    def _verdict(self, name: str, entry: Entry, joined: List[int]) -> str:
-        """Return "" when the ranks' signatures agree and the joined ranks can take part, else the error."""
+    def _verdict(self, name: str, entry: Entry, joined: List[int]) -> Optional[HpctrainError]:
+        """Return None when the ranks' signatures agree and the joined ranks can take part, else the error."""
         sigs = entry.sigs
         first = next(iter(sigs.values()))
         if entry.ps not in self.sets:
-            return f"{entry.kind} {name!r}: process set {entry.ps} was removed while it was in flight"
+            return CollectiveMismatchError(f"{entry.kind} {name!r}: process set {entry.ps} was removed while "
+                                           f"it was in flight")
         if joined and entry.kind not in ("allreduce", "grouped_allreduce"):
-            return (f"{entry.kind} {name!r} cannot run while {format_ranks(joined)} "
-                    f"{'has' if len(joined) == 1 else 'have'} joined (hvd.join()); only allreduce can")
+            return CollectiveMismatchError(f"{entry.kind} {name!r} cannot run while {format_ranks(joined)} "
+                                           f"{'has' if len(joined) == 1 else 'have'} joined (hvd.join()); "
+                                           f"only allreduce can")
         if all(s == first for s in sigs.values()):
             invalid = execute.invalid(first)
-            return f"{entry.kind} {name!r}: {invalid} (the same on every rank)" if invalid else ""
+            return InvalidCollectiveError(f"{entry.kind} {name!r}: {invalid} (the same on every rank)") \
+                if invalid else None
         groups: Dict[Any, List[int]] = {}
         for r, s in sorted(sigs.items()):
             groups.setdefault(s, []).append(r)
         lines = "\n".join(f"  {format_ranks(ranks)}: {execute.describe(s)}" for s, ranks in groups.items())
-        return f"ranks disagree on {entry.kind} {name!r}:\n{lines}"
+        return CollectiveMismatchError(f"ranks disagree on {entry.kind} {name!r}:\n{lines}")
 
     def _stalled(self, name: str, entry: Entry, absent: List[int], now: float, ready: list) -> None:
         waited = now - entry.since
         text = (f"{entry.kind} {name!r} was started by {format_ranks(sorted(entry.sigs))} "
                 f"but not by {format_ranks(absent)} for {waited:.0f} s")
         if self._timeout_s and waited > self._timeout_s:
-            ready.append((name, entry, text + " (HPCTRAIN_STALL_TIMEOUT_S)"))
+            ready.append((name, entry, CollectiveMismatchError(text + " (HPCTRAIN_STALL_TIMEOUT_S)")))
         elif self._warn_s and waited > self._warn_s and not entry.warned:
             entry.warned = True
             if self.rank == 0:
@@ -288,10 +291,10 @@ class Controller:
 
     def _run_group(self, group: "execute.Group") -> None:
         mine = [self._mine.pop(name, None) for name in group.names]
-        if group.error:
+        if group.error is not None:
             for req in mine:
                 if req is not None:
-                    req.handle._finish(error=CollectiveMismatchError(group.error))
+                    req.handle._finish(error=group.error)
             self._count_joined(group.names)
             return
         if self.rank not in group.members:

@@ -65,7 +65,7 @@ class Group:
     """Ready requests that run together: one fused allreduce, or one request of any other kind."""
 
     def __init__(self, kind: str, names: List[str], sigs: List[tuple], members: Tuple[int, ...], comm,
-                 error: str = ""):
+                 error: Optional[BaseException] = None):
         self.kind, self.names, self.sigs, self.members, self.comm, self.error = kind, names, sigs, members, comm, error
 
     def run(self, mine: Sequence[Optional[Any]], controller) -> List[Any]:
@@ -73,14 +73,14 @@ class Group:
         return _RUNNERS[self.kind](self, mine, controller)
 
 
-def plan(ready: List[Tuple[str, Any, str]], mine: Dict[str, Any], sets) -> List[Group]:
-    """Turn the ready ``(name, entry, error)`` list into groups, in the order every rank shares."""
+def plan(ready: List[Tuple[str, Any, Optional[BaseException]]], mine: Dict[str, Any], sets) -> List[Group]:
+    """Turn the ready ``(name, entry, error or None)`` list into groups, in the order every rank shares."""
     groups: List[Group] = []
     fused: Dict[tuple, Group] = {}
     for name, entry, error in ready:
         sig = next(iter(entry.sigs.values()))
         members, comm = sets.get(entry.ps, ((), None))
-        if error:
+        if error is not None:
             groups.append(Group(entry.kind, [name], [sig], members, comm, error))
             continue
         key = None

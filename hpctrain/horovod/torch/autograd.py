@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from .. import basics
+from ..requests import set_rank, set_size
 from . import mpi_ops as ops
 
 
 def _size(process_set) -> int:
-    return ops.set_size(process_set)
+    return set_size(process_set)
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -54,7 +55,7 @@ def _gather_grad(grad, rows, process_set):
     """Average ``grad`` over the ranks and return this rank's ``rows`` of it."""
     reduced = ops.allreduce(grad.contiguous(), op=0, process_set=process_set)
     counts = ops.allgather(torch.tensor([rows], dtype=torch.int64), process_set=process_set)
-    offset = int(counts[:ops.set_rank(process_set)].sum())
+    offset = int(counts[:set_rank(process_set)].sum())
     return reduced.narrow(0, offset, rows)
 
 

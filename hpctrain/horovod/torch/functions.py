@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 import torch
 
 from ...torch import state_broadcast as native
-from .. import basics
+from .. import basics, requests
 from ..basics import global_process_set
 from ..negotiated import NegotiatedComm
 
@@ -65,10 +65,9 @@ def _initialise(optimizer) -> None:
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set=global_process_set) -> Any:
     """Return ``root_rank``'s picklable ``obj`` on every rank."""
-    return basics.submit("broadcast_object", name, process_set, basics.root_details(root_rank, process_set),
-                         obj).wait()
+    return requests.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_process_set) -> List[Any]:
     """Return the list of every rank's picklable ``obj``, in rank order."""
-    return basics.submit("allgather_object", name, process_set, (), obj).wait()
+    return requests.allgather_object(obj, name, process_set)

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from ...tensors import to_numpy
-from .. import basics
+from .. import basics, requests
 from ..basics import global_process_set
+from ..requests import set_size
 
 __all__ = ["allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce",
            "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_", "sparse_allreduce_async",
@@ -61,10 +62,6 @@ def _numpy(tensor: torch.Tensor):
     return to_numpy(tensor)
 
 
-def _scales(prescale_factor, postscale_factor) -> Tuple[float, float]:
-    return float(prescale_factor), float(postscale_factor)
-
-
 def _into(tensor: torch.Tensor, restore) -> Callable[[np.ndarray], torch.Tensor]:
     def finish(result: np.ndarray) -> torch.Tensor:
         with torch.no_grad():
@@ -76,10 +73,7 @@ def _into(tensor: torch.Tensor, restore) -> Callable[[np.ndarray], torch.Tensor]
 # -- allreduce -----------------------------------------------------------------------
 def _allreduce_request(tensor, name, op, prescale_factor, postscale_factor, process_set):
     arr, restore = _numpy(tensor)
-    pre, post = _scales(prescale_factor, postscale_factor)
-    bad = ("invalid", "Adasum needs a floating-point tensor") if op == "adasum" and arr.dtype.kind != "f" else None
-    details = bad or (arr.dtype.name, arr.shape, op, pre, post)
-    return basics.submit("allreduce", name, process_set, details, arr), restore
+    return requests.allreduce(arr, name, op, prescale_factor, postscale_factor, process_set), restore
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -123,15 +117,9 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 
 def _grouped_request(tensors, name, op, prescale_factor, postscale_factor, process_set):
-    tensors = list(tensors)
-    if not tensors:
-        raise ValueError("grouped_allreduce needs at least one tensor")
     converted = [_numpy(t) for t in tensors]
-    pre, post = _scales(prescale_factor, postscale_factor)
-    specs = tuple((a.dtype.name, a.shape) for a, _ in converted)
-    bad = op == "adasum" and any(a.dtype.kind != "f" for a, _ in converted)
-    details = ("invalid", "Adasum needs floating-point tensors") if bad else (specs, op, pre, post)
-    handle = basics.submit("grouped_allreduce", name, process_set, details, [a for a, _ in converted])
+    handle = requests.grouped_allreduce([a for a, _ in converted], name, op, prescale_factor, postscale_factor,
+                                        process_set)
     return handle, [r for _, r in converted]
 
 
@@ -198,9 +186,7 @@ def sparse_allreduce_async(tensor, name=None, op=None, process_set=global_proces
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
     """Start gathering every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
     arr, restore = _numpy(tensor)
-    details = ("invalid", "allgather needs at least one dimension") if arr.ndim == 0 else (
-        arr.dtype.name, arr.shape[1:])
-    return _register(basics.submit("allgather", name, process_set, details, arr), restore)
+    return _register(requests.allgather(arr, name, process_set), restore)
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -212,10 +198,7 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
     """Start gathering each of ``tensors`` (one request); :func:`synchronize` returns the list."""
     converted = [_numpy(t) for t in tensors]
-    details = tuple((a.dtype.name, a.shape[1:]) for a, _ in converted)
-    if any(a.ndim == 0 for a, _ in converted):
-        details = ("invalid", "allgather needs tensors with at least one dimension")
-    op_ = basics.submit("grouped_allgather", name, process_set, details, [a for a, _ in converted])
+    op_ = requests.grouped_allgather([a for a, _ in converted], name, process_set)
     return _register(op_, lambda outs: [r(o) for (_, r), o in zip(converted, outs)])
 
 
@@ -227,9 +210,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> Lis
 
 def _broadcast_request(tensor, root_rank, name, process_set):
     arr, restore = _numpy(tensor)
-    root = basics.root_details(root_rank, process_set)
-    details = root if root[0] == "invalid" else (arr.dtype.name, arr.shape, root[0])
-    return basics.submit("broadcast", name, process_set, details, arr), restore
+    return requests.broadcast(arr, root_rank, name, process_set), restore
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
@@ -258,29 +239,13 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Start an alltoall: rows ``splits[i]`` go to rank i; :func:`synchronize` returns (output, received splits)."""
     arr, restore = _numpy(tensor)
-    problem, counts = _check_splits(arr, splits, set_size(process_set))
-    details = ("invalid", problem) if problem else (arr.dtype.name, arr.shape[1:])
-    payload = (arr[:sum(counts)] if counts else arr, counts)
-    op_ = basics.submit("alltoall", name, process_set, details, payload)
+    problem = ""
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype != torch.int32:
+            problem = f"alltoall splits must be an int32 tensor, got {splits.dtype}"
+        splits = splits.cpu().numpy().ravel()
+    op_ = requests.alltoall(arr, splits, name, process_set, problem)
     return _register(op_, lambda out: (restore(out[0]), torch.from_numpy(np.asarray(out[1], dtype=np.int32))))
-
-
-def _check_splits(arr: np.ndarray, splits, n: int):
-    if arr.ndim == 0:
-        return "alltoall needs at least one dimension", None
-    rows = arr.shape[0]
-    if splits is None:
-        if rows % n:
-            return f"alltoall without splits needs dim 0 ({rows}) divisible by the {n} ranks", None
-        return "", [rows // n] * n
-    if isinstance(splits, torch.Tensor) and splits.dtype != torch.int32:
-        return f"alltoall splits must be an int32 tensor, got {splits.dtype}", None
-    counts = [int(s) for s in np.asarray(splits.cpu() if isinstance(splits, torch.Tensor) else splits).ravel()]
-    if len(counts) != n or min(counts) < 0:
-        return f"alltoall splits {counts} must be {n} non-negative counts", None
-    if sum(counts) > rows:
-        return f"alltoall splits {counts} sum to more than dim 0 ({rows})", None
-    return "", counts
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -291,21 +256,12 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     return out if splits is None else (out, received)
 
 
-def _reducescatter_details(arr: np.ndarray, op: str, pre: float, post: float):
-    if arr.ndim == 0:
-        return ("invalid", "reducescatter needs at least one dimension (it splits dim 0)")
-    if op not in ("sum", "avg"):
-        return ("invalid", f"reducescatter supports op Sum and Average, not {op}")
-    return (arr.dtype.name, arr.shape, op, pre, post)
-
-
 def reducescatter_async(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                         process_set=global_process_set) -> int:
     """Start a reduce-scatter (default op Average): this rank gets its block of dim 0 of the reduction."""
     arr, restore = _numpy(tensor)
-    op = basics.op_name(op)
-    details = _reducescatter_details(arr, op, *_scales(prescale_factor, postscale_factor))
-    return _register(basics.submit("reducescatter", name, process_set, details, arr), restore)
+    op_ = requests.reducescatter(arr, name, basics.op_name(op), prescale_factor, postscale_factor, process_set)
+    return _register(op_, restore)
 
 
 def reducescatter(tensor, name=None, compression=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -324,12 +280,8 @@ def grouped_reducescatter_async(tensors, name=None, op=None, prescale_factor=1.0
                                 process_set=global_process_set) -> int:
     """Start the reduce-scatter of each of ``tensors`` (one request)."""
     converted = [_numpy(t) for t in tensors]
-    op = basics.op_name(op)
-    pre, post = _scales(prescale_factor, postscale_factor)
-    each = [_reducescatter_details(a, op, pre, post) for a, _ in converted]
-    bad = next((d for d in each if d[0] == "invalid"), None)
-    details = bad or (tuple(d[:2] for d in each), op, pre, post)
-    op_ = basics.submit("grouped_reducescatter", name, process_set, details, [a for a, _ in converted])
+    op_ = requests.grouped_reducescatter([a for a, _ in converted], name, basics.op_name(op), prescale_factor,
+                                         postscale_factor, process_set)
     return _register(op_, lambda outs: [r(o) for (_, r), o in zip(converted, outs)])
 
 
@@ -354,15 +306,5 @@ def join(device: int = -1) -> int:
 
 def barrier(process_set=global_process_set) -> None:
     """Return when every rank of ``process_set`` has entered the barrier."""
-    basics.submit("barrier", None, process_set, (), None).wait()
-
-
-def set_size(process_set) -> int:
-    """Return the number of ranks of ``process_set``."""
-    return len(process_set.ranks) if process_set.process_set_id else basics.size()
-
-
-def set_rank(process_set) -> int:
-    """Return this process's rank within ``process_set``."""
-    return process_set.rank() if process_set.process_set_id else basics.rank()
+    requests.barrier(process_set)
 
