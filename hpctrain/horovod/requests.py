@@ -24,7 +24,7 @@ from . import basics
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
            "check_splits", "reducescatter", "grouped_reducescatter", "barrier", "broadcast_object",
-           "allgather_object", "set_size", "set_rank"]
+           "allgather_object", "root_index", "set_size", "set_rank"]
 
 
 def _invalid(text: str) -> tuple:
@@ -141,6 +141,14 @@ def broadcast_object(obj: Any, root_rank: Any, name: Optional[str], process_set)
 def allgather_object(obj: Any, name: Optional[str], process_set) -> list:
     """Return every rank's picklable ``obj``, in the set's rank order."""
     return basics.submit("allgather_object", name, process_set, (), obj).wait()
+
+
+def root_index(root_rank: Any, process_set) -> int:
+    """Return the index in ``process_set`` of world rank ``root_rank`` (ValueError when it is not a member)."""
+    details = basics.root_details(root_rank, process_set)
+    if details[0] == "invalid":
+        raise ValueError(details[1])
+    return details[0]
 
 
 def set_size(process_set) -> int:

@@ -62,12 +62,14 @@ class DistributedGradientTape:
         """Return ``tape.gradient(...)`` reduced over ranks, in the structure of ``sources``."""
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
-        flat = tf.nest.flatten(grads, expand_composites=False)
-        names = None
-        if self._averager.compressor is not None:
-            names = [_name(v, i) for i, v in enumerate(tf.nest.flatten(sources, expand_composites=False))]
-        reduced = average_gradients(self._averager, flat, names)
+        reduced = self._reduce(tf.nest.flatten(grads, expand_composites=False),
+                               tf.nest.flatten(sources, expand_composites=False))
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
+
+    def _reduce(self, grads: list, sources: list) -> list:
+        """Reduce the flat ``grads`` of the flat ``sources`` (which name them for a compressor)."""
+        names = [_name(v, i) for i, v in enumerate(sources)] if self._averager.compressor is not None else None
+        return average_gradients(self._averager, grads, names)
 
     def __enter__(self) -> "DistributedGradientTape":
         self._tape.__enter__()

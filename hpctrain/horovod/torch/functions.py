@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 import torch
 
 from ...torch import state_broadcast as native
-from .. import basics, requests
+from .. import requests
 from ..basics import global_process_set
 from ..negotiated import NegotiatedComm
 
@@ -26,7 +26,7 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_
     ``params``: ``model.state_dict()``, ``model.named_parameters()`` (or a list
     of ``(name, tensor)`` pairs), or ``model.parameters()``.
     """
-    native.broadcast_parameters(params, root=_root(root_rank, process_set), comm=NegotiatedComm(process_set))
+    native.broadcast_parameters(params, root=requests.root_index(root_rank, process_set), comm=NegotiatedComm(process_set))
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_set=global_process_set) -> None:
@@ -35,15 +35,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_set=global_
         raise ValueError("cannot broadcast torch.optim.LBFGS state (as in Horovod)")
     if not optimizer.state_dict()["state"]:
         _initialise(optimizer)
-    native.broadcast_optimizer_state(optimizer, root=_root(root_rank, process_set), comm=NegotiatedComm(process_set))
-
-
-def _root(root_rank, process_set) -> int:
-    """The index in the set of world rank ``root_rank`` (ValueError when it is not a member)."""
-    details = basics.root_details(root_rank, process_set)
-    if details[0] == "invalid":
-        raise ValueError(details[1])
-    return details[0]
+    native.broadcast_optimizer_state(optimizer, root=requests.root_index(root_rank, process_set), comm=NegotiatedComm(process_set))
 
 
 def _initialise(optimizer) -> None:

@@ -5,30 +5,18 @@ by autograd hooks, reductions overlapping backward, has-gradient flags so
 ranks may leave different parameters unused, sparse-gradient policy, error
 feedback for compressors) over a :class:`~hpctrain.horovod.negotiated.NegotiatedComm`,
 so its reductions are negotiated like every other Horovod request.  Horovod's
-arguments map as follows:
-
-* ``compression``: ``Compression.none``, ``Compression.fp16`` or
-  ``Compression.hpctrain(name, ...)``;
-* ``op``: Average or Sum (Adasum is refused for now: use ``hvd.allreduce(op=hvd.Adasum)``
-  on the gradients or deltas yourself);
-* ``gradient_predivide_factor`` f: Horovod scales by 1/f before and f/n after
-  the sum to keep float16 sums in range; hpctrain accumulates float16 in
-  float32, so the result is the average either way and f is only checked;
-* ``num_groups``/``groups``: how many fused reductions a step uses (the
-  gradients are split into that many buckets of about equal bytes);
-* ``process_set``: members average over the set; the other ranks' optimizer
-  steps on its own gradients (as Horovod's does).
+arguments map as :mod:`hpctrain.horovod.gradient_args` says; besides,
+``num_groups``/``groups`` set how many fused reductions a step uses (the
+gradients are split into that many buckets of about equal bytes).
 """
 from __future__ import annotations
 
 import warnings
 
-from ...comm.local import init_world as init_local_world
 from ...torch.optimizer import DistributedOptimizer as _native
-from .. import basics
 from ..basics import Average, global_process_set
-from ..negotiated import NegotiatedComm
-from .compression import Compression, Compressor
+from ..gradient_args import gradient_settings
+from .compression import Compression
 
 __all__ = ["DistributedOptimizer"]
 
@@ -44,20 +32,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     own (see :func:`hpctrain.torch.DistributedOptimizer`).
     """
     named = _check_names(optimizer, named_parameters)
-    hop = basics.op_name(op)
-    if hop not in ("avg", "sum"):
-        raise ValueError("DistributedOptimizer supports op=hvd.Average or hvd.Sum; op=hvd.Adasum is not "
-                         "built yet (reduce deltas with hvd.allreduce(..., op=hvd.Adasum) instead)")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor needs op=hvd.Average")
-    if gradient_predivide_factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
-    if not isinstance(compression, (type, Compressor)) or (isinstance(compression, type) and
-                                                           not issubclass(compression, Compressor)):
-        raise TypeError("compression must be hvd.Compression.none, hvd.Compression.fp16 or "
-                        "hvd.Compression.hpctrain(name)")
-    if compression is not Compression.none and compression.hpctrain_name is None:
-        raise ValueError(f"{compression} has no bucket form; use Compression.fp16 or Compression.hpctrain(name)")
+    settings = gradient_settings(compression, op, gradient_predivide_factor, process_set)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     total = sum(p.numel() * p.element_size() for p in params)
     count = len(groups) if groups is not None and not isinstance(groups, int) else (groups or num_groups or 0)
@@ -66,13 +41,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         if not listed <= {id(p) for p in params}:
             raise ValueError("groups must list parameters of the optimizer")
     bucket_mb = max(total / count, 1) / 2 ** 20 if count else 25
-    if process_set.included() is False:         # steps on its own gradients, with a runtime of its own
-        comm = init_local_world(basics.controller().world.config)
-    else:
-        comm = NegotiatedComm(process_set)
-    opt = _native(optimizer, named_parameters=named, compression=compression.hpctrain_name,
-                  op=hop, backward_passes_per_step=backward_passes_per_step,
-                  bucket_mb=bucket_mb, comm=comm, sparse_as_dense=sparse_as_dense)
+    opt = _native(optimizer, named_parameters=named, compression=settings.compressor,
+                  op=settings.op, backward_passes_per_step=backward_passes_per_step,
+                  bucket_mb=bucket_mb, comm=settings.comm, sparse_as_dense=sparse_as_dense)
     opt._parameter_names = {p: n for n, p in named} if named else {
         p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
     base = type(opt)

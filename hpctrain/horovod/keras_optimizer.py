@@ -1,0 +1,200 @@
+"""Horovod's Keras ``DistributedOptimizer`` for Keras 3 and for Keras 2 (``tf-keras``), on hpctrain's gradients.
+
+The optimizer passed in keeps its identity: its class becomes a subclass of
+its own (same name, module ``hpctrain.horovod.keras_optimizer``) that reduces
+the gradients over the process set before every update, in ``apply``
+(Keras 3) or ``apply_gradients`` (Keras 2, new and legacy optimizers), which
+``model.fit``, ``minimize`` and custom loops all reach.  The reduction is
+:func:`hpctrain.tensorflow.ops.average_gradients` (one fused all-reduce of
+the dense gradients, ``IndexedSlices`` gathered as rows or densified with
+``sparse_as_dense``, hpctrain's compressors) over a negotiated communicator.
+The subclass carries the settings, so ``from_config`` copies and
+``load_model`` give optimizers that reduce too.
+
+``backward_passes_per_step=k``: gradients accumulate locally (dense, in
+variables beside the optimizer's) and are reduced and applied on every k-th
+call only, averaged over the k passes when ``average_aggregated_gradients``;
+the other calls only count ``iterations``.  Cost: one reduction per k
+passes, and one extra copy of the trainable variables.  Local variables
+(``register_local_var``) are never reduced; with ``scale_local_gradients``
+their gradients are divided by the set's size, as Horovod does.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import tensorflow as tf
+
+from ..gradients import GradientAverager
+from ..tensorflow.ops import average_gradients
+from ..tensorflow.tape import _name
+from .gradient_args import GradientSettings
+from .requests import set_size
+
+__all__ = ["wrap_optimizer", "HorovodKerasOptimizer"]
+
+
+class _Aggregation:
+    """Local accumulation over ``k`` backward passes (``counter`` counts the passes of the current round)."""
+
+    def __init__(self, k: int, average: bool):
+        self.k, self.average = k, average
+        self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="hpctrain_agg_counter")
+        self._sums: dict = {}
+
+    def add(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+        """Add this pass's gradients to the sums (created zero on first use, outside any graph)."""
+        for g, v in zip(grads, variables):
+            key = v.ref() if hasattr(v, "ref") else id(v)
+            if key not in self._sums:
+                with tf.init_scope():
+                    self._sums[key] = tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                                  name="hpctrain_agg_sum")
+            if g is not None:
+                self._sums[key].assign_add(tf.convert_to_tensor(g))
+        self.counter.assign_add(1)
+
+    def totals(self, variables: Sequence[Any]) -> List[tf.Tensor]:
+        """The sums (divided by k when averaging) of ``variables``' gradients."""
+        out = []
+        for v in variables:
+            s = self._sums[v.ref() if hasattr(v, "ref") else id(v)].read_value()
+            out.append(s / tf.cast(self.k, s.dtype) if self.average else s)
+        return out
+
+    def reset(self) -> None:
+        """Start a new round: sums and counter back to zero."""
+        for s in self._sums.values():
+            s.assign(tf.zeros_like(s))
+        self.counter.assign(0)
+
+
+class HorovodKerasOptimizer:
+    """Mixin of the optimizer subclasses; the class attribute ``_hpctrain_config`` holds Horovod's settings."""
+
+    _hpctrain_config: dict = {}
+
+    def _hpctrain_state(self) -> dict:
+        state = self.__dict__.get("_hpctrain_runtime")
+        if state is None:
+            c = self._hpctrain_config
+            k = c["backward_passes_per_step"]
+            settings: GradientSettings = c["settings"]
+            state = {"averager": GradientAverager(settings.comm, settings.op, settings.compressor,
+                                                  sparse_as_dense=c["sparse_as_dense"]),
+                     "agg": _Aggregation(k, c["average_aggregated_gradients"]) if k > 1 else None, "local": set()}
+            self.__dict__["_hpctrain_runtime"] = state
+        return state
+
+    @property
+    def _agg_helper(self) -> Optional[_Aggregation]:
+        """The local aggregation (None unless ``backward_passes_per_step > 1``)."""
+        return self._hpctrain_state()["agg"]
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient on this rank (not reduced; divided by the set's size when scaling)."""
+        self._hpctrain_state()["local"].add(var.ref())
+
+    def compression_stats(self) -> dict:
+        """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
+        return self._hpctrain_state()["averager"].stats()
+
+    def _reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
+        """``grads`` reduced over the set, local variables' kept (and scaled)."""
+        state, c = self._hpctrain_state(), self._hpctrain_config
+        local = [getattr(v, "ref", None) is not None and v.ref() in state["local"] for v in variables]
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        out = list(grads)
+        if shared and c["member"]:
+            names = [_name(variables[i], i) for i in shared] if state["averager"].compressor is not None else None
+            for i, g in zip(shared, average_gradients(state["averager"], [grads[i] for i in shared], names)):
+                out[i] = g
+        n = set_size(c["process_set"])
+        if c["scale_local_gradients"] and n > 1:
+            for i in (i for i, is_local in enumerate(local) if is_local and out[i] is not None):
+                g = out[i]
+                out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape) \
+                    if isinstance(g, tf.IndexedSlices) else g / n
+        return out
+
+    def _hpctrain_update(self, grads: List[Any], variables: List[Any], apply_fn) -> Any:
+        """Reduce and apply now, or (aggregating) accumulate and apply on every k-th pass."""
+        agg = self._hpctrain_state()["agg"]
+        if agg is None:
+            return apply_fn(self._reduce(grads, variables))
+        self._build_for(variables)
+        agg.add(grads, variables)
+
+        def reduce_and_apply():
+            apply_fn(self._reduce(agg.totals(variables), variables))
+            agg.reset()
+            return tf.constant(True)
+
+        def count_only():
+            self.iterations.assign_add(1)
+            return tf.constant(False)
+        return tf.cond(agg.counter >= agg.k, reduce_and_apply, count_only)
+
+    def _build_for(self, variables) -> None:
+        """Create the optimizer's own variables now: a ``tf.cond`` branch may not create them."""
+        if hasattr(self, "_create_all_weights"):          # Keras 2 legacy optimizers
+            with tf.init_scope():
+                self._create_all_weights(variables)
+        elif not getattr(self, "built", True) or getattr(self, "_built", True) is False:
+            with tf.init_scope():
+                self.build(variables)
+
+    # -- Keras 3 ---------------------------------------------------------------------
+    def apply(self, grads, trainable_variables=None):
+        """Keras 3: reduce ``grads`` over the set, then the wrapped optimizer's ``apply``."""
+        variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
+        parent = super()
+        return self._hpctrain_update(list(grads), variables, lambda g: parent.apply(g, variables))
+
+    # -- Keras 2 (tf-keras) --------------------------------------------------------------
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        """Keras 2 and Keras 3: reduce the gradients over the set, then apply them."""
+        pairs = list(grads_and_vars)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if _is_keras3(self):                 # Keras 3's apply_gradients calls apply
+            return super().apply_gradients(pairs, *args, **kwargs)
+        parent = super()
+        return self._hpctrain_update(grads, variables,
+                                     lambda g: parent.apply_gradients(list(zip(g, variables)), *args, **kwargs))
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """Keras 2: the local gradients of ``loss`` as ``(gradient, variable)`` pairs (reduced when applied)."""
+        if hasattr(super(), "_compute_gradients"):
+            return super()._compute_gradients(loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
+        return super().compute_gradients(loss, var_list, tape=tape)
+
+    def get_gradients(self, loss, params):
+        """Keras 2 legacy: the gradients of ``loss``, reduced over the set."""
+        return self._reduce(super().get_gradients(loss, params), params)
+
+
+def _is_keras3(optimizer) -> bool:
+    return type(optimizer).__module__.startswith("keras") and hasattr(optimizer, "stateless_apply")
+
+
+_CLASSES: dict = {}
+
+
+def wrap_optimizer(optimizer, settings: GradientSettings, process_set, sparse_as_dense: bool,
+                   backward_passes_per_step: int, average_aggregated_gradients: bool,
+                   scale_local_gradients: bool):
+    """Turn ``optimizer`` (Keras 3 or Keras 2) into a distributed one in place and return it."""
+    if isinstance(optimizer, HorovodKerasOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    if int(backward_passes_per_step) < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    config = {"settings": settings, "process_set": process_set, "sparse_as_dense": bool(sparse_as_dense),
+              "backward_passes_per_step": int(backward_passes_per_step),
+              "average_aggregated_gradients": bool(average_aggregated_gradients),
+              "scale_local_gradients": bool(scale_local_gradients),
+              "member": process_set.included() is not False}
+    base = type(optimizer)
+    cls = type(base.__name__, (HorovodKerasOptimizer, base),
+               {"__module__": __name__, "_hpctrain_config": config, "__qualname__": base.__qualname__})
+    optimizer.__class__ = cls
+    return optimizer

@@ -1,0 +1,38 @@
+"""Horovod's ``hvd.Compression`` for TensorFlow: ``none``, ``fp16``, and hpctrain's compressors by name.
+
+The interface and ``none``/``hpctrain(name)`` are framework-neutral
+(:mod:`hpctrain.horovod.compression`); this module adds the float16 cast.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from ..compression import Compression as _Compression
+from ..compression import Compressor, HpctrainCompressor, NoneCompressor
+
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "HpctrainCompressor", "Compression"]
+
+
+class FP16Compressor(Compressor):
+    """Send floating-point tensors as float16 (half the bytes of float32); other dtypes as they are."""
+
+    hpctrain_name = "fp16"
+
+    @staticmethod
+    def compress(tensor):
+        """Return the float16 copy of a floating-point ``tensor`` and its original dtype."""
+        tensor = tf.convert_to_tensor(tensor)
+        if tensor.dtype.is_floating:
+            return tf.cast(tensor, tf.float16), tensor.dtype
+        return tensor, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        """Cast back to the original dtype."""
+        return tf.cast(tensor, ctx) if ctx is not None and ctx.is_floating else tensor
+
+
+class Compression(_Compression):
+    """The compressors, as Horovod names them."""
+
+    fp16 = FP16Compressor
