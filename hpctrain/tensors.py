@@ -26,7 +26,7 @@ __all__ = ["BFLOAT16", "SUPPORTED_DTYPES", "to_numpy", "framework_of", "check_dt
 
 SUPPORTED_DTYPES = tuple(
     np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
-                          np.bool_)
+                          np.uint16, np.bool_)
 ) + ((BFLOAT16,) if BFLOAT16 is not None else ())
 
 Restore = Callable[[np.ndarray], Any]

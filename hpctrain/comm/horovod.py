@@ -28,7 +28,7 @@ from .signature import DESC_BYTES, Call, judge
 
 __all__ = ["HorovodCommunicator", "init_world"]
 
-_NARROW = (np.dtype(np.uint8), np.dtype(np.int8), np.dtype(np.int16))   # integers Horovod cannot reduce
+_NARROW = (np.dtype(np.uint8), np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.uint16))   # integers Horovod cannot reduce
 
 
 class HorovodCommunicator(Communicator):

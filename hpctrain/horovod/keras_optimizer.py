@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from ..gradients import GradientAverager
 from ..tensorflow.ops import average_gradients
-from ..tensorflow.tape import _name
+from ..tensorflow.tape import _name, var_key
 from .gradient_args import GradientSettings
 from .requests import set_size
 
@@ -45,7 +45,7 @@ class _Aggregation:
     def add(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
         """Add this pass's gradients to the sums (created zero on first use, outside any graph)."""
         for g, v in zip(grads, variables):
-            key = v.ref() if hasattr(v, "ref") else id(v)
+            key = var_key(v)
             if key not in self._sums:
                 with tf.init_scope():
                     self._sums[key] = tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
@@ -58,7 +58,7 @@ class _Aggregation:
         """The sums (divided by k when averaging) of ``variables``' gradients."""
         out = []
         for v in variables:
-            s = self._sums[v.ref() if hasattr(v, "ref") else id(v)].read_value()
+            s = self._sums[var_key(v)].read_value()
             out.append(s / tf.cast(self.k, s.dtype) if self.average else s)
         return out
 
@@ -93,7 +93,7 @@ class HorovodKerasOptimizer:
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank (not reduced; divided by the set's size when scaling)."""
-        self._hpctrain_state()["local"].add(var.ref())
+        self._hpctrain_state()["local"].add(var_key(var))
 
     def compression_stats(self) -> dict:
         """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
@@ -102,7 +102,7 @@ class HorovodKerasOptimizer:
     def _reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
         """``grads`` reduced over the set, local variables' kept (and scaled)."""
         state, c = self._hpctrain_state(), self._hpctrain_config
-        local = [getattr(v, "ref", None) is not None and v.ref() in state["local"] for v in variables]
+        local = [var_key(v) in state["local"] for v in variables]
         shared = [i for i, is_local in enumerate(local) if not is_local]
         out = list(grads)
         if shared and c["member"]:

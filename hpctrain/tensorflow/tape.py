@@ -85,3 +85,8 @@ class DistributedGradientTape:
 def _name(variable, i: int) -> str:
     """A variable's path (Keras 3) or name, else its position; used to key compressor state."""
     return str(getattr(variable, "path", None) or getattr(variable, "name", None) or f"grad{i}")
+
+
+def var_key(variable):
+    """A hashable key for a variable: ``ref()`` of a tf.Variable, the object's id for a Keras 3 variable."""
+    return variable.ref() if hasattr(variable, "ref") else id(variable)

@@ -8,7 +8,9 @@ Usage (from the repository root; HOROVOD_SRC is a checkout of horovod/horovod at
 The test file and Horovod's ``test/utils/common.py`` are copied to a scratch
 folder; only the import lines change (``horovod.torch`` -> ``hpctrain.horovod.torch``
 and likewise for tensorflow/keras and ``horovod.common``; nothing with
-``--impl horovod``).  The file runs under ``mpirun -n N python -m pytest``.  A
+``--impl horovod``).  The file runs under ``mpirun -n N python -m pytest``;
+the TensorFlow and Keras files with ``TF_USE_LEGACY_KERAS=1`` (Keras 2 from
+``tf-keras``, which their Keras 2 code needs) unless ``--keras 3``.  A
 test that outlives ``--timeout`` seconds ends that run (pytest-timeout): it
 is counted as a hang and the file runs again without the tests that already
 have an outcome (so every launch starts with the ranks in step: a test that
@@ -147,6 +149,9 @@ def main() -> int:
     ap.add_argument("-k", dest="kfilter", default="not elastic")
     ap.add_argument("--no-rerun-alone", dest="rerun_alone", action="store_false",
                     help="do not run each test that failed or hung again on its own")
+    ap.add_argument("--keras", choices=("2", "3"), default="2",
+                    help="Keras of the TensorFlow/Keras files: 2 (tf-keras, TF_USE_LEGACY_KERAS=1, as Horovod's "
+                         "users keep Keras 2 code on TF >= 2.16) or 3")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "compat"))
     args = ap.parse_args()
     for pkg in ("mock", "parameterized"):
@@ -156,6 +161,8 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
                OMPI_MCA_threads_pthreads_yield_strategy="nanosleep", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if args.keras == "2" and args.file != "test_torch.py":
+        env["TF_USE_LEGACY_KERAS"] = "1"
     for n in args.ranks:
         with tempfile.TemporaryDirectory(prefix="hvdcompat-") as scratch:
             folder = prepare(args.src, args.file, args.impl, scratch)

@@ -820,11 +820,11 @@ def test_large_allreduce_uses_the_arena_on_every_rank_when_one_rank_turns_direct
         sub.free()
 
 
-@pytest.mark.parametrize("dtype", [np.int8, np.int16])
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.uint16])
 def test_narrow_integers(comm, dtype):
-    """int8 and int16 (one test each, not the whole dtype sweep): reductions, gather, broadcast against numpy."""
+    """int8, int16 and uint16 (one test each, not the whole dtype sweep): reductions, gather, broadcast against numpy."""
     n, r = comm.size, comm.rank
-    xs = [((np.arange(12) * (q + 3)) % 23 - 11).astype(dtype) for q in range(n)]
+    xs = [((np.arange(12) * (q + 3)) % 23 - (11 if np.dtype(dtype).kind == "i" else 0)).astype(dtype) for q in range(n)]
     stack = np.stack(xs)
     np.testing.assert_array_equal(comm.allreduce(xs[r]), stack.sum(0, dtype=dtype))
     np.testing.assert_array_equal(comm.allreduce(xs[r], op="min"), stack.min(0))

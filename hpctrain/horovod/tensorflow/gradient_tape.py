@@ -21,6 +21,7 @@ from typing import Any, List
 import tensorflow as tf
 
 from ...tensorflow.tape import DistributedGradientTape as _NativeTape
+from ...tensorflow.tape import var_key
 from ..basics import Average, global_process_set
 from ..gradient_args import gradient_settings
 from ..requests import set_size
@@ -39,13 +40,13 @@ class _HorovodTape(_NativeTape):
 
     def register_local_source(self, source) -> None:
         """Keep ``source``'s gradient on this rank (not reduced; divided by the set's size when scaling)."""
-        self._local_sources.add(source.ref())
+        self._local_sources.add(var_key(source))
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False,
                  unconnected_gradients=tf.UnconnectedGradients.NONE) -> Any:
         """Return the gradients of ``target`` with respect to ``sources``, the global ones reduced over the set."""
         flat = tf.nest.flatten(sources, expand_composites=False)
-        local = [getattr(s, "ref", None) is not None and s.ref() in self._local_sources for s in flat]
+        local = [var_key(s) in self._local_sources for s in flat]
         if not any(local) and self._comm_is_member:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
         grads = self._tape.gradient(target, flat, output_gradients=output_gradients,
@@ -68,7 +69,7 @@ class _HorovodTape(_NativeTape):
         grads = self.gradient(target, sources, output_gradients)
         local, shared = [], []
         for s, g in zip(sources, grads):
-            (local if s.ref() in self._local_sources else shared).append((s, g))
+            (local if var_key(s) in self._local_sources else shared).append((s, g))
         return local, shared
 
     @property

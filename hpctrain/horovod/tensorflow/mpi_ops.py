@@ -18,6 +18,7 @@ Gradients (``tf.custom_gradient``, Horovod's conventions):
 """
 from __future__ import annotations
 
+import logging
 import re
 import weakref
 from typing import Callable, List, Optional, Sequence
@@ -37,6 +38,11 @@ __all__ = ["_allreduce", "_grouped_allreduce", "allgather", "grouped_allgather",
 
 
 _plain = tf.autograph.experimental.do_not_convert     # plain Python: AutoGraph need not rewrite it
+log = logging.getLogger("hpctrain")
+
+
+class _InvalidArgument(tf.errors.InvalidArgumentError, ValueError):
+    """An InvalidArgumentError that TF1 sessions' Python ops report as such too (they map ValueError)."""
 
 
 def _wait(handle):
@@ -44,17 +50,50 @@ def _wait(handle):
     try:
         return handle.wait()
     except InvalidCollectiveError as exc:
-        raise tf.errors.InvalidArgumentError(None, None, str(exc)) from exc
+        raise _InvalidArgument(None, None, str(exc)) from exc
     except CollectiveMismatchError as exc:
         raise tf.errors.FailedPreconditionError(None, None, str(exc)) from exc
 
 
+def _in_session_graph() -> bool:
+    """Whether ops are being added to a TF1 graph run by a session (not eager, not ``tf.function``)."""
+    return not tf.executing_eagerly() and not tf.compat.v1.get_default_graph().building_function
+
+
+def _failed_precondition() -> tf.Tensor:
+    """An op that raises FailedPreconditionError when it runs (reading a variable that never exists)."""
+    handle = tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[],
+                                    shared_name="hpctrain_collective_failed_see_the_error_logged_above")
+    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int32)
+
+
 def _run(name: str, start: Callable[..., object], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
          finish: Callable = lambda r: [r]) -> List[tf.Tensor]:
-    """Start a request on the inputs' numpy arrays and wait for it, eagerly or as one graph op."""
+    """Start a request on the inputs' numpy arrays and wait for it, eagerly or as one graph op.
+
+    A TF1 session reports every exception of a Python op as UnknownError
+    except ValueError/TypeError (InvalidArgumentError); there, ranks that
+    disagree are logged and the op's status output drives
+    :func:`_failed_precondition`, so the session raises Horovod's error class.
+    """
+    session = _in_session_graph()
+
     def fn(*arrays):
-        return [np.asarray(o) for o in finish(_wait(start(*arrays)))]
-    return host_call(fn, inputs, out_dtypes, name)
+        try:
+            outs = [np.asarray(o) for o in finish(_wait(start(*arrays)))]
+        except tf.errors.FailedPreconditionError as exc:
+            if not session:
+                raise
+            log.error("hpctrain.horovod: %s", exc.message)
+            return [np.zeros(0, d.as_numpy_dtype) for d in out_dtypes] + [np.int32(1)]
+        return outs + [np.int32(0)] if session else outs
+
+    if not session:
+        return host_call(fn, inputs, out_dtypes, name)
+    *outs, failed = host_call(fn, inputs, list(out_dtypes) + [tf.int32], name)
+    verdict = tf.cond(tf.equal(failed, 0), lambda: failed, _failed_precondition)
+    with tf.control_dependencies([verdict]):
+        return [tf.identity(o) for o in outs]
 
 
 _NAMES_USED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # graph -> {name: uses}

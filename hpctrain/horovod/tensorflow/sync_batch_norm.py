@@ -12,6 +12,8 @@ moving statistics, as usual.  Works with Keras 3 and with Keras 2
 """
 from __future__ import annotations
 
+import inspect
+
 import tensorflow as tf
 
 from ..basics import Sum, global_process_set
@@ -42,25 +44,25 @@ def global_moments(x: tf.Tensor, axes, keepdims: bool, process_set=global_proces
 def sync_batch_norm_class(base: type, module: str) -> type:
     """Return ``SyncBatchNormalization`` on the Keras ``BatchNormalization`` class ``base``."""
 
-    class SyncBatchNormalization(base):
-        def __init__(self, *args, process_set=global_process_set, **kwargs):
-            if "fused" in base.__init__.__code__.co_varnames:     # Keras 2: the fused kernel bypasses the hook
-                kwargs["fused"] = False
-            super().__init__(*args, **kwargs)
-            self._hpctrain_set = process_set
+    def __init__(self, *args, process_set=global_process_set, **kwargs):
+        if "fused" in inspect.signature(base.__init__).parameters:   # Keras 2: the fused kernel skips the hook
+            kwargs["fused"] = False
+        base.__init__(self, *args, **kwargs)
+        self._hpctrain_set = process_set
 
-        def _moments(self, inputs, mask, *rest, **kwargs):        # Keras 3: _moments(inputs, mask)
-            if rest or kwargs or not hasattr(self, "_reduction_axes"):
-                return super()._moments(inputs, mask, *rest, **kwargs)
-            if mask is not None:
-                raise NotImplementedError("SyncBatchNormalization does not take a mask")
-            return global_moments(inputs, self._reduction_axes, False, self._hpctrain_set)
+    def _moments(self, inputs, mask):                                 # Keras 3
+        if mask is not None:
+            raise NotImplementedError("SyncBatchNormalization does not take a mask")
+        return global_moments(inputs, self._reduction_axes, False, self._hpctrain_set)
 
-        def _calculate_mean_and_var(self, inputs, reduction_axes, keep_dims, mask=None):   # Keras 2
-            if mask is not None:
-                raise NotImplementedError("SyncBatchNormalization does not take a mask")
-            return global_moments(inputs, reduction_axes, keep_dims, self._hpctrain_set)
+    def _calculate_mean_and_var(self, inputs, reduction_axes, keep_dims, mask=None):   # Keras 2
+        if mask is not None:
+            raise NotImplementedError("SyncBatchNormalization does not take a mask")
+        return global_moments(inputs, reduction_axes, keep_dims, self._hpctrain_set)
 
+    hook = ("_calculate_mean_and_var", _calculate_mean_and_var) if hasattr(base, "_calculate_mean_and_var") \
+        else ("_moments", _moments)
+    SyncBatchNormalization = type("SyncBatchNormalization", (base,), {"__init__": __init__, hook[0]: hook[1]})
     SyncBatchNormalization.__doc__ = _DOC
     SyncBatchNormalization.__module__ = module
     SyncBatchNormalization.__qualname__ = "SyncBatchNormalization"
