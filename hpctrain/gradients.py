@@ -91,7 +91,7 @@ class GradientAverager:
             if self.comm.size == 1:
                 return list(arrays)
             self._sent += sum(a.nbytes for a in arrays)
-            return list(self.comm.grouped_allreduce([np.ascontiguousarray(a) for a in arrays], op=self.op))
+            return list(self.comm.grouped_allreduce([np.require(a, requirements="C") for a in arrays], op=self.op))
         copies = [np.array(a, copy=True, order="C") for a in arrays]
         return self.reducer.reduce(list(zip(names, copies)), op=self.op)
 

@@ -14,6 +14,7 @@ from typing import Any, Dict
 
 import tensorflow as tf
 
+from ..tensorflow.tape import var_key
 from ..tensorflow.keras_callbacks import (BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin,
                                           MetricAverageMixin)
 from . import basics, elastic
@@ -36,7 +37,8 @@ PUBLIC = [
     "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "Compression", "DistributedOptimizer", "load_model", "allreduce", "allgather",
+    "remove_process_set", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "load_model",
+    "allreduce", "allgather",
     "broadcast", "reducescatter", "broadcast_global_variables", "SyncBatchNormalization", "elastic",
 ]
 
@@ -47,9 +49,10 @@ def callback_classes(callback_base: type, module: str) -> Dict[str, type]:
     class BroadcastGlobalVariablesCallback(BroadcastMixin, callback_base):
         __doc__ = BroadcastMixin.__doc__
 
-        def __init__(self, root_rank: int = 0, device: str = ""):
+        def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
             super().__init__()
             self.root, self._optimizer_done = root_rank, False
+            self.local_variables = frozenset(var_key(v) for v in (local_variables or []))
 
         @property
         def comm(self):
@@ -122,6 +125,25 @@ def build(keras) -> SimpleNamespace:
         return wrap_optimizer(optimizer, settings, process_set, sparse_as_dense, backward_passes_per_step,
                               average_aggregated_gradients, scale_local_gradients)
 
+    def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                    compression=Compression.none, sparse_as_dense=False,
+                                    gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                                    average_aggregated_gradients=False, groups=None,
+                                    process_set=global_process_set, local_layers=None, scale_local_gradients=True):
+        """A :func:`DistributedOptimizer` whose ``local_layers`` (Keras layers) keep their gradients local."""
+        layers = [] if local_layers is None else (
+            list(local_layers) if isinstance(local_layers, (list, tuple, set)) else [local_layers])
+        bad = [type(layer).__name__ for layer in layers if not hasattr(layer, "trainable_weights")]
+        if bad:
+            raise ValueError(f"local_layers must be Keras layers, got {bad}")
+        opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                   gradient_predivide_factor, op, backward_passes_per_step,
+                                   average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+        for layer in layers:
+            for var in layer.trainable_weights:
+                opt.register_local_var(var)
+        return opt
+
     def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
                    legacy_opts=False):
         """``keras.models.load_model`` whose saved optimizer comes back wrapped by :func:`DistributedOptimizer`.
@@ -156,7 +178,9 @@ def build(keras) -> SimpleNamespace:
         """Return this rank's block of dim 0 of the reduction of ``value``, as a tensor."""
         return _reducescatter(tf.constant(value), op=op, name=name)
 
-    return SimpleNamespace(DistributedOptimizer=DistributedOptimizer, load_model=load_model, allreduce=allreduce,
+    return SimpleNamespace(DistributedOptimizer=DistributedOptimizer,
+                           PartialDistributedOptimizer=PartialDistributedOptimizer, load_model=load_model,
+                           allreduce=allreduce,
                            allgather=allgather, broadcast=broadcast, reducescatter=reducescatter,
                            broadcast_global_variables=broadcast_global_variables)
 

@@ -2,9 +2,11 @@
 
 The optimizer passed in keeps its identity: its class becomes a subclass of
 its own (same name, module ``hpctrain.horovod.keras_optimizer``) that reduces
-the gradients over the process set before every update, in ``apply``
-(Keras 3) or ``apply_gradients`` (Keras 2, new and legacy optimizers), which
-``model.fit``, ``minimize`` and custom loops all reach.  The reduction is
+the gradients over the process set before every update: in ``apply``
+(Keras 3), or in Keras 2 (new and legacy optimizers) where Horovod does, in
+``compute_gradients`` (which ``model.fit`` and ``minimize`` call), and in
+``apply_gradients`` for gradients that did not come from there (a custom
+loop's tape), so they are reduced exactly once.  The reduction is
 :func:`hpctrain.tensorflow.ops.average_gradients` (one fused all-reduce of
 the dense gradients, ``IndexedSlices`` gathered as rows or densified with
 ``sparse_as_dense``, hpctrain's compressors) over a negotiated communicator.
@@ -153,24 +155,42 @@ class HorovodKerasOptimizer:
 
     # -- Keras 2 (tf-keras) --------------------------------------------------------------
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        """Keras 2 and Keras 3: reduce the gradients over the set, then apply them."""
+        """Keras 2 and Keras 3: reduce the gradients over the set (unless this optimizer's
+        ``compute_gradients`` already did), then apply them."""
         pairs = list(grads_and_vars)
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
         if _is_keras3(self):                 # Keras 3's apply_gradients calls apply
             return super().apply_gradients(pairs, *args, **kwargs)
         parent = super()
+        reduced = self.__dict__.pop("_hpctrain_reduced", set())
+        if grads and all(g is None or id(g) in reduced for g in grads):
+            return parent.apply_gradients(pairs, *args, **kwargs)
         return self._hpctrain_update(grads, variables,
                                      lambda g: parent.apply_gradients(list(zip(g, variables)), *args, **kwargs))
 
+    def compute_gradients(self, loss, var_list, tape=None):
+        """Keras 2: ``(gradient, variable)`` pairs of ``loss``, reduced over the set (kept local while
+        aggregating over ``backward_passes_per_step``; then ``apply_gradients`` reduces)."""
+        return self._compute_gradients(loss, var_list, None, tape)
+
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
-        """Keras 2: the local gradients of ``loss`` as ``(gradient, variable)`` pairs (reduced when applied)."""
-        if hasattr(super(), "_compute_gradients"):
-            return super()._compute_gradients(loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
-        return super().compute_gradients(loss, var_list, tape=tape)
+        parent = super()
+        if hasattr(parent, "_compute_gradients"):
+            pairs = parent._compute_gradients(loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
+        else:
+            pairs = parent.compute_gradients(loss, var_list, tape=tape)
+        return self._reduced_pairs(list(pairs))
 
     def get_gradients(self, loss, params):
-        """Keras 2 legacy: the gradients of ``loss``, reduced over the set."""
-        return self._reduce(super().get_gradients(loss, params), params)
+        """Keras 2 legacy (graph mode): the gradients of ``loss``, reduced over the set."""
+        return [g for g, _ in self._reduced_pairs(list(zip(super().get_gradients(loss, params), params)))]
+
+    def _reduced_pairs(self, pairs: list) -> list:
+        if self._hpctrain_state()["agg"] is not None:
+            return pairs
+        grads = self._reduce([g for g, _ in pairs], [v for _, v in pairs])
+        self.__dict__["_hpctrain_reduced"] = {id(g) for g in grads if g is not None}
+        return [(g, v) for g, (_, v) in zip(grads, pairs)]
 
 
 def _is_keras3(optimizer) -> bool:

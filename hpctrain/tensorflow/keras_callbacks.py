@@ -41,15 +41,19 @@ class BroadcastMixin:
     """At the start of training, copy rank ``root``'s model (and optimizer) variables to every rank.
 
     Optimizer variables follow once the optimizer is built (before training
-    starts, or after the first step).  Cost: one broadcast per dtype of all
+    starts, or after the first step).  ``local_variables`` (keys of
+    :func:`hpctrain.tensorflow.tape.var_key`) keep each rank's own values.  Cost: one broadcast per dtype of all
     variables, once.  ``broadcast(variables, root)`` is the framework's.
     """
 
     root: int = 0
+    local_variables: frozenset = frozenset()
 
     def broadcast(self, variables, root: int) -> None:
         from .ops import broadcast_variables
-        broadcast_variables(variables, root, getattr(self, "comm", None))
+        from .tape import var_key
+        shared = [v for v in variables if var_key(v) not in self.local_variables]
+        broadcast_variables(shared, root, getattr(self, "comm", None))
 
     def _broadcast_optimizer(self) -> None:
         opt = getattr(self.model, "optimizer", None)

@@ -23,7 +23,8 @@ from ..gradients import GradientAverager
 from ..metrics import average_metrics
 from ..world import comm_or_world
 
-__all__ = ["allreduce", "reduce_gradients", "average_gradients", "broadcast_variables", "average_metrics", "host_call"]
+__all__ = ["allreduce", "reduce_gradients", "average_gradients", "broadcast_variables", "broadcast_arrays",
+           "average_metrics", "host_call"]
 
 
 def _in_xla() -> bool:
@@ -53,7 +54,7 @@ def allreduce(tensor: Any, op: str = "sum", comm=None) -> tf.Tensor:
     """
     comm = comm_or_world(comm)
     x = tf.convert_to_tensor(tensor)
-    (out,) = host_call(lambda a: [comm.allreduce(np.ascontiguousarray(a), op=op)], [x], [x.dtype], "allreduce")
+    (out,) = host_call(lambda a: [comm.allreduce(np.require(a, requirements="C"), op=op)], [x], [x.dtype], "allreduce")
     out.set_shape(x.shape)
     return out
 
@@ -138,19 +139,28 @@ def broadcast_variables(variables: Sequence[Any], root: int = 0, comm=None) -> N
     """
     if not tf.executing_eagerly():
         raise RuntimeError("broadcast_variables runs eagerly: call it outside tf.function (before training)")
-    comm = comm_or_world(comm)
     variables = list(variables)
-    arrays = [np.asarray(v.numpy()) for v in variables]
+    got = broadcast_arrays([np.asarray(v.numpy()) for v in variables], root, comm)
+    for v, a in zip(variables, got):
+        v.assign(a)
+
+
+def broadcast_arrays(arrays: Sequence[np.ndarray], root: int = 0, comm=None) -> List[np.ndarray]:
+    """Return ``root``'s ``arrays`` on every rank: one broadcast per dtype (see :func:`broadcast_variables`)."""
+    comm = comm_or_world(comm)
+    arrays = [np.asarray(a) for a in arrays]
     check_same(comm, "the variables to broadcast (shape, dtype)", [(a.shape, str(a.dtype)) for a in arrays],
                f"{len(arrays)} variables")
     by_dtype = {}
     for i, a in enumerate(arrays):
         by_dtype.setdefault(str(a.dtype), []).append(i)
+    out: List[Any] = [None] * len(arrays)
     for _, members in sorted(by_dtype.items()):
         flat = np.concatenate([arrays[i].reshape(-1) for i in members])
         got = comm.broadcast(flat, root=root)
         off = 0
         for i in members:
             n = arrays[i].size
-            variables[i].assign(got[off:off + n].reshape(arrays[i].shape))
+            out[i] = got[off:off + n].reshape(arrays[i].shape)
             off += n
+    return out

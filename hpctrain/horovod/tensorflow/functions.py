@@ -1,10 +1,10 @@
 """Horovod's TensorFlow state helpers: broadcast_variables, broadcast_global_variables, object collectives.
 
 ``broadcast_variables`` works eagerly (the usual TF2 use, before training)
-and inside ``tf.function``: each variable is assigned the root's value.
-Eagerly, variables of one dtype travel in one negotiated broadcast
-(:func:`hpctrain.tensorflow.broadcast_variables` over a negotiated
-communicator); in a graph, one broadcast op per variable.  The object
+and inside ``tf.function`` or a TF1 graph: each variable is assigned the
+root's value, variables of one dtype travelling in one broadcast
+(:func:`hpctrain.tensorflow.ops.broadcast_arrays` over a negotiated
+communicator).  The object
 collectives pickle on the sender and unpickle on the receivers (as
 Horovod's; use them for small, trusted objects such as configs).
 """
@@ -14,11 +14,11 @@ from typing import Any, Callable, List, Optional
 
 import tensorflow as tf
 
+from ...tensorflow.ops import broadcast_arrays, host_call
 from ...tensorflow.ops import broadcast_variables as _broadcast_flat
 from .. import requests
 from ..basics import global_process_set
 from ..negotiated import NegotiatedComm
-from .mpi_ops import broadcast, broadcast_
 
 __all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
            "allgather_object"]
@@ -28,15 +28,19 @@ def broadcast_variables(variables, root_rank: int, process_set=global_process_se
     """Assign world rank ``root_rank``'s values to ``variables`` on every rank of the set.
 
     Eagerly returns None; inside ``tf.function`` or a TF1 graph returns the
-    group of assign ops.
+    group of assign ops (one negotiated request for all variables, so a TF1
+    session holds one thread for it).  ``inplace`` is accepted (assignment is
+    in place either way).
     """
     variables = list(variables)
+    root = requests.root_index(root_rank, process_set)
     if tf.executing_eagerly():
-        _broadcast_flat(variables, root=requests.root_index(root_rank, process_set), comm=NegotiatedComm(process_set))
+        _broadcast_flat(variables, root=root, comm=NegotiatedComm(process_set))
         return None
-    if inplace:
-        return tf.group(*broadcast_(variables, root_rank, process_set=process_set))
-    return tf.group(*[v.assign(broadcast(v, root_rank, process_set=process_set)) for v in variables])
+    values = [tf.convert_to_tensor(v) for v in variables]
+    got = host_call(lambda *arrays: broadcast_arrays(arrays, root, NegotiatedComm(process_set)), values,
+                    [v.dtype for v in values], "broadcast_variables")
+    return tf.group(*[v.assign(tf.reshape(g, v.shape)) for v, g in zip(variables, got)])
 
 
 def broadcast_global_variables(root_rank: int):
