@@ -20,7 +20,7 @@ from ..tensorflow.keras_callbacks import (BroadcastMixin, LearningRateScheduleMi
 from . import basics, elastic
 from .basics import Average, global_process_set
 from .gradient_args import gradient_settings
-from .keras_optimizer import HorovodKerasOptimizer, wrap_optimizer
+from .keras_optimizer import HorovodKerasOptimizer, distributed_class, wrap_optimizer
 from .negotiated import NegotiatedComm
 from .tensorflow import allgather as _allgather
 from .tensorflow import allreduce as _allreduce
@@ -150,13 +150,11 @@ def build(keras) -> SimpleNamespace:
 
         ``custom_optimizers``: optimizer classes of your own the file names.
         """
-        def wrapped(cls):
-            def make(**config):
-                return DistributedOptimizer(cls.from_config(config), compression=compression)
-            return make
+        settings = gradient_settings(compression, Average, 1.0, global_process_set)
         objects: Dict[str, Any] = {}
         for cls in _optimizer_classes(keras) + list(custom_optimizers or []):
-            objects[cls.__name__] = objects[cls.__name__.lower()] = wrapped(cls)
+            objects[cls.__name__] = objects[cls.__name__.lower()] = distributed_class(cls, settings,
+                                                                                      global_process_set)
         objects.update(custom_objects or {})
         return keras.models.load_model(filepath, custom_objects=objects)
 

@@ -33,7 +33,7 @@ from ..tensorflow.tape import _name, var_key
 from .gradient_args import GradientSettings
 from .requests import set_size
 
-__all__ = ["wrap_optimizer", "HorovodKerasOptimizer"]
+__all__ = ["wrap_optimizer", "distributed_class", "HorovodKerasOptimizer"]
 
 
 class _Aggregation:
@@ -194,18 +194,16 @@ class HorovodKerasOptimizer:
 
 
 def _is_keras3(optimizer) -> bool:
-    return type(optimizer).__module__.startswith("keras") and hasattr(optimizer, "stateless_apply")
+    return hasattr(optimizer, "stateless_apply")          # Keras 3's optimizers have it, Keras 2's do not
 
 
 _CLASSES: dict = {}
 
 
-def wrap_optimizer(optimizer, settings: GradientSettings, process_set, sparse_as_dense: bool,
-                   backward_passes_per_step: int, average_aggregated_gradients: bool,
-                   scale_local_gradients: bool):
-    """Turn ``optimizer`` (Keras 3 or Keras 2) into a distributed one in place and return it."""
-    if isinstance(optimizer, HorovodKerasOptimizer):
-        raise ValueError("this optimizer is already a DistributedOptimizer")
+def distributed_class(base: type, settings: GradientSettings, process_set, sparse_as_dense: bool = False,
+                      backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                      scale_local_gradients: bool = True) -> type:
+    """Return the subclass of the optimizer class ``base`` that reduces over ``process_set`` (same name)."""
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     config = {"settings": settings, "process_set": process_set, "sparse_as_dense": bool(sparse_as_dense),
@@ -213,8 +211,14 @@ def wrap_optimizer(optimizer, settings: GradientSettings, process_set, sparse_as
               "average_aggregated_gradients": bool(average_aggregated_gradients),
               "scale_local_gradients": bool(scale_local_gradients),
               "member": process_set.included() is not False}
-    base = type(optimizer)
-    cls = type(base.__name__, (HorovodKerasOptimizer, base),
-               {"__module__": __name__, "_hpctrain_config": config, "__qualname__": base.__qualname__})
-    optimizer.__class__ = cls
+    return type(base.__name__, (HorovodKerasOptimizer, base),
+                {"__module__": __name__, "_hpctrain_config": config, "__qualname__": base.__qualname__})
+
+
+def wrap_optimizer(optimizer, *args, **kwargs):
+    """Turn ``optimizer`` (Keras 3 or Keras 2) into a distributed one in place and return it; the
+    arguments after it are :func:`distributed_class`'s."""
+    if isinstance(optimizer, HorovodKerasOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    optimizer.__class__ = distributed_class(type(optimizer), *args, **kwargs)
     return optimizer

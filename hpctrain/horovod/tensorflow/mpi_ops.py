@@ -55,11 +55,6 @@ def _wait(handle):
         raise tf.errors.FailedPreconditionError(None, None, str(exc)) from exc
 
 
-def _in_session_graph() -> bool:
-    """Whether ops are being added to a TF1 graph run by a session (not eager, not ``tf.function``)."""
-    return not tf.executing_eagerly() and not tf.compat.v1.get_default_graph().building_function
-
-
 def _failed_precondition() -> tf.Tensor:
     """An op that raises FailedPreconditionError when it runs (reading a variable that never exists)."""
     handle = tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[],
@@ -71,12 +66,13 @@ def _run(name: str, start: Callable[..., object], inputs: Sequence[tf.Tensor], o
          finish: Callable = lambda r: [r]) -> List[tf.Tensor]:
     """Start a request on the inputs' numpy arrays and wait for it, eagerly or as one graph op.
 
-    A TF1 session reports every exception of a Python op as UnknownError
-    except ValueError/TypeError (InvalidArgumentError); there, ranks that
-    disagree are logged and the op's status output drives
-    :func:`_failed_precondition`, so the session raises Horovod's error class.
+    In a graph (``tf.function``, TF1 sessions) TensorFlow reports every
+    exception of a Python op as UnknownError except ValueError/TypeError
+    (InvalidArgumentError); there, ranks that disagree are logged and the
+    op's status output drives :func:`_failed_precondition`, so the error
+    arrives as Horovod's FailedPreconditionError.
     """
-    session = _in_session_graph()
+    session = not tf.executing_eagerly()
 
     def fn(*arrays):
         try:
