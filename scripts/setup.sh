@@ -26,6 +26,9 @@ if [ "${HPCTRAIN_SITE_MPI:-0}" = "1" ]; then
 else
     "$PY" -m pip install -q -r requirements.txt
 fi
+# Keras 2 for code that keeps it (TF_USE_LEGACY_KERAS=1): tf-keras asks for the full tensorflow package,
+# whose module tensorflow-cpu already provides, so it is installed without its dependencies.
+"$PY" -m pip install -q --no-deps 'tf-keras==2.21.*'
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 if ! bash scripts/install_horovod.sh "$PY"; then
     echo "hpctrain: WARNING: Horovod could not be built; set-up is incomplete and the Horovod" >&2

@@ -92,3 +92,31 @@ def test_horovod_style_synthetic_benchmark_runs_on_every_api():
         assert result.returncode == 0, result.stdout[-4000:]
         total = float(re.search(r"Total img/sec on 2 CPU\(s\): ([\d.]+)", result.stdout).group(1))
         assert total > 0
+
+
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_horovod_style_keras_mnist_example_reaches_95_percent(n):
+    """examples/horovod/tensorflow2_keras_mnist.py: Horovod's Keras recipe on hpctrain.horovod, digits data.
+
+    Keras 3 at 2 and 4 ranks, Keras 2 (tf-keras, TF_USE_LEGACY_KERAS=1) at 1 and 3.
+    """
+    env = dict(base_env(), **({"TF_USE_LEGACY_KERAS": "1"} if n % 2 else {}))
+    cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run",
+                           str(REPO / "examples" / "horovod" / "tensorflow2_keras_mnist.py"), "--min-accuracy", "0.95"]
+    result = run(cmd, env, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    accuracy = float(re.findall(rf"test accuracy ([\d.]+)% on {n} rank", result.stdout)[-1])
+    assert accuracy >= 95.0
+
+
+def test_horovod_style_tensorflow_synthetic_benchmark_runs_on_every_api():
+    """examples/horovod/tensorflow2_synthetic_benchmark.py at 2 ranks, tiny: hpctrain.horovod and the native API."""
+    for api in ("hpctrain.horovod", "hpctrain"):
+        cmd = mpirun_cmd(2) + [str(BIN / "python"), str(REPO / "examples" / "horovod" /
+                                                        "tensorflow2_synthetic_benchmark.py"),
+                               "--api", api, "--model", "ResNet50", "--batch-size", "2", "--image-size", "32",
+                               "--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2"]
+        result = run(cmd, base_env(), timeout=300)
+        assert result.returncode == 0, result.stdout[-4000:]
+        total = float(re.search(r"Total img/sec on 2 CPU\(s\): ([\d.]+)", result.stdout).group(1))
+        assert total > 0

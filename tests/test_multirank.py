@@ -58,8 +58,13 @@ def test_small_sums_without_the_c_kernel(n, rank_suites):
                     HPCTRAIN_NATIVE_KERNEL=0).check_file("test_collectives.py")
 
 
+HOROVOD_API = ["test_horovod_api.py", "test_horovod_tf_api.py"]
+
+
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_horovod_api(n, rank_suites):
-    """hpctrain.horovod.torch in a launch of its own: its negotiation thread issues every collective there."""
-    rank_suites.get("horovod-api", n, ["test_horovod_api.py"]).check_file("test_horovod_api.py")
+@pytest.mark.parametrize("test_file", HOROVOD_API)
+def test_horovod_api(test_file, n, rank_suites):
+    """hpctrain.horovod's torch and TensorFlow/Keras modules in a launch of their own: the negotiation
+    thread issues every collective there."""
+    rank_suites.get("horovod-api", n, HOROVOD_API).check_file(test_file)

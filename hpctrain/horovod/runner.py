@@ -49,9 +49,10 @@ def run(func: Callable[..., Any], args=(), kwargs=None, np: int = 1, hosts: Opti
                             hostfile=hostfile, gloo=bool(use_gloo), start_timeout=start_timeout)
         if verbose:
             print(" ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=not verbose, text=True)
+        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)     # the ranks' output goes to ours
+        sys.stderr.write(proc.stderr or "")
         if proc.returncode != 0:
-            tail = ((proc.stdout or "") + (proc.stderr or ""))[-4000:]
+            tail = (proc.stderr or "")[-4000:]
             raise RuntimeError(f"hpctrain.horovod.run: the ranks ended with exit status {proc.returncode}:\n{tail}")
         results = []
         for rank in range(int(np)):
