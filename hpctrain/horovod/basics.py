@@ -28,7 +28,8 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
            "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet",
            "global_process_set", "add_process_set", "remove_process_set", "HorovodInternalError",
-           "HostsUpdatedInterrupt", "submit", "root_details", "op_name", "controller"]
+           "HostsUpdatedInterrupt", "submit", "root_details", "op_name", "controller", "PUBLIC"]
+PUBLIC = __all__[:__all__.index("submit")]       # what every framework module re-exports from here
 
 # Horovod's reduction ops (the same integer values as Horovod's).
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5

@@ -32,15 +32,9 @@ from .tensorflow.sync_batch_norm import sync_batch_norm_class
 
 __all__ = ["build", "callback_classes", "populate", "PUBLIC"]
 
-PUBLIC = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
-    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
-    "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "load_model",
-    "allreduce", "allgather",
-    "broadcast", "reducescatter", "broadcast_global_variables", "SyncBatchNormalization", "elastic",
-]
+PUBLIC = basics.PUBLIC + ["Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "load_model",
+                          "allreduce", "allgather", "broadcast", "reducescatter", "broadcast_global_variables",
+                          "SyncBatchNormalization", "elastic"]
 
 
 def callback_classes(callback_base: type, module: str) -> Dict[str, type]:

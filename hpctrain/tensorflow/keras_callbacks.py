@@ -41,7 +41,9 @@ class BroadcastMixin:
     """At the start of training, copy rank ``root``'s model (and optimizer) variables to every rank.
 
     Optimizer variables follow once the optimizer is built (before training
-    starts, or after the first step).  ``local_variables`` (keys of
+    starts, or after the first step); so do the model's when it has no input
+    shape before its first step (Keras 2 builds such models then), as with
+    Horovod's callback.  ``local_variables`` (keys of
     :func:`hpctrain.tensorflow.tape.var_key`) keep each rank's own values.  Cost: one broadcast per dtype of all
     variables, once.  ``broadcast(variables, root)`` is the framework's.
     """
@@ -66,11 +68,16 @@ class BroadcastMixin:
             self._optimizer_done = True
 
     def on_train_begin(self, logs=None):
-        self.broadcast(self.model.variables, self.root)
-        self._optimizer_done = False
-        self._broadcast_optimizer()
+        self._model_done = self._optimizer_done = False
+        if getattr(self.model, "built", True):        # a model without input shape is built by its first step
+            self.broadcast(self.model.variables, self.root)
+            self._model_done = True
+            self._broadcast_optimizer()
 
     def on_train_batch_end(self, batch, logs=None):
+        if not getattr(self, "_model_done", True):
+            self.broadcast(self.model.variables, self.root)
+            self._model_done = True
         if not getattr(self, "_optimizer_done", True):
             self._broadcast_optimizer()
 

@@ -1,4 +1,5 @@
-"""Run Horovod 0.28.1's own PyTorch example scripts on hpctrain.horovod, with only the import line changed.
+"""Run Horovod 0.28.1's own PyTorch and TensorFlow 2 example scripts on hpctrain.horovod, only the import
+lines changed.
 
 Usage (HOROVOD_SRC: a checkout of horovod/horovod at tag v0.28.1)::
 
@@ -15,6 +16,15 @@ writes a stand-in package named ``torchvision`` into the run's scratch folder
   writes that file from scikit-learn's bundled 8x8 digits, scaled to 28x28
   uint8 images (1437 for training, 360 for testing);
 * ``torchvision.transforms``: ``Compose``, ``ToTensor``, ``Normalize``.
+
+The TensorFlow examples run with Keras 2 (tf-keras, ``TF_USE_LEGACY_KERAS=1``)
+as Horovod's users run them on TF >= 2.16: they use Keras 2 APIs (``.h5``
+checkpoints, ``optimizer.variables()``, ``compile(experimental_run_tf_function=)``).
+``tensorflow2_keras_mnist.py`` would download MNIST through
+``tf.keras.datasets.mnist.load_data``; the harness writes a ``sitecustomize.py``
+into the scratch folder (on that run's PYTHONPATH only) that points
+``load_data`` at the same digits file (``x_train``/``y_train``/``x_test``/``y_test``).
+It trains 24 epochs as published (a few minutes at 2 ranks).
 
 Each example runs under ``hpctrain launch -np N`` (mpirun) at small sizes;
 the harness prints the example's last lines and exits non-zero if one fails.
@@ -85,10 +95,36 @@ class MNIST(torch.utils.data.Dataset):
 ''',
 }
 
+# Stand-in data for tf.keras.datasets.mnist.load_data (imported at start-up from the run's PYTHONPATH only).
+SITECUSTOMIZE = '''import os
+if os.environ.get("HPCTRAIN_MNIST_NPZ"):
+    import importlib
+
+    import numpy as np
+
+    def load_data(path="mnist.npz"):
+        """The digits of the harness instead of a download (see tests/compat/run_horovod_examples.py)."""
+        d = np.load(os.environ["HPCTRAIN_MNIST_NPZ"])
+        return (d["train_images"], d["train_labels"]), (d["test_images"], d["test_labels"])
+
+    for name in ("tf_keras.src.datasets.mnist", "tf_keras.api._v2.keras.datasets.mnist",
+                 "keras.src.datasets.mnist", "keras.datasets.mnist"):
+        try:
+            importlib.import_module(name).load_data = load_data
+        except ImportError:
+            pass
+'''
+
+# file -> (folder in Horovod's examples, arguments)
 EXAMPLES = {
-    "pytorch_synthetic_benchmark.py": ["--model", "resnet18", "--batch-size", "4", "--num-warmup-batches", "1",
-                                       "--num-batches-per-iter", "2", "--num-iters", "2", "--no-cuda"],
-    "pytorch_mnist.py": ["--epochs", "2", "--no-cuda", "--log-interval", "20"],
+    "pytorch_synthetic_benchmark.py": ("pytorch", ["--model", "resnet18", "--batch-size", "4",
+                                                   "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+                                                   "--num-iters", "2", "--no-cuda"]),
+    "pytorch_mnist.py": ("pytorch", ["--epochs", "2", "--no-cuda", "--log-interval", "20"]),
+    "tensorflow2_synthetic_benchmark.py": ("tensorflow2", ["--model", "ResNet50", "--batch-size", "4",
+                                                           "--num-warmup-batches", "1", "--num-batches-per-iter",
+                                                           "2", "--num-iters", "2", "--no-cuda"]),
+    "tensorflow2_keras_mnist.py": ("tensorflow2", []),
 }
 
 
@@ -109,6 +145,7 @@ def main() -> int:
     ap.add_argument("--src", required=True)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--impl", choices=("hpctrain", "horovod"), default="hpctrain")
+    ap.add_argument("--only", nargs="*", default=sorted(EXAMPLES), help="the examples to run (file names)")
     args = ap.parse_args()
     failed = 0
     with tempfile.TemporaryDirectory(prefix="hvdexamples-") as scratch:
@@ -116,22 +153,26 @@ def main() -> int:
         for name, text in STANDIN.items():
             with open(os.path.join(scratch, "standin", "torchvision", name), "w") as f:
                 f.write(text)
+        with open(os.path.join(scratch, "standin", "sitecustomize.py"), "w") as f:
+            f.write(SITECUSTOMIZE)
         data = os.path.join(scratch, "data")
         os.makedirs(data)
         write_mnist(data)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", HPCTRAIN_MNIST_NPZ=os.path.join(data, "MNIST.npz"))
         env["PYTHONPATH"] = os.pathsep.join([os.path.join(scratch, "standin"),
                                              os.path.join(ROOT, "examples", "horovod"), ROOT])
-        for name, extra in EXAMPLES.items():
-            with open(os.path.join(args.src, "examples", "pytorch", name)) as f:
+        for name in args.only:
+            folder, extra = EXAMPLES[name]
+            with open(os.path.join(args.src, "examples", folder, name)) as f:
                 text = f.read()
             script = os.path.join(scratch, name)
             with open(script, "w") as f:
                 f.write(rewrite(text) if args.impl == "hpctrain" else text)
             extra = extra + (["--data-dir", data] if name == "pytorch_mnist.py" else [])
+            run_env = dict(env, TF_USE_LEGACY_KERAS="1") if folder == "tensorflow2" else env
             cmd = [os.path.join(os.path.dirname(sys.executable), "hpctrain"), "launch", "-np", str(args.ranks),
                    "python", script] + extra
-            proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run(cmd, cwd=scratch, env=run_env, capture_output=True, text=True, timeout=3600)
             lines = [line for line in proc.stdout.splitlines() if line.strip()]
             print(f"== {name} ({args.impl}, {args.ranks} ranks): exit {proc.returncode}")
             print("\n".join(lines[-4:]))

@@ -111,6 +111,21 @@ def _graph_name(name: Optional[str], kind: str, x: tf.Tensor) -> Optional[str]:
     return base if used[base] == 1 else f"{base}.{used[base] - 1}"
 
 
+def _rows_unknown(x: tf.Tensor):
+    """``x``'s static shape with dim 0 unknown (gathers and scatters change it)."""
+    return tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
+
+
+def _grouped_run(kind: str, name: Optional[str], request: Callable, xs: Sequence[tf.Tensor],
+                 rows_vary: bool) -> List[tf.Tensor]:
+    """One grouped request over ``xs``: ``request(arrays, name)`` starts it; outputs shaped like the inputs."""
+    key = _graph_name(name, kind, xs[0])
+    outs = _run(kind, lambda *arrays: request(arrays, key), xs, [x.dtype for x in xs], finish=list)
+    for o, x in zip(outs, xs):
+        o.set_shape(_rows_unknown(x) if rows_vary else x.shape)
+    return outs
+
+
 def _tensor(x) -> tf.Tensor:
     if isinstance(x, tf.IndexedSlices):
         raise TypeError("this op takes dense tensors; hvd.allreduce handles tf.IndexedSlices")
@@ -148,12 +163,8 @@ def _grouped_allreduce(tensors, name: Optional[str] = None, op=Sum, prescale_fac
 
     @tf.custom_gradient
     def forward(*xs):
-        key = _graph_name(name, "grouped_allreduce", xs[0])
-        outs = _run("grouped_allreduce",
-                    lambda *arrays: requests.grouped_allreduce(arrays, key, hop, pre, post, process_set),
-                    xs, [x.dtype for x in xs], finish=list)
-        for o, x in zip(outs, xs):
-            o.set_shape(x.shape)
+        outs = _grouped_run("grouped_allreduce", name, lambda arrays, key: requests.grouped_allreduce(
+            arrays, key, hop, pre, post, process_set), xs, rows_vary=False)
 
         def grad(*dys):
             return _grouped_allreduce(list(dys), op=op, prescale_factor=pre, postscale_factor=post,
@@ -166,7 +177,7 @@ def _grouped_allreduce(tensors, name: Optional[str] = None, op=Sum, prescale_fac
 def _allgather_plain(x: tf.Tensor, name, process_set) -> tf.Tensor:
     key = _graph_name(name, "allgather", x)
     (out,) = _run("allgather", lambda a: requests.allgather(a, key, process_set), [x], [x.dtype])
-    out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None)
+    out.set_shape(_rows_unknown(x))
     return out
 
 
@@ -199,11 +210,8 @@ def grouped_allgather(tensors, name: Optional[str] = None, ignore_name_scope=Fal
 
     @tf.custom_gradient
     def forward(*xs):
-        key = _graph_name(name, "grouped_allgather", xs[0])
-        outs = _run("grouped_allgather", lambda *arrays: requests.grouped_allgather(arrays, key, process_set),
-                    xs, [x.dtype for x in xs], finish=list)
-        for o, x in zip(outs, xs):
-            o.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None)
+        outs = _grouped_run("grouped_allgather", name, lambda arrays, key: requests.grouped_allgather(
+            arrays, key, process_set), xs, rows_vary=True)
 
         def grad(*dys):
             return [_my_rows(dy, x, process_set) for dy, x in zip(dys, xs)]
@@ -254,7 +262,7 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope=
             return requests.alltoall(a, None if splits is None else counts.ravel(), key, process_set, problem)
         out, received = _run("alltoall", start, [x, s], [x.dtype, tf.int32],
                              finish=lambda r: [r[0], np.asarray(r[1], dtype=np.int32)])
-        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None)
+        out.set_shape(_rows_unknown(x))
 
         def grad(dy, _unused=None):
             back, _ = alltoall(dy, splits=received, process_set=process_set)
@@ -276,7 +284,7 @@ def _reducescatter(tensor, name: Optional[str] = None, op=Sum, ignore_name_scope
         key = _graph_name(name, "reducescatter", x)
         (out,) = _run("reducescatter", lambda a: requests.reducescatter(a, key, hop, pre, post, process_set), [x],
                       [x.dtype])
-        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None)
+        out.set_shape(_rows_unknown(x))
 
         def grad(dy):
             return _scatter_grad(dy, hop, pre, post, process_set)
@@ -300,12 +308,8 @@ def _grouped_reducescatter(tensors, name: Optional[str] = None, op=Sum, ignore_n
 
     @tf.custom_gradient
     def forward(*xs):
-        key = _graph_name(name, "grouped_reducescatter", xs[0])
-        outs = _run("grouped_reducescatter",
-                    lambda *arrays: requests.grouped_reducescatter(arrays, key, hop, pre, post, process_set),
-                    xs, [x.dtype for x in xs], finish=list)
-        for o, x in zip(outs, xs):
-            o.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None)
+        outs = _grouped_run("grouped_reducescatter", name, lambda arrays, key: requests.grouped_reducescatter(
+            arrays, key, hop, pre, post, process_set), xs, rows_vary=True)
 
         def grad(*dys):
             return [_scatter_grad(dy, hop, pre, post, process_set) for dy in dys]
