@@ -139,11 +139,13 @@ class HorovodKerasOptimizer:
 
     def _build_for(self, variables) -> None:
         """Create the optimizer's own variables now: a ``tf.cond`` branch may not create them."""
-        if hasattr(self, "_create_all_weights"):          # Keras 2 legacy optimizers
-            with tf.init_scope():
+        with tf.init_scope():
+            if hasattr(self, "_create_all_weights"):           # Keras 2 legacy optimizers
                 self._create_all_weights(variables)
-        elif not getattr(self, "built", True) or getattr(self, "_built", True) is False:
-            with tf.init_scope():
+            elif _is_keras3(self):
+                if not self.built:
+                    self.build(variables)
+            elif not getattr(self, "_built", False):           # Keras 2 optimizers
                 self.build(variables)
 
     # -- Keras 3 ---------------------------------------------------------------------
