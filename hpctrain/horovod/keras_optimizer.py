@@ -28,10 +28,10 @@ from typing import Any, List, Optional, Sequence
 import tensorflow as tf
 
 from ..gradients import GradientAverager
-from ..tensorflow.ops import average_gradients
-from ..tensorflow.tape import _name, var_key
+from ..tensorflow.tape import var_key
 from .gradient_args import GradientSettings
 from .requests import set_size
+from .tensorflow.partial import reduce_partial
 
 __all__ = ["wrap_optimizer", "distributed_class", "HorovodKerasOptimizer"]
 
@@ -104,20 +104,8 @@ class HorovodKerasOptimizer:
     def _reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
         """``grads`` reduced over the set, local variables' kept (and scaled)."""
         state, c = self._hpctrain_state(), self._hpctrain_config
-        local = [var_key(v) in state["local"] for v in variables]
-        shared = [i for i, is_local in enumerate(local) if not is_local]
-        out = list(grads)
-        if shared and c["member"]:
-            names = [_name(variables[i], i) for i in shared] if state["averager"].compressor is not None else None
-            for i, g in zip(shared, average_gradients(state["averager"], [grads[i] for i in shared], names)):
-                out[i] = g
-        n = set_size(c["process_set"])
-        if c["scale_local_gradients"] and n > 1:
-            for i in (i for i, is_local in enumerate(local) if is_local and out[i] is not None):
-                g = out[i]
-                out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape) \
-                    if isinstance(g, tf.IndexedSlices) else g / n
-        return out
+        return reduce_partial(state["averager"], grads, variables, state["local"], set_size(c["process_set"]),
+                              c["scale_local_gradients"])
 
     def _hpctrain_update(self, grads: List[Any], variables: List[Any], apply_fn) -> Any:
         """Reduce and apply now, or (aggregating) accumulate and apply on every k-th pass."""
@@ -211,8 +199,7 @@ def distributed_class(base: type, settings: GradientSettings, process_set, spars
     config = {"settings": settings, "process_set": process_set, "sparse_as_dense": bool(sparse_as_dense),
               "backward_passes_per_step": int(backward_passes_per_step),
               "average_aggregated_gradients": bool(average_aggregated_gradients),
-              "scale_local_gradients": bool(scale_local_gradients),
-              "member": process_set.included() is not False}
+              "scale_local_gradients": bool(scale_local_gradients)}
     return type(base.__name__, (HorovodKerasOptimizer, base),
                 {"__module__": __name__, "_hpctrain_config": config, "__qualname__": base.__qualname__})
 

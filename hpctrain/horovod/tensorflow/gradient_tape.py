@@ -9,10 +9,9 @@ negotiated like every other Horovod request.  Horovod's arguments map as
 accepted and change nothing (TensorFlow hands over a step's gradients at
 once, and they are reduced in one fused request).
 
-Local sources (``register_local_source``, ``local_layers=``): their
-gradients are not reduced; with ``scale_local_gradients`` (default) they are
-divided by the set's size, as Horovod does, so that a learning rate scaled
-for the averaged gradients suits them too.
+Local sources (``register_local_source``, ``local_layers=``): see
+:mod:`hpctrain.horovod.tensorflow.partial`.  A rank outside the process set
+reduces over a world of its own, so it gets its own gradients.
 """
 from __future__ import annotations
 
@@ -26,12 +25,13 @@ from ..basics import Average, global_process_set
 from ..gradient_args import gradient_settings
 from ..requests import set_size
 from .compression import Compression
+from .partial import reduce_partial
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
 
 
 class _HorovodTape(_NativeTape):
-    """hpctrain's tape with Horovod's local sources and process-set membership."""
+    """hpctrain's tape with Horovod's local sources."""
 
     def __init__(self, tape, comm, compression, op, sparse_as_dense, process_set, scale_local_gradients):
         super().__init__(tape, compression=compression, op=op, sparse_as_dense=sparse_as_dense, comm=comm)
@@ -46,22 +46,10 @@ class _HorovodTape(_NativeTape):
                  unconnected_gradients=tf.UnconnectedGradients.NONE) -> Any:
         """Return the gradients of ``target`` with respect to ``sources``, the global ones reduced over the set."""
         flat = tf.nest.flatten(sources, expand_composites=False)
-        local = [var_key(s) in self._local_sources for s in flat]
-        if not any(local) and self._comm_is_member:
-            return super().gradient(target, sources, output_gradients, unconnected_gradients)
         grads = self._tape.gradient(target, flat, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
-        shared = [i for i, is_local in enumerate(local) if not is_local]
-        if self._comm_is_member and shared:
-            reduced = self._reduce([grads[i] for i in shared], [flat[i] for i in shared])
-            for i, g in zip(shared, reduced):
-                grads[i] = g
-        n = set_size(self._process_set)
-        if self._scale_local and n > 1:
-            for i in (i for i, is_local in enumerate(local) if is_local and grads[i] is not None):
-                g = grads[i]
-                grads[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape) \
-                    if isinstance(g, tf.IndexedSlices) else g / n
+        grads = reduce_partial(self._averager, grads, flat, self._local_sources, set_size(self._process_set),
+                               self._scale_local)
         return tf.nest.pack_sequence_as(sources, grads, expand_composites=False)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
@@ -71,10 +59,6 @@ class _HorovodTape(_NativeTape):
         for s, g in zip(sources, grads):
             (local if var_key(s) in self._local_sources else shared).append((s, g))
         return local, shared
-
-    @property
-    def _comm_is_member(self) -> bool:
-        return self._process_set.included() is not False
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
