@@ -19,10 +19,14 @@ def public_objects():
     import hpctrain.env as env
     import hpctrain.launch as launch
     import hpctrain.horovod.basics as hvd_basics
+    import hpctrain.horovod.keras as hvd_keras
+    import hpctrain.horovod.tensorflow as hvd_tf
+    import hpctrain.horovod.tensorflow.keras as hvd_tf_keras
     import hpctrain.horovod.torch as hvd_torch
     import hpctrain.tensors as tensors
 
-    for module in (hpctrain, ops, ring, env, launch, tensors, hvd_basics, hvd_torch):
+    for module in (hpctrain, ops, ring, env, launch, tensors, hvd_basics, hvd_torch, hvd_tf, hvd_tf_keras, hvd_keras,
+                   hvd_tf_keras.callbacks):
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isfunction(obj) or inspect.isclass(obj):
@@ -44,6 +48,16 @@ def test_import_is_quiet_and_framework_free():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "" and out.stderr == ""
+
+
+@pytest.mark.parametrize("module", ["hpctrain.horovod.torch", "hpctrain.horovod.tensorflow",
+                                    "hpctrain.horovod.tensorflow.keras", "hpctrain.horovod.keras",
+                                    "hpctrain.horovod.common.util"])
+def test_each_horovod_module_imports_first(module):
+    """Each of Horovod's module names works as the first import of a process (no import cycle)."""
+    out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                         env=base_env(), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_plain_python_is_a_world_of_one():

@@ -50,6 +50,7 @@ def callback_classes(callback_base: type, module: str) -> Dict[str, type]:
 
         @property
         def comm(self):
+            """The world's negotiated communicator (Horovod's callbacks act on every rank)."""
             return NegotiatedComm()
 
     class MetricAverageCallback(MetricAverageMixin, callback_base):
@@ -60,6 +61,7 @@ def callback_classes(callback_base: type, module: str) -> Dict[str, type]:
 
         @property
         def comm(self):
+            """The world's negotiated communicator (Horovod's callbacks act on every rank)."""
             return NegotiatedComm()
 
     class LearningRateScheduleCallback(LearningRateScheduleMixin, callback_base):

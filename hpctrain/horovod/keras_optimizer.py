@@ -31,7 +31,7 @@ from ..gradients import GradientAverager
 from ..tensorflow.tape import var_key
 from .gradient_args import GradientSettings
 from .requests import set_size
-from .tensorflow.partial import reduce_partial
+from .local_gradients import reduce_partial
 
 __all__ = ["wrap_optimizer", "distributed_class", "HorovodKerasOptimizer"]
 

@@ -171,7 +171,7 @@ def main() -> int:
             alone = {}
             if args.rerun_alone:         # a failure on some ranks only puts the ranks out of step for the next tests
                 for test in sorted(t for t, o in outcomes.items() if o not in ("PASSED", "SKIPPED")):
-                    alone[test] = run_file(folder, test, n, args.timeout, "", env)[test]
+                    alone[test] = run_file(folder, test, n, args.timeout, "", env).get(test, "NOT RUN")
         counts = {k: sum(1 for v in outcomes.values() if v == k) for k in sorted(set(outcomes.values()))}
         record = {"file": args.file, "impl": args.impl, "ranks": n, "seconds": round(time.time() - t0, 1),
                   "counts": counts, "outcomes": outcomes, "alone": alone,

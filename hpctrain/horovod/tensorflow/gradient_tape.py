@@ -10,7 +10,7 @@ accepted and change nothing (TensorFlow hands over a step's gradients at
 once, and they are reduced in one fused request).
 
 Local sources (``register_local_source``, ``local_layers=``): see
-:mod:`hpctrain.horovod.tensorflow.partial`.  A rank outside the process set
+:mod:`hpctrain.horovod.local_gradients`.  A rank outside the process set
 reduces over a world of its own, so it gets its own gradients.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..basics import Average, global_process_set
 from ..gradient_args import gradient_settings
 from ..requests import set_size
 from .compression import Compression
-from .partial import reduce_partial
+from ..local_gradients import reduce_partial
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
 

@@ -12,8 +12,8 @@ from typing import Any, Collection, List, Sequence
 
 import tensorflow as tf
 
-from ...tensorflow.ops import average_gradients
-from ...tensorflow.tape import _name, var_key
+from ..tensorflow.ops import average_gradients
+from ..tensorflow.tape import _name, var_key
 
 __all__ = ["reduce_partial"]
 
