@@ -4,9 +4,9 @@
 and inside ``tf.function`` or a TF1 graph: each variable is assigned the
 root's value, variables of one dtype travelling in one broadcast
 (:func:`hpctrain.tensorflow.ops.broadcast_arrays` over a negotiated
-communicator).  The object
-collectives pickle on the sender and unpickle on the receivers (as
-Horovod's; use them for small, trusted objects such as configs).
+communicator).  The object collectives pickle on the sender and unpickle on
+the receivers (as Horovod's; use them for small, trusted objects such as
+configs).
 """
 from __future__ import annotations
 
