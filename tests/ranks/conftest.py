@@ -1,6 +1,8 @@
 """Fixtures for tests that run on every rank of a launch."""
 import os
 
+import numpy as np
+
 import pytest
 
 import hpctrain
@@ -14,3 +16,25 @@ def comm():
     assert expected is None or c.backend == expected, f"backend {c.backend}, expected {expected}"
     yield c
     c.barrier()
+
+
+@pytest.fixture(scope="module")
+def horovod_api():
+    """hpctrain.horovod initialised for a module's tests (its negotiation thread), shut down after them."""
+    from hpctrain.horovod import basics
+    basics.init()
+    yield
+    basics.shutdown()
+
+
+def horovod_inputs(shape, dtype=np.float32, seed=0, low=-50, high=50):
+    """Every rank's input for a hpctrain.horovod test (a list, rank order), the same on every rank."""
+    from hpctrain.horovod import basics
+    g = np.random.default_rng(seed)
+    return [g.integers(low, high, size=shape).astype(dtype) for _ in range(basics.size())]
+
+
+@pytest.fixture(scope="session")
+def inputs():
+    """:func:`horovod_inputs`, for the hpctrain.horovod test files."""
+    return horovod_inputs

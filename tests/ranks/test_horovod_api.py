@@ -17,17 +17,7 @@ import hpctrain.horovod.torch as hvd
 from hpctrain.collectives.adasum import adasum_reference
 
 
-@pytest.fixture(scope="module", autouse=True)
-def horovod():
-    hvd.init()
-    yield
-    hvd.shutdown()
-
-
-def inputs(shape, dtype=np.float32, seed=0, low=-50, high=50):
-    """Every rank's input (a list, rank order), the same on every rank."""
-    g = np.random.default_rng(seed)
-    return [g.integers(low, high, size=shape).astype(dtype) for _ in range(hvd.size())]
+pytestmark = pytest.mark.usefixtures("horovod_api")
 
 
 def t(a):
@@ -35,7 +25,7 @@ def t(a):
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float32, np.float64])
-def test_allreduce_ops_and_scale_factors(dtype):
+def test_allreduce_ops_and_scale_factors(dtype, inputs):
     xs = inputs((5, 3), dtype, seed=1)
     x = t(xs[hvd.rank()])
     stack = np.stack(xs)
@@ -79,7 +69,7 @@ def test_open_request_across_a_barrier_and_duplicate_names():
         hvd.synchronize(h)
 
 
-def test_in_place_and_grouped_forms():
+def test_in_place_and_grouped_forms(inputs):
     xs = inputs((6,), np.float64, seed=2)
     x = t(xs[hvd.rank()])
     assert hvd.allreduce_(x, op=hvd.Sum) is x
@@ -95,7 +85,7 @@ def test_in_place_and_grouped_forms():
     assert torch.equal(ys[1], torch.arange(4) + n - 1)
 
 
-def test_allgather_broadcast_alltoall_reducescatter():
+def test_allgather_broadcast_alltoall_reducescatter(inputs):
     r, n = hvd.rank(), hvd.size()
     rows = [k % 3 + 1 for k in range(n)]
     parts = [np.full((rows[k], 2), k, np.float32) for k in range(n)]

@@ -18,21 +18,11 @@ import hpctrain.horovod.tensorflow as hvd
 import hpctrain.horovod.tensorflow.keras as hvd_keras
 
 
-@pytest.fixture(scope="module", autouse=True)
-def horovod():
-    hvd.init()
-    yield
-    hvd.shutdown()
-
-
-def inputs(shape, dtype=np.float32, seed=0, low=-50, high=50):
-    """Every rank's input (a list, rank order), the same on every rank."""
-    g = np.random.default_rng(seed)
-    return [g.integers(low, high, size=shape).astype(dtype) for _ in range(hvd.size())]
+pytestmark = pytest.mark.usefixtures("horovod_api")
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int32, np.float16, np.float32, np.float64])
-def test_allreduce_ops_and_scale_factors(dtype):
+def test_allreduce_ops_and_scale_factors(dtype, inputs):
     low = 0 if np.dtype(dtype).kind == "u" else -50
     xs = inputs((5, 3), dtype, seed=1, low=low, high=4 if dtype == np.uint8 else 50)
     x = tf.constant(xs[hvd.rank()])
@@ -90,7 +80,7 @@ def test_indexed_slices_are_gathered_into_the_reduced_gradient(op):
         hvd.allreduce(slices, op=hvd.Max)
 
 
-def test_allgather_broadcast_alltoall_reducescatter():
+def test_allgather_broadcast_alltoall_reducescatter(inputs):
     r, n = hvd.rank(), hvd.size()
     parts = [np.full((k % 3 + 1, 2), k, np.float32) for k in range(n)]
     np.testing.assert_array_equal(hvd.allgather(tf.constant(parts[r])).numpy(), np.concatenate(parts))
