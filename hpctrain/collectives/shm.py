@@ -130,8 +130,13 @@ class Flat:
         return scratch[:b - a]
 
 
-def _reduce_segment(inputs, own: int, own_block, lo: int, hi: int, out: np.ndarray, op: str) -> None:
-    """Write ``inputs[0][lo:hi] (op) inputs[1][lo:hi] ...`` into ``out``; input ``own`` is ``own_block(a, b)``."""
+def _reduce_segment(inputs, own: int, own_block, lo: int, hi: int, out: np.ndarray, op: str,
+                    divisor: int = 1) -> None:
+    """Write ``(inputs[0][lo:hi] (op) inputs[1][lo:hi] ...) / divisor`` into ``out`` (input ``own``: ``own_block``).
+
+    The division (``avg``) happens block by block while the block is in cache:
+    no pass of its own over the result.
+    """
     ufunc = _UFUNCS[op]
     step = max(1, _BLOCK_BYTES // out.itemsize)
     for a in range(lo, hi, step):
@@ -140,17 +145,24 @@ def _reduce_segment(inputs, own: int, own_block, lo: int, hi: int, out: np.ndarr
         srcs = [own_block(a, b) if j == own else inp[a:b] for j, inp in enumerate(inputs)]
         if len(srcs) == 1:
             np.copyto(o, srcs[0], casting="unsafe")
-            continue
-        ufunc(srcs[0], srcs[1], out=o, casting="unsafe")
+        else:
+            ufunc(srcs[0], srcs[1], out=o, casting="unsafe")
         for src in srcs[2:]:
             ufunc(o, src, out=o, casting="unsafe")
+        if divisor > 1:
+            _divide(o, divisor)
 
 
-def _reduce_own(x: Flat, base: int, N: int, bounds, views, res: np.ndarray, op: str, sh) -> None:
+def _divide(a: np.ndarray, divisor: int) -> None:
+    """Divide ``a`` in place by ``divisor`` (the ``avg`` of :func:`hpctrain.collectives.ops.finish`, same bits)."""
+    np.divide(a, a.dtype.type(divisor), out=a)
+
+
+def _reduce_own(x: Flat, base: int, N: int, bounds, views, res: np.ndarray, op: str, sh, divisor: int = 1) -> None:
     """Run steps 1-2 on elements ``[base, base + N)`` of ``x``: publish all but the own segment, fence, reduce it.
 
-    The own segment's reduction goes into ``res``; a rank past the reducing
-    ones (``rank >= len(bounds) - 1``) only publishes.
+    The own segment's reduction, divided by ``divisor``, goes into ``res``; a
+    rank past the reducing ones (``rank >= len(bounds) - 1``) only publishes.
     """
     r = sh.rank
     reducing = r < len(bounds) - 1
@@ -162,18 +174,21 @@ def _reduce_own(x: Flat, base: int, N: int, bounds, views, res: np.ndarray, op: 
     if reducing and hi > lo:
         scratch = np.empty(min(hi - lo, _BLOCK_BYTES // res.itemsize), dtype=x.arrays[0].dtype)
         _reduce_segment([v[0][:N] for v in views], r, lambda a, b: x.block(base + a, base + b, scratch),
-                        lo, hi, res, op)
+                        lo, hi, res, op, divisor)
 
 
-def _piece(x: Flat, out: Flat, base: int, N: int, dtype, op: str, sh, parts: int, cross, chunk_elems: int) -> None:
+def _piece(x: Flat, out: Flat, base: int, N: int, dtype, op: str, sh, parts: int, cross, chunk_elems: int,
+           divisor: int) -> None:
     """All-reduce elements ``[base, base + N)`` of ``x`` into the same elements of ``out``."""
     r = sh.rank
     bounds = segment_bounds(N, parts)
     views = sh.views(N, int(np.max(np.diff(bounds))), dtype)
     res = views[r][1][:int(bounds[r + 1] - bounds[r])] if r < parts else None
-    _reduce_own(x, base, N, bounds, views, res, op, sh)          # over the node
+    _reduce_own(x, base, N, bounds, views, res, op, sh, 1 if cross is not None else divisor)   # over the node
     if cross is not None and res is not None and res.size:
         ring_allreduce(res, op, cross, chunk_elems)              # across nodes
+        if divisor > 1:
+            _divide(res, divisor)
     sh.fence()
     for p in range(parts):                                       # 3. collect every segment
         a, b = int(bounds[p]), int(bounds[p + 1])
@@ -181,11 +196,13 @@ def _piece(x: Flat, out: Flat, base: int, N: int, dtype, op: str, sh, parts: int
 
 
 def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, cross=None,
-                  chunk_elems: int = 1 << 18) -> None:
+                  chunk_elems: int = 1 << 18, divisor: int = 1) -> None:
     """All-reduce the flat buffer ``x`` into ``out`` (same length, the accumulation dtype); see module docstring.
 
-    Formula: ``out = x_0 (op) ... (op) x_{n-1}`` (``avg`` is finished by the
-    caller).  Args: ``sh`` the node's arena; ``parts`` how many local ranks
+    Formula: ``out = (x_0 (op) ... (op) x_{n-1}) / divisor`` (``divisor`` is
+    the world size for ``avg``, else 1; each reducing rank divides its
+    segment while it is in cache, so the average costs no pass of its own).
+    ``x`` and ``out`` may be the same memory (in place).  Args: ``sh`` the node's arena; ``parts`` how many local ranks
     reduce (default all; the hierarchical form uses the smallest local size of
     any node so that every node has the same segments); ``cross`` the ring
     transport among the ranks of equal local rank on the other nodes, or None
@@ -198,10 +215,11 @@ def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, 
     dtype = out.arrays[0].dtype
     step = max(parts, sh.max_elems(dtype.itemsize))
     for a in range(0, x.size, step):
-        _piece(x, out, a, min(step, x.size - a), dtype, op, sh, parts, cross, chunk_elems)
+        _piece(x, out, a, min(step, x.size - a), dtype, op, sh, parts, cross, chunk_elems, divisor)
 
 
-def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, block_bytes: int = 1 << 20) -> None:
+def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, block_bytes: int = 1 << 20,
+                         divisor: int = 1) -> None:
     """All-reduce ``x`` into ``out`` on one node by single copies between the ranks' own memory.
 
     The form of :func:`shm_allreduce` for a node whose ranks can copy straight
@@ -209,9 +227,9 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
     :class:`hpctrain.comm.cross_memory.CrossMemory`): nothing is staged in
     the arena.  Reducing rank ``p`` takes segment ``p`` in blocks of
     ``block_bytes``: it reads the block of every peer's input into a scratch
-    block (one kernel copy each), reduces them in rank order into its output
-    (its own input read from private memory), and writes the result block
-    into every peer's output.  Same segments and order, so the same bits as
+    block (one kernel copy each), reduces them in rank order (its own input
+    read from private memory), and writes the result block into its own and
+    every peer's output.  Same segments and order, so the same bits as
     :func:`shm_allreduce`.
 
     ``peers[k]`` is ``(pid, input addresses, output addresses)`` of local rank
@@ -220,11 +238,12 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
     input is ready (which is the first fence) and fences again afterwards,
     before any rank reads its output or reuses its input.  ``x`` and ``out``
     have one dtype and may be the same memory (in place): a rank reads and
-    writes only its own segment of every peer's buffers, block by block, and
-    keeps a copy of its own input block before overwriting it.
+    writes only its own segment of every peer's buffers, and reduces each
+    block in a scratch block (in cache) before it writes any output.
 
-    Formula: ``out = x_0 (op) ... (op) x_{L-1}`` (``avg`` is finished by the
-    caller).  Cost per rank for ``N`` elements on ``L`` ranks: reads ``N``
+    Formula: ``out = (x_0 (op) ... (op) x_{L-1}) / divisor`` (the division of
+    each result block in cache).  Cost per rank for ``N`` elements on ``L``
+    ranks: reads ``N``
     (its segment of every input) and writes ``N`` (its segment of every
     output), the traffic of one memcpy, against about 2.5 memory passes for
     the arena; ``2 (L-1)`` system calls per block; no fence of its own.
@@ -238,36 +257,30 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
     dtype = out.arrays[0].dtype
     step = max(1, block_bytes // dtype.itemsize)
     n = min(step, hi - lo)
-    peer_block, own_copy, out_copy = (np.empty(n, dtype=dtype) for _ in range(3))
-    inplace = any(np.may_share_memory(a, b) for a, b in zip(x.arrays, out.arrays))
+    acc_block, peer_block, own_copy = (np.empty(n, dtype=dtype) for _ in range(3))
     for a in range(lo, hi, step):
         b = min(a + step, hi)
-        x_spans, out_spans = x.spans(a, b), out.spans(a, b)
-        if inplace and rank > 0:                           # the output block is written before own is read
-            x.read(a, b, own_copy[:b - a])
-            own = [(own_copy[:b - a], 0)]
-        else:
-            own = x.views(x_spans)                         # own input where it is, piece by piece
-        o = out.block(a, b, out_copy)                      # a view, or scratch when the block spans parts
-        for k, (pid, x_addresses, _) in enumerate(peers):   # o = x_0, then o = o (op) x_k, k = 1, 2, ...
+        x_spans, t = x.spans(a, b), acc_block[:b - a]
+        acc = None                                          # x_0 (op) ... (op) x_k so far
+        for k, (pid, x_addresses, _) in enumerate(peers):
             if k == rank:
-                for v, at in own if k > 0 else ():
-                    ufunc(o[at:at + v.size], v, out=o[at:at + v.size])
-            elif k == 0:
-                xm.read(pid, x.byte_spans(x_spans, x_addresses), o)
+                src = x.block(a, b, own_copy)               # own input where it is, or copied when it spans parts
             else:
-                src = peer_block[:b - a]
+                src = t if acc is None else peer_block[:b - a]
                 xm.read(pid, x.byte_spans(x_spans, x_addresses), src)
-                if k == 1 and rank == 0:
-                    for v, at in own:
-                        ufunc(v, src[at:at + v.size], out=o[at:at + v.size])
-                else:
-                    ufunc(o, src, out=o)
-        if np.may_share_memory(o, out_copy):
-            out.write(a, b, o)
+            if acc is None:
+                acc = src
+            else:
+                ufunc(acc, src, out=t)
+                acc = t
+        if divisor > 1:
+            np.divide(acc, dtype.type(divisor), out=t)      # (the bits of ops.finish)
+            acc = t
+        out.write(a, b, acc)                                # every input block is read: in place is safe
+        out_spans = out.spans(a, b)
         for k, (pid, _, out_addresses) in enumerate(peers):
             if k != rank:
-                xm.write(pid, out.byte_spans(out_spans, out_addresses), o)
+                xm.write(pid, out.byte_spans(out_spans, out_addresses), acc)
 
 
 def shm_allreduce_small(inputs: Sequence[np.ndarray], out: np.ndarray, op: str) -> None:
@@ -291,7 +304,7 @@ def shm_allreduce_small(inputs: Sequence[np.ndarray], out: np.ndarray, op: str) 
 
 
 def shm_allreduce_shared_buffer(buf, op: str, parts: Optional[int] = None, cross=None,
-                                chunk_elems: int = 1 << 18) -> None:
+                                chunk_elems: int = 1 << 18, divisor: int = 1) -> None:
     """All-reduce, in place, a buffer that already lives in shared memory (a ``SharedBuffer``).
 
     Every local rank's buffer is visible to its peers, so nothing is copied in
@@ -303,8 +316,8 @@ def shm_allreduce_shared_buffer(buf, op: str, parts: Optional[int] = None, cross
     has the same bits as :func:`shm_allreduce`.  Cost per rank for ``N``
     elements on ``L`` ranks: reads ``N`` and writes ``N`` (one memory pass
     each way, against about 2.5 for the arena path plus the copies in and
-    out of it).  Formula: ``buf = x_0 (op) ... (op) x_{L-1}`` (``avg`` is
-    finished by the caller).
+    out of it).  Formula: ``buf = (x_0 (op) ... (op) x_{L-1}) / divisor``
+    (as :func:`shm_allreduce`).
     """
     arrays, r = buf.arrays, buf.rank
     parts = len(arrays) if parts is None else parts
@@ -321,9 +334,11 @@ def shm_allreduce_shared_buffer(buf, op: str, parts: Optional[int] = None, cross
                 np.copyto(scratch[:b - a], own[a:b])
                 return scratch[:b - a]
 
-            _reduce_segment(arrays, r, own_block, lo, hi, own[lo:hi], op)
+            _reduce_segment(arrays, r, own_block, lo, hi, own[lo:hi], op, 1 if cross is not None else divisor)
             if cross is not None:
                 ring_allreduce(own[lo:hi], op, cross, chunk_elems)
+                if divisor > 1:
+                    _divide(own[lo:hi], divisor)
             for k, peer in enumerate(arrays):
                 if k != r:
                     peer[lo:hi] = own[lo:hi]

@@ -213,16 +213,16 @@ No call object, plan or closure per call beyond the lane's; the call's
             self._arena = SharedArena(self._nodes.node, self._MPI, self._rt.config.shm_arena_bytes)
         return self._arena
 
-    def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str) -> None:
+    def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str, divisor: int = 1) -> None:
         itemsize = out.arrays[0].itemsize if out.arrays else 1
         nbytes = x.size * itemsize
         if self._nodes.num_nodes == 1 and nbytes >= DIRECT_MIN_BYTES and x.arrays[0].dtype == out.arrays[0].dtype:
             least = self._direct.min_bytes()
             if least is not None and nbytes >= least:
-                self._direct.allreduce(x, out, op, f"rank {self._rank} of {self.name}")
+                self._direct.allreduce(x, out, op, f"rank {self._rank} of {self.name}", divisor)
                 return
         shm_allreduce(x, out, op, self._shared(), parts=self._nodes.parts, cross=self._cross,
-                      chunk_elems=self._chunk_elems(itemsize))
+                      chunk_elems=self._chunk_elems(itemsize), divisor=divisor)
 
     def _reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
         return shm_reduce_scatter(x, bounds, acc_dtype, op, self._shared())
@@ -245,9 +245,9 @@ No call object, plan or closure per call beyond the lane's; the call's
             return None
         return buf
 
-    def _reduce_shared_buffer(self, buf, op: str) -> None:
+    def _reduce_shared_buffer(self, buf, op: str, divisor: int = 1) -> None:
         shm_allreduce_shared_buffer(buf, op, parts=self._nodes.parts, cross=self._cross,
-                                    chunk_elems=self._chunk_elems(buf.dtype.itemsize))
+                                    chunk_elems=self._chunk_elems(buf.dtype.itemsize), divisor=divisor)
 
     def _release_shared(self) -> None:
         if self._arena is not None:

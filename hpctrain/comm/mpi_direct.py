@@ -83,8 +83,8 @@ class DirectCopies:
             self._probed = (xm, table[:, 0].tolist(), int(agreed[1])) if not agreed[0] else ()
         return self._probed[2] if self._probed else None
 
-    def allreduce(self, x: Flat, out: Flat, op: str, who: str) -> None:
-        """All-reduce ``x`` into ``out`` by :func:`shm_allreduce_direct` (two node-wide synchronisations).
+    def allreduce(self, x: Flat, out: Flat, op: str, who: str, divisor: int = 1) -> None:
+        """All-reduce ``x`` into ``out`` by :func:`shm_allreduce_direct` (two node-wide synchronisations), ``/ divisor``.
 
         A failed copy (a peer died) ends the job: the others may still be
         writing into this rank's memory.  ``who`` names this rank in that message.
@@ -95,7 +95,7 @@ class DirectCopies:
         node.Allgather(np.concatenate((x.addresses(), out.addresses())), table)   # every input is ready
         peers = [(pid, row[:m], row[m:]) for pid, row in zip(pids, table)]
         try:
-            shm_allreduce_direct(x, out, op, self._nodes.local_rank, peers, xm)
+            shm_allreduce_direct(x, out, op, self._nodes.local_rank, peers, xm, divisor=divisor)
         except OSError as exc:
             self._rt.abort(f"hpctrain: {who}: a direct copy between the ranks of this node failed during an "
                            f"all-reduce ({exc}); ending the job")

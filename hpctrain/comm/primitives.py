@@ -34,8 +34,8 @@ class Primitives(abc.ABC):
         """Return why the ranks of a node cannot share memory windows here ("" if they can)."""
         return f"the {self.backend} backend has no shared-memory windows"
 
-    def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str) -> None:
-        """All-reduce ``x`` into ``out`` (accumulation dtype) with "shm" or "hierarchical"."""
+    def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str, divisor: int = 1) -> None:
+        """All-reduce ``x`` into ``out`` (accumulation dtype) with "shm" or "hierarchical", divided by ``divisor``."""
         raise ValueError(f"the {self.backend} backend has no shared-memory algorithms")
 
     def _reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
@@ -53,7 +53,7 @@ class Primitives(abc.ABC):
         """The shared buffer that ``arr`` is (from :meth:`shared_empty`), or None."""
         return None
 
-    def _reduce_shared_buffer(self, buf, op: str) -> None:
+    def _reduce_shared_buffer(self, buf, op: str, divisor: int = 1) -> None:
         raise NotImplementedError
 
     def _release_shared(self) -> None:

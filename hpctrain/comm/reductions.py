@@ -12,7 +12,7 @@ conversion and one registry choice; a repeated numpy call skips both.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -27,6 +27,12 @@ from .links import Links
 from .signature import Call
 
 __all__ = ["Reductions"]
+
+
+def _disjoint(arrays: Sequence[np.ndarray]) -> bool:
+    """Return True if no two of ``arrays`` overlap in memory (then they can be reduced in place as one buffer)."""
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 def _copy_back_into(x: Any, arr: np.ndarray, restore: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -152,7 +158,7 @@ class Reductions:
         if self.shared_alg(alg) and self._c._size > 1 and arr.size:
             # in place, the result goes straight into ``arr``: its parts are read before they are written
             acc = self._shared_reduction(arr, op, alg, into=arr.reshape(-1) if same else None)
-            return finish(acc, op, self._c._size, arr.dtype).reshape(arr.shape)
+            return finish(acc, op, 1, arr.dtype).reshape(arr.shape)   # (divided already)
         acc = arr.reshape(-1) if same else self._accumulator(arr)
         if self._c._size > 1 and acc.size:
             acc = self.algorithms[alg].run(self.links, acc, op)
@@ -160,8 +166,8 @@ class Reductions:
 
     def _allreduce_shared_buffer(self, arr: np.ndarray, op: str) -> np.ndarray:
         """In-place all-reduce of a buffer from :meth:`shared_empty`: no copies in or out (see its docstring)."""
-        self._c._reduce_shared_buffer(self._c._shared_buffer_of(arr), op)
-        return finish(arr.reshape(-1), op, self._c._size, arr.dtype).reshape(arr.shape)
+        self._c._reduce_shared_buffer(self._c._shared_buffer_of(arr), op, self._divisor(op))
+        return arr
 
     def _accumulator(self, arr: np.ndarray) -> np.ndarray:
         """Return a copy of ``arr``, flat, in its accumulation dtype, in memory from the result pool."""
@@ -173,8 +179,12 @@ class Reductions:
                           into: Optional[np.ndarray] = None) -> np.ndarray:
         """Return the "shm"/"hierarchical" reduction of ``arr``: a flat accumulation-dtype array (``into`` if given)."""
         acc = self.results.empty(arr.size, accumulation_dtype(arr.dtype)) if into is None else into
-        self._c._allreduce_shared(Flat([arr]), Flat([acc]), op, alg)
+        self._c._allreduce_shared(Flat([arr]), Flat([acc]), op, alg, self._divisor(op))
         return acc
+
+    def _divisor(self, op: str) -> int:
+        """What the shared-memory algorithms divide their results by: the world size for ``avg``, else 1."""
+        return self._c._size if op == "avg" else 1
 
     def plan_grouped(self, xs, op, algorithm, inplace) -> Plan:
         def build(seq):
@@ -201,21 +211,30 @@ class Reductions:
             groups, algs, dtypes, total, layout = plan
             call = Call("grouped_allreduce", seq, dtypes, (total,), op=op, algorithm=algorithm, layout=layout)
             restores = [_copy_back_into(x, a, r) if inplace else r for x, (a, r) in zip(items, converted)]
-            return (call, lambda: self._do_grouped(arrs, groups, algs, op),
+            return (call, lambda: self._do_grouped(arrs, groups, algs, op, inplace),
                     lambda outs: [r(o) for r, o in zip(restores, outs)])
         return self._c._build("grouped_allreduce", build, op=op, algorithm=algorithm)
 
-    def _do_grouped(self, arrs: List[np.ndarray], groups, algs: List[str], op: str) -> List[np.ndarray]:
+    def _do_grouped(self, arrs: List[np.ndarray], groups, algs: List[str], op: str,
+                    inplace: bool = False) -> List[np.ndarray]:
         outs: List[Optional[np.ndarray]] = [None] * len(arrs)
         for g, alg in zip(groups, algs):
             dtype = arrs[g.members[0]].dtype
             if self.shared_alg(alg) and self._c._size > 1:
+                members = [arrs[i] for i in g.members]
+                if inplace and accumulation_dtype(dtype) == dtype and _disjoint(members):
+                    # the results go straight into the inputs (each part is read before it is written):
+                    # no result buffer and nothing to copy back; with direct copies, no copy at all
+                    self._c._allreduce_shared(Flat(members), Flat(members), op, alg, self._divisor(op))
+                    for i in g.members:
+                        outs[i] = arrs[i]
+                    continue
                 # the results are views of one buffer from the result pool: no page faults once it is warm,
                 # and the buffer is reused only when the caller has dropped all of them
                 acc = self.results.empty(g.numel, accumulation_dtype(dtype))
-                self._c._allreduce_shared(Flat([arrs[i] for i in g.members]), Flat([acc]), op, alg)
+                self._c._allreduce_shared(Flat(members), Flat([acc]), op, alg, self._divisor(op))
                 for i, off, n in zip(g.members, g.offsets, g.numels):
-                    outs[i] = finish(acc[off:off + n], op, self._c._size, dtype).reshape(arrs[i].shape)
+                    outs[i] = finish(acc[off:off + n], op, 1, dtype).reshape(arrs[i].shape)   # (divided already)
                 continue
             flat = self._do_allreduce(self.fusion.pack(arrs, g), op, alg, inplace=True)
             for i, off, n in zip(g.members, g.offsets, g.numels):
@@ -241,9 +260,9 @@ class Reductions:
         if self.shared_alg(alg) and n > 1 and arr.size:
             if alg == "shm":
                 acc = self._c._reduce_scatter_shared(arr.reshape(-1), bounds, accumulation_dtype(arr.dtype), op)
-            else:   # hierarchical: the full reduction, then the own block
-                acc = self._shared_reduction(arr, op, alg)[bounds[r]:bounds[r + 1]]
-            out = finish(acc, op, n, arr.dtype)
+                out = finish(acc, op, n, arr.dtype)
+            else:   # hierarchical: the full reduction (divided already), then the own block
+                out = finish(self._shared_reduction(arr, op, alg)[bounds[r]:bounds[r + 1]], op, 1, arr.dtype)
             return out.reshape((int(rows[r + 1] - rows[r]),) + arr.shape[1:])
         acc = to_accumulator(arr)
         if n > 1 and acc.size:
