@@ -114,6 +114,10 @@ SETTINGS: Tuple[Setting, ...] = (
             "node's window", minimum=4096),
     Setting("HPCTRAIN_NATIVE_KERNEL", "flag", True, "repeated small sums on one node run in the C extension "
             "when it was built (off: the same exchange in Python)"),
+    Setting("HPCTRAIN_KEEP_FREED_MEMORY", "flag", True, "at init(), glibc malloc serves blocks up to 32 MiB "
+            "from its heap and keeps freed memory, so tensors freed and allocated again every step do not "
+            "page-fault (hpctrain.memory; left alone where MALLOC_*_/GLIBC_TUNABLES or a preloaded "
+            "allocator is set)"),
     Setting("HPCTRAIN_CROSS_MEMORY", "flag", True, "one-node all-reduces from 8 MiB (16 MiB where ranks "
             "outnumber cores) copy straight between the ranks' memory where the kernel allows (off on any rank: "
             "every rank uses the arena)"),

@@ -17,6 +17,7 @@ from .comm.base import Communicator
 from .comm.runtime import Config
 from .env import detect_launcher
 from .errors import NotInitializedError
+from .memory import keep_freed_memory
 
 __all__ = ["init", "shutdown", "is_initialized", "world", "resolve_backend", "BACKENDS"]
 
@@ -57,7 +58,9 @@ def init(backend: str = "auto") -> Communicator:
     aborts the whole job instead of leaving the others waiting, and a rank
     that leaves (returns, exits or calls :func:`shutdown`) while others still
     call collectives makes them fail within seconds, naming it (see
-    :mod:`hpctrain.comm.departures`).
+    :mod:`hpctrain.comm.departures`).  It also sets glibc's allocator so that
+    memory freed in one training step is reused by the next without page
+    faults (:mod:`hpctrain.memory`; ``HPCTRAIN_KEEP_FREED_MEMORY=0`` leaves it).
     """
     global _world
     with _lock:
@@ -68,6 +71,7 @@ def init(backend: str = "auto") -> Communicator:
                                  f"call hpctrain.shutdown() before init(backend={chosen!r})")
             return _world
         config = Config.from_env()
+        keep_freed_memory()
         if chosen == "mpi":
             from .comm import mpi as impl
         elif chosen == "horovod":
