@@ -214,7 +214,7 @@ class Controller:
             self._join_sent = self._join_sent or joining
             stop = self._stop
         msg = ([(r.name, r.kind, r.ps, r.sig) for r in new], joining, stop, time.time())
-        msgs = self._exchange.allgather(msg)
+        msgs = self._exchange.allgather(msg, poll=bool(self._mine) or joining or stop)
         self._cycle += 1
         now = msgs[0][3]
         if self.timeline is not None:
