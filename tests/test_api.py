@@ -113,7 +113,7 @@ def test_cross_memory_copies_spans_end_to_end_and_names_the_process_it_cannot_re
     import os
 
     from hpctrain.comm.cross_memory import CrossMemory
-    from hpctrain.collectives.shm import Flat
+    from hpctrain.collectives.flat import Flat
 
     xm = CrossMemory()
     a, b = np.arange(10, dtype=np.float64), np.arange(100, 107, dtype=np.float64)

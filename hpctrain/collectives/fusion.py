@@ -10,7 +10,7 @@ collectives but a larger staging buffer per dtype; 16-64 MiB is past the
 bandwidth knee on shared memory and on most networks.
 
 The shared-memory algorithms read the tensors in place (see
-:class:`hpctrain.collectives.shm.Flat`) and write the results into one buffer
+:class:`hpctrain.collectives.flat.Flat`) and write the results into one buffer
 from the communicator's result pool, which the outputs are views of (so a
 warm buffer is reused, and one output kept alive keeps its whole buffer); the
 others pack them into a staging

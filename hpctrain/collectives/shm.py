@@ -48,86 +48,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .flat import Flat
 from .ops import _UFUNCS, segment_bounds
 from .registry import ONE_NODE, Algorithm, register
 from .ring import ring_allreduce
 
-__all__ = ["Flat", "shm_allreduce", "shm_allreduce_direct", "shm_allreduce_small", "shm_allreduce_shared_buffer",
+__all__ = ["shm_allreduce", "shm_allreduce_direct", "shm_allreduce_small", "shm_allreduce_shared_buffer",
            "shm_reduce_scatter", "shm_allgather"]
 
 _BLOCK_BYTES = 1 << 18   # reduce in cache-sized blocks: the output block stays in cache across the inputs
-
-
-class Flat:
-    """Several flat arrays seen as one buffer laid end to end (a fused group needs no packing copy).
-
-    Args:
-        arrays: the parts, each C-contiguous; they are reshaped to 1-D views.
-    """
-
-    def __init__(self, arrays: Sequence[np.ndarray]):
-        self.arrays = [a.reshape(-1) for a in arrays]
-        self.offsets = np.concatenate(([0], np.cumsum([a.size for a in self.arrays], dtype=np.int64)))
-        self.size = int(self.offsets[-1])
-
-    def _spans(self, a: int, b: int):
-        """Yield ``(index, lo, hi)`` in order: the pieces of the parts that cover elements ``[a, b)``."""
-        i = max(0, int(np.searchsorted(self.offsets, a, side="right")) - 1)
-        while a < b:
-            while self.offsets[i + 1] <= a:
-                i += 1
-            base = int(self.offsets[i])
-            hi = min(b, int(self.offsets[i + 1]))
-            yield i, a - base, hi - base
-            a = hi
-
-    def addresses(self) -> np.ndarray:
-        """Return the data address of every part (int64)."""
-        return np.array([a.ctypes.data for a in self.arrays], dtype=np.int64)
-
-    def spans(self, a: int, b: int) -> list:
-        """Return ``[(index, lo, hi), ...]``: the pieces of the parts that cover elements ``[a, b)``, in order."""
-        return list(self._spans(a, b))
-
-    def views(self, spans) -> list:
-        """Return ``[(view, offset), ...]`` for ``spans``: each piece and where it starts in the block they cover."""
-        out, at = [], 0
-        for i, lo, hi in spans:
-            out.append((self.arrays[i][lo:hi], at))
-            at += hi - lo
-        return out
-
-    def byte_spans(self, spans, addresses) -> list:
-        """Return ``(address, bytes)`` of ``spans`` in a buffer laid out like this one at ``addresses``.
-
-        ``addresses[i]`` is where part ``i`` starts in that buffer (another
-        process's copy of the same layout, say).
-        """
-        size = self.arrays[0].itemsize
-        return [(int(addresses[i]) + lo * size, (hi - lo) * size) for i, lo, hi in spans]
-
-    def read(self, a: int, b: int, dest: np.ndarray) -> None:
-        """Copy elements ``[a, b)`` into ``dest`` (casting to its dtype)."""
-        k = 0
-        for i, lo, hi in self._spans(a, b):
-            np.copyto(dest[k:k + hi - lo], self.arrays[i][lo:hi], casting="unsafe")
-            k += hi - lo
-
-    def write(self, a: int, b: int, src: np.ndarray) -> None:
-        """Copy ``src`` into elements ``[a, b)``."""
-        k = 0
-        for i, lo, hi in self._spans(a, b):
-            np.copyto(self.arrays[i][lo:hi], src[k:k + hi - lo], casting="unsafe")
-            k += hi - lo
-
-    def block(self, a: int, b: int, scratch: np.ndarray) -> np.ndarray:
-        """Return elements ``[a, b)``: a view when they lie in one part, else a copy in ``scratch``."""
-        spans = self.spans(a, b)
-        if len(spans) == 1:
-            i, lo, hi = spans[0]
-            return self.arrays[i][lo:hi]
-        self.read(a, b, scratch[:b - a])
-        return scratch[:b - a]
 
 
 def _reduce_segment(inputs, own: int, own_block, lo: int, hi: int, out: np.ndarray, op: str,
@@ -202,8 +131,8 @@ def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, 
     Formula: ``out = (x_0 (op) ... (op) x_{n-1}) / divisor`` (``divisor`` is
     the world size for ``avg``, else 1; each reducing rank divides its
     segment while it is in cache, so the average costs no pass of its own).
-    ``x`` and ``out`` may be the same memory (in place).  Args: ``sh`` the node's arena; ``parts`` how many local ranks
-    reduce (default all; the hierarchical form uses the smallest local size of
+    ``x`` and ``out`` may be the same memory (in place).  Args: ``sh`` the
+    node's arena; ``parts`` how many local ranks reduce (default all; the hierarchical form uses the smallest local size of
     any node so that every node has the same segments); ``cross`` the ring
     transport among the ranks of equal local rank on the other nodes, or None
     on one node.  Cost: see the module docstring; the inter-node ring moves
@@ -243,9 +172,8 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
 
     Formula: ``out = (x_0 (op) ... (op) x_{L-1}) / divisor`` (the division of
     each result block in cache).  Cost per rank for ``N`` elements on ``L``
-    ranks: reads ``N``
-    (its segment of every input) and writes ``N`` (its segment of every
-    output), the traffic of one memcpy, against about 2.5 memory passes for
+    ranks: reads ``N`` (its segment of every input) and writes ``N`` (its
+    segment of every output), the traffic of one memcpy, against about 2.5 memory passes for
     the arena; ``2 (L-1)`` system calls per block; no fence of its own.
     """
     L = len(peers)

@@ -26,7 +26,8 @@ from ..env import detect_launcher
 from ..errors import BackendUnavailableError, CollectiveMismatchError
 from ..tensors import dtype_from_name
 from ..collectives.ops import accumulation_dtype, finish
-from ..collectives.shm import (Flat, shm_allgather, shm_allreduce, shm_allreduce_shared_buffer,
+from ..collectives.flat import Flat
+from ..collectives.shm import (shm_allgather, shm_allreduce, shm_allreduce_shared_buffer,
                                shm_allreduce_small, shm_reduce_scatter)
 from .mpi_direct import DIRECT_MIN_BYTES, DirectCopies
 from .mpi_requests import RequestHandle, RingTransport

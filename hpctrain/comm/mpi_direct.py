@@ -16,7 +16,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..collectives.shm import Flat, shm_allreduce_direct
+from ..collectives.flat import Flat
+from ..collectives.shm import shm_allreduce_direct
 from .cross_memory import CrossMemory
 from .mailbox import cores_per_rank_at_least_one
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import numpy as np
 
-from ..collectives.shm import Flat
+from ..collectives.flat import Flat
 from .handle import Handle, Riding
 from .signature import Call
 

@@ -20,7 +20,7 @@ from ..collectives import registry
 from ..collectives.fusion import FusionBuffers, fusion_groups
 from ..collectives.ops import accumulation_dtype, check_op, finish, segment_bounds, to_accumulator
 from ..collectives.results import ResultBuffers
-from ..collectives.shm import Flat
+from ..collectives.flat import Flat
 from ..tensors import dtype_name, framework_of, to_numpy
 from .handle import Plan, same as _same
 from .links import Links
