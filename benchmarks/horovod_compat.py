@@ -112,7 +112,8 @@ def write_outputs(rows, out: Path, args) -> None:
         cells = [f"{r['img_per_s'][p]:.1f}" for p in args.peers]
         lines.append(f"| {r['batch']} | {r['image']} | " + " | ".join(cells)
                      + f" | {r.get('vs_horovod', float('nan')):.2f} | {r.get('vs_native', float('nan')):.3f} | "
-                     f"{share.get('horovod_best', float('nan')):.0%} | {share.get('hpctrain.horovod', float('nan')):.0%} |")
+                     f"{share.get('horovod_best', float('nan')):.0%} | "
+                     f"{share.get('hpctrain.horovod', float('nan')):.0%} |")
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 4))

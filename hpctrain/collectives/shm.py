@@ -132,8 +132,9 @@ def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, 
     the world size for ``avg``, else 1; each reducing rank divides its
     segment while it is in cache, so the average costs no pass of its own).
     ``x`` and ``out`` may be the same memory (in place).  Args: ``sh`` the
-    node's arena; ``parts`` how many local ranks reduce (default all; the hierarchical form uses the smallest local size of
-    any node so that every node has the same segments); ``cross`` the ring
+    node's arena; ``parts`` how many local ranks reduce (default all; the
+    hierarchical form uses the smallest local size of any node so that
+    every node has the same segments); ``cross`` the ring
     transport among the ranks of equal local rank on the other nodes, or None
     on one node.  Cost: see the module docstring; the inter-node ring moves
     ``2 (m-1)/m`` of one segment per rank for ``m`` nodes.
