@@ -85,7 +85,7 @@ class DirectCopies:
         return self._probed[2] if self._probed else None
 
     def allreduce(self, x: Flat, out: Flat, op: str, who: str, divisor: int = 1) -> None:
-        """All-reduce ``x`` into ``out``, divided by ``divisor``, by :func:`shm_allreduce_direct` (two node-wide fences).
+        """All-reduce ``x`` into ``out``, divided by ``divisor``, by :func:`shm_allreduce_direct` (two fences).
 
         A failed copy (a peer died) ends the job: the others may still be
         writing into this rank's memory.  ``who`` names this rank in that message.
