@@ -15,9 +15,10 @@ land in backward).
 :func:`keep_freed_memory` fixes both thresholds once per process
 (``mallopt``): blocks up to 32 MiB, glibc's largest mmap threshold on 64-bit,
 come from the heap, and the heap is trimmed only past 2 GiB free, so a
-step reuses the pages of the step before.  Cost: the process keeps its peak heap (what it
-freed stays resident, for the next step to use), as with the jemalloc or
-tcmalloc that CPU-training guides preload for the same reason.
+step reuses the pages of the step before.  Cost: the process keeps its
+peak heap (what it freed stays resident, for the next step to use), as
+with the jemalloc or tcmalloc that CPU-training guides preload for the
+same reason.
 
 It does nothing when the C library is not glibc, when the user set the
 allocator already (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
@@ -53,7 +54,7 @@ def environment() -> Dict[str, str]:
 def keep_freed_memory(env: Optional[Mapping[str, str]] = None) -> str:
     """Set glibc's mmap and trim thresholds for a training loop (module docstring); idempotent.
 
-    Returns what was done, or why nothing was (for ``hpctrain info`` and logs).
+    Returns what was done, or why nothing was.
     """
     global _applied
     if _applied is not None:

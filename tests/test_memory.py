@@ -1,11 +1,12 @@
 """hpctrain.memory: after init, a block freed in one step and allocated again in the next causes no page faults.
 
 The reference is the kernel's count of minor page faults (``getrusage``) in a
-fresh process: with glibc as it comes, every new 16 MiB block is a fresh
-mapping, or heap memory handed back to the kernel when it was freed (a step
-of four 12 MiB blocks faults about 12288 times); with
-:func:`keep_freed_memory` the next step reuses the pages of the step before.  Each case runs in its own process because
-``mallopt`` is process-wide and cannot be undone.
+fresh process: with glibc as it comes, part of a step's four 12 MiB blocks
+is mapped afresh every step (heap memory handed back to the kernel when it
+was freed; about 2000 faults per step here, the test asks for more than an
+eighth of the 12288 pages); with :func:`keep_freed_memory` the next step
+reuses the pages of the step before.  Each case runs in its own process
+because ``mallopt`` is process-wide and cannot be undone.
 """
 import json
 import os
