@@ -142,17 +142,18 @@ class Pipeline(torch.nn.Module):
 
     @torch.no_grad()
     def infer(self, inputs: Optional[torch.Tensor]) -> torch.Tensor:
-        """The whole model's output for ``inputs`` (needed on the first stage), on every rank of the pipeline."""
-        x = inputs if self.first else torch.from_numpy(self.comm.recv(self.stage - 1, tag=0))
+        """The whole model's output for ``inputs`` (needed on the first stage), on every rank of the pipeline,
+        on each rank's own device (that of its stage's parameters)."""
+        device = next((p.device for p in self.stage_module.parameters()), torch.device("cpu"))
+        x = inputs if self.first else torch.from_numpy(self.comm.recv(self.stage - 1, tag=0)).to(device)
         out = self.stage_module(x)
         if not self.last:
             self.comm.send(out, self.stage + 1, tag=0)
-            return self._result_from_last(None)
-        return self._result_from_last(out)
-
-    def _result_from_last(self, out: Optional[torch.Tensor]) -> torch.Tensor:
-        meta = self.comm.broadcast_object(tuple(out.shape) if out is not None else None, root=self.stages - 1)
-        buf = out.contiguous() if out is not None else torch.zeros(meta)
+            out = None
+        meta = self.comm.broadcast_object(None if out is None else (tuple(out.shape), str(out.dtype)[6:]),
+                                          root=self.stages - 1)
+        buf = out.contiguous() if out is not None else torch.zeros(meta[0], dtype=getattr(torch, meta[1]),
+                                                                   device=device)
         return self.comm.broadcast(buf, root=self.stages - 1)
 
     # -- one training step ------------------------------------------------------------

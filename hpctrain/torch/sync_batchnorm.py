@@ -25,9 +25,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dims = [0] + list(range(2, x.dim()))
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         count = xf.numel() // xf.shape[1]
-        mean_r = xf.mean(dims) if count else torch.zeros(xf.shape[1], dtype=xf.dtype)
+        mean_r = xf.mean(dims) if count else torch.zeros(xf.shape[1], dtype=xf.dtype, device=xf.device)
         m2_r = ((xf - _expand(mean_r, xf)) ** 2).sum(dims)
-        local = torch.cat([torch.tensor([float(count)], dtype=xf.dtype), mean_r, m2_r]).unsqueeze(0)
+        local = torch.cat([torch.tensor([float(count)], dtype=xf.dtype, device=xf.device), mean_r, m2_r]).unsqueeze(0)
         table = comm.allgather(local.detach())
         counts, means, m2s = table[:, :1], table[:, 1:1 + xf.shape[1]], table[:, 1 + xf.shape[1]:]
         n = counts.sum()
