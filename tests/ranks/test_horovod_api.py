@@ -218,3 +218,48 @@ def test_native_collectives_are_refused_while_horovod_runs():
     with pytest.raises(hpctrain.HpctrainError, match="hvd.shutdown"):
         hpctrain.world().allreduce(np.ones(2))
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/ranks/test_cuda.py says how)")
+def test_cuda_tensors_keep_their_device_and_train_as_on_the_cpu(inputs):
+    n, r = hvd.size(), hvd.rank()
+    dev = torch.device("cuda", r % torch.cuda.device_count())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    xs = inputs((2 * n, 3), np.float32, seed=8)
+    x = t(xs[r]).to(dev)
+    results = {"avg": hvd.allreduce(x), "sum": hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum)),
+               "scatter": hvd.reducescatter(x, op=hvd.Sum), "gather": hvd.allgather(x[: r + 1]),
+               "bcast": hvd.broadcast(x, root_rank=n - 1), "a2a": hvd.alltoall(x)}
+    assert all(v.device == dev for v in results.values()), {k: v.device for k, v in results.items()}
+    np.testing.assert_allclose(results["avg"].cpu().numpy(), np.mean(xs, 0), rtol=1e-6)
+    np.testing.assert_allclose(results["sum"].cpu().numpy(), np.sum(xs, 0), rtol=1e-6)
+    np.testing.assert_allclose(results["scatter"].cpu().numpy(), np.sum(xs, 0)[2 * r:2 * r + 2], rtol=1e-6)
+    np.testing.assert_array_equal(results["gather"].cpu().numpy(), np.concatenate([xs[q][: q + 1] for q in range(n)]))
+    np.testing.assert_array_equal(results["bcast"].cpu().numpy(), xs[n - 1])
+    np.testing.assert_array_equal(results["a2a"].cpu().numpy(), np.concatenate([xs[q][2 * r:2 * r + 2] for q in range(n)]))
+    y = x.clone()
+    assert hvd.allreduce_(y, op=hvd.Max) is y and y.device == dev
+    np.testing.assert_array_equal(y.cpu().numpy(), np.max(xs, 0))
+    w = x.clone().requires_grad_()
+    hvd.allreduce(w, op=hvd.Sum).sum().backward()
+    assert w.grad.device == dev and torch.equal(w.grad.cpu(), torch.full((2 * n, 3), float(n)))
+
+    torch.manual_seed(r)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).to(dev)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(5):
+        batch = [torch.from_numpy(b) for b in inputs((4, 3), np.float32, seed=20 + step, low=-2, high=2)]
+        opt.zero_grad()
+        model(batch[r].to(dev)).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(torch.cat(batch)).pow(2).mean().backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.device == dev
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
