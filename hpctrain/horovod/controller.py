@@ -28,9 +28,17 @@ rank in the same cycle).
 
 Cost: one small allgather per cycle (:mod:`hpctrain.horovod.exchange`, which
 waits without spinning, so cycles do not take the training thread's core).
-A cycle follows at once while requests arrive; when idle the pause doubles
-from 1 ms up to ``HOROVOD_CYCLE_TIME`` (ms, default 5), and a rank that
-starts a request wakes its thread at once.
+A cycle follows at once while requests arrive; while a request is open
+somewhere but none came in the last cycle, the pause doubles from 1 ms up to
+``HOROVOD_CYCLE_TIME`` (ms, default 5); a rank that starts a request wakes
+its thread at once.  When the last cycle left nothing open (the table is
+empty, the same on every rank), no rank cycles: each waits for a request of
+its own or for a doorbell (:meth:`CycleExchange.ring`), checked at the same
+growing pause, and the rank that starts the next request rings the others.
+So a training step's forward pass runs without cycles, and a rank that
+starts nothing (joined, or outside the request's process set) still enters
+the next cycle within ``HOROVOD_CYCLE_TIME``.  Backends without doorbells
+cycle on the pause alone.
 """
 from __future__ import annotations
 
@@ -124,6 +132,7 @@ class Controller:
         self._next_set = max(sets) + 1
         self._cycle = 0
         self._pause = 0.0
+        self._quiet = False                          # nothing open anywhere: wait for news or a doorbell
         self._max_pause = float(settings.get("HOROVOD_CYCLE_TIME")) / 1000.0
         self._warn_s = world.config.stall_warning_s
         self._timeout_s = world.config.stall_timeout_s
@@ -204,11 +213,32 @@ class Controller:
         self._exchange.free()
         self.world._rt.owner = None
 
+    def _has_news(self) -> bool:
+        """Whether this rank has something for the next cycle (call with ``_cv`` held)."""
+        return bool(self._new) or self._stop or (self._join_handle is not None and not self._join_sent)
+
+    def _wait_for_doorbell(self) -> None:
+        """Wait, while nothing is open anywhere, for news of this rank (then ring the others) or a doorbell."""
+        pause = 0.001
+        while True:
+            with self._cv:
+                if not self._has_news():
+                    self._cv.wait(pause)
+                news = self._has_news()
+            if news:
+                self._exchange.ring(self._cycle)
+                return
+            if self._exchange.rung() >= self._cycle:
+                return
+            pause = min(2 * pause, self._max_pause)
+
     def _one_cycle(self) -> bool:
+        rung = self._quiet
+        if rung:
+            self._wait_for_doorbell()
         with self._cv:
-            if not self._new and not self._stop and (self._join_handle is None or self._join_sent):
-                if self._pause:
-                    self._cv.wait(self._pause)
+            if not rung and not self._has_news() and self._pause:
+                self._cv.wait(self._pause)
             new, self._new = self._new, []
             joining = self._join_handle is not None and not self._join_sent
             self._join_sent = self._join_sent or joining
@@ -236,6 +266,7 @@ class Controller:
         self._run_ready(now)
         self._finish_join()
         self._pause = 0.0 if busy else min(max(2 * self._pause, 0.001), self._max_pause)
+        self._quiet = self._exchange.has_doorbells and not self._table
         return True
 
     def _run_ready(self, now: float) -> None:

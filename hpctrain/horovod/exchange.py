@@ -1,21 +1,30 @@
-"""The negotiation cycle's exchange: an allgather of small messages that waits without spinning.
+"""The negotiation cycle's exchange: an allgather of small messages that waits without spinning, and doorbells.
 
 A negotiation cycle (:mod:`hpctrain.horovod.controller`) runs while the
 training thread computes.  A blocking MPI collective busy-polls the CPU
 while it waits for the slowest rank, taking a core from the computation, so
 on the MPI backend the cycle uses a communicator of its own (a ``Dup`` of
 the world's) with non-blocking ``Iallgather`` and a wait that polls a few
-times and then sleeps between tests, 50 us at first, doubling up to 2 ms
-(a rank that waits long for the others wakes rarely).  Each rank sends a fixed slot
-of ``SLOT`` bytes (8 of them the message length); a message that does not
-fit travels in a second ``Iallgatherv``.  While it waits longer than a
+times and then sleeps between tests: 50 us at first, doubling up to 100 us
+while this rank waits for a request of its own (the ranks' skew in starting
+the same request is often a millisecond, and a longer sleep would add up to
+half of it) and for the first 10 ms, then up to 2 ms (a rank that waits long
+for the others, or only takes part, wakes rarely).  Each rank sends a fixed
+slot of ``SLOT`` bytes (8 of them the message length); a message that does
+not fit travels in a second ``Iallgatherv``.  While it waits longer than a
 second it reads the departures board (:mod:`hpctrain.comm.departures`) and
 raises, naming them, when ranks it waits for have left.  Other backends use
 the world's ``allgather_object``.
 
+Doorbells let ranks skip cycles while nothing is open: a rank that has
+something to negotiate :meth:`ring` s the others with the number of the
+cycle it is about to enter (one 8-byte message to each, on the same
+communicator), and a waiting rank checks :meth:`rung` with a ``Test``
+instead of running a whole cycle.  Only the MPI backend has them.
+
 Cost per cycle: one allgather of ``SLOT`` x ranks bytes; when the last rank
-arrives late, up to about half its delay (at most 2 ms) more than a
-spinning wait.
+arrives late, up to about half its delay (at most 100 us in the first 10 ms,
+then at most 2 ms) more than a spinning wait.  A ring: ranks - 1 messages.
 """
 from __future__ import annotations
 
@@ -32,7 +41,10 @@ __all__ = ["CycleExchange", "SLOT"]
 SLOT = 2048
 _SPINS = 50
 _SLEEP_S = 5e-5
+_BUSY_SLEEP_S = 1e-4       # the longest sleep while this rank waits for its own request, in the first ...
+_BUSY_S = 0.01             # ... 10 ms of the wait
 _MAX_SLEEP_S = 2e-3
+_DOORBELL_TAG = 0x4844      # point-to-point on the exchange's own communicator: no other messages there
 
 
 class CycleExchange:
@@ -47,6 +59,30 @@ class CycleExchange:
             self._MPI = MPI
             self._send = np.zeros(SLOT, np.uint8)
             self._recv = np.zeros(SLOT * world.size, np.uint8)
+            self._bell = np.zeros(1, np.int64)
+            self._bell_req = self.comm.Irecv(self._bell, source=MPI.ANY_SOURCE, tag=_DOORBELL_TAG)
+            self._rings: List[Any] = []            # sends not known to be complete (with their buffers)
+
+    @property
+    def has_doorbells(self) -> bool:
+        """Whether :meth:`ring` and :meth:`rung` work (the MPI backend); else every rank runs every cycle."""
+        return self.comm is not None
+
+    def ring(self, cycle: int) -> None:
+        """Tell every other rank to enter cycle ``cycle`` (non-blocking sends of one int64 each)."""
+        self._rings = [(req, buf) for req, buf in self._rings if not req.Test()]
+        buf = np.array([cycle], np.int64)
+        for r in range(self.world.size):
+            if r != self.world.rank:
+                self._rings.append((self.comm.Isend(buf, dest=r, tag=_DOORBELL_TAG), buf))
+
+    def rung(self) -> int:
+        """Return the highest cycle number rung since the last call (-1 if none); never blocks."""
+        highest = -1
+        while self._bell_req.Test():
+            highest = max(highest, int(self._bell[0]))
+            self._bell_req = self.comm.Irecv(self._bell, source=self._MPI.ANY_SOURCE, tag=_DOORBELL_TAG)
+        return highest
 
     def allgather(self, obj: Any, poll: bool = True) -> List[Any]:
         """Return every rank's ``obj``, in rank order.
@@ -62,7 +98,7 @@ class CycleExchange:
         self._send[:8] = np.frombuffer(np.int64(n).tobytes(), np.uint8)
         if n <= SLOT - 8:
             self._send[8:8 + n] = np.frombuffer(data, np.uint8)
-        self._wait(self.comm.Iallgather(self._send, self._recv), _SPINS if poll else 1)
+        self._wait(self.comm.Iallgather(self._send, self._recv), _SPINS if poll else 1, poll)
         slots = self._recv.reshape(self.world.size, SLOT)
         sizes = slots[:, :8].copy().view(np.int64).ravel()
         if int(sizes.max()) <= SLOT - 8:
@@ -73,7 +109,7 @@ class CycleExchange:
                                          [big, sizes, displs, self._MPI.BYTE]))
         return [pickle.loads(big[d:d + s].tobytes()) for d, s in zip(displs, sizes)]
 
-    def _wait(self, req, spins: int = _SPINS) -> None:
+    def _wait(self, req, spins: int = _SPINS, busy: bool = True) -> None:
         for _ in range(spins):
             if req.Test():
                 return
@@ -81,8 +117,8 @@ class CycleExchange:
         pause = _SLEEP_S
         while not req.Test():
             time.sleep(pause)
-            pause = min(2 * pause, _MAX_SLEEP_S)
             now = time.monotonic()
+            pause = min(2 * pause, _BUSY_SLEEP_S if busy and now - start < _BUSY_S else _MAX_SLEEP_S)
             if now - last > 1.0:
                 last = now
                 self._check_departures(start, now)
@@ -101,5 +137,9 @@ class CycleExchange:
     def free(self) -> None:
         """Release the exchange's communicator."""
         if self.comm is not None:
+            self._bell_req.Cancel()
+            self._bell_req.Wait()
+            for req, _ in self._rings:
+                req.Wait()
             self.comm.Free()
             self.comm = None

@@ -70,6 +70,35 @@ def test_open_request_across_a_barrier_and_duplicate_names():
         hvd.synchronize(h)
 
 
+def test_no_cycles_while_nothing_is_open_and_a_rank_with_nothing_to_start_still_takes_part():
+    """Doorbells: with nothing open no rank runs negotiation cycles (a training step's forward pass runs
+    without them); a request that only some ranks start still completes (the others are rung)."""
+    import time
+    from hpctrain.horovod.basics import controller
+    ctl = controller()
+    hvd.barrier()
+    time.sleep(0.05)                       # the barrier's last cycle is over on every rank
+    before = ctl._cycle
+    time.sleep(0.3)
+    idle_cycles = ctl._cycle - before
+    if ctl._exchange.has_doorbells:
+        assert idle_cycles == 0, f"{idle_cycles} cycles in 0.3 s with nothing open"
+    else:                                  # timed cycles: at least one per HOROVOD_CYCLE_TIME
+        assert idle_cycles > 0
+    r, n = hvd.rank(), hvd.size()
+    mine = hvd.add_process_set([0]) if n > 1 else hvd.global_process_set
+    if r == 0:                  # the others start nothing for a second: they must be rung for its cycle
+        start = time.monotonic()
+        out = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=mine, name="alone")
+        waited = time.monotonic() - start
+        assert out.tolist() == [1.0, 1.0] and waited < 0.5, (out, waited)
+    else:
+        time.sleep(1.0)
+    hvd.barrier()
+    if n > 1:
+        assert hvd.remove_process_set(mine)
+
+
 def test_in_place_and_grouped_forms(inputs):
     xs = inputs((6,), np.float64, seed=2)
     x = t(xs[hvd.rank()])
