@@ -11,12 +11,15 @@ Over n ranks the pairs are combined in a binary tree: at distance d = 1, 2,
 4, ... rank r (r a multiple of 2d) combines its vector with rank r + d's, as
 long as r + d < n, so any n works (a rank without a partner passes its vector
 up unchanged); rank 0 then broadcasts the result.  Dot products and norms are
-taken in float64.
+taken in float64.  A communicator without point-to-point messages (the
+horovod backend) all-gathers the vectors instead and every rank combines
+them in the same tree, with the same bits.
 
 Cost: ceil(log2 n) sequential steps, each sending the whole vector once,
 then one broadcast: about (log2 n + 1) x the bytes of the vector on the
 critical path (Horovod's CPU version halves the vector at each step instead,
-which moves fewer bytes on large clusters).  Floating-point tensors only.
+which moves fewer bytes on large clusters); through the all-gather, n x the
+bytes and n vectors of memory.  Floating-point tensors only.
 """
 from __future__ import annotations
 
@@ -55,6 +58,8 @@ def adasum_allreduce(comm, x: np.ndarray) -> np.ndarray:
     if x.dtype.kind != "f":
         raise TypeError(f"Adasum needs a floating-point tensor, got {x.dtype}")
     n, r = comm.size, comm.rank
+    if comm.backend == "horovod":        # no send/recv there
+        return adasum_reference(list(comm.allgather(x.reshape(1, -1)))).reshape(x.shape)
     acc = x.astype(np.float64)
     d = 1
     while d < n:
