@@ -56,7 +56,7 @@ def launch(peer: str, n: int, batch: int, image: int, iters: int) -> float:
         out = os.path.join(tmp, "r.json")
         api = peer.split("-")[0]
         argv = [sys.executable, str(SCRIPT), "--api", api, "--batch-size", str(batch), "--image-size", str(image),
-                "--num-warmup-batches", "2", "--num-batches-per-iter", "3", "--num-iters", str(iters),
+                "--num-warmup-batches", "5", "--num-batches-per-iter", "3", "--num-iters", str(iters),
                 "--json", out]
         env = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
         env.update(OMP_NUM_THREADS="1", **({} if peer == "horovod-default-malloc" else environment()))
@@ -73,7 +73,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--image-sizes", type=int, nargs="+", default=[64, 224])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=3, help="timed iterations (of 3 steps) per launch")
+    ap.add_argument("--iters", type=int, default=5,
+                    help="timed iterations (of 3 steps, after 5 warm-up steps) per launch")
     ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
     ap.add_argument("--out", default=str(ROOT / "results" / "horovod-compat"))
     args = ap.parse_args()
