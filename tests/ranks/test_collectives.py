@@ -837,3 +837,20 @@ def test_narrow_integers(comm, dtype):
     np.testing.assert_array_equal(comm.allreduce(xs[r], op="max"), stack.max(0))
     np.testing.assert_array_equal(comm.allgather(xs[r]), np.concatenate(xs))
     np.testing.assert_array_equal(comm.broadcast(xs[r], root=n - 1), xs[n - 1])
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16])
+def test_narrow_integer_sums_wrap_around_on_every_algorithm(comm, dtype):
+    """Sums past the dtype's range wrap around as numpy's do, on every algorithm, in all-reduce and
+    reduce-scatter (Open MPI's AVX reductions saturate them instead: the native path must not)."""
+    n, r = comm.size, comm.rank
+    info = np.iinfo(dtype)
+    xs = [np.full(4 * n * 1000, info.max - q, dtype=dtype) for q in range(n)]
+    xs[0][::3] = info.min
+    want = np.stack(xs).sum(0, dtype=dtype)
+    exact = np.stack(xs).astype(np.int64).sum(0)
+    assert n == 1 or np.any(want != exact), "the sums must overflow for this test to mean anything"
+    for alg in algorithms(comm):
+        np.testing.assert_array_equal(comm.allreduce(xs[r], algorithm=alg), want, err_msg=alg)
+        mine = comm.reduce_scatter(xs[r], algorithm=alg)
+        np.testing.assert_array_equal(mine, np.array_split(want, n)[r], err_msg=f"reduce_scatter {alg}")
