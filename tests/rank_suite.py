@@ -76,9 +76,10 @@ class RankSuite:
     """The results of some test files under tests/ranks run on ``n`` ranks of one launcher and environment."""
 
     def __init__(self, n: int, files: Sequence[str], launcher: Optional[Callable] = None, select: str = "",
-                 limit_s: float = 3600, **env):
+                 limit_s: float = 3600, logs_in: Optional[str] = None, **env):
         self.n, self.files, self.select = n, list(files), select
         self.launcher = launcher or mpirun_cmd
+        self.logs_in = logs_in          # where the ranks' logs go (a directory every node sees); default: /tmp
         self.limit_s, self.env = limit_s, env
         self.collected: List[str] = []
         self.results: Dict[str, Dict[int, dict]] = {}     # test id -> rank -> end event
@@ -90,7 +91,7 @@ class RankSuite:
     def run(self) -> "RankSuite":
         """Launch until every collected test has a verdict (or MAX_LAUNCHES launches were spent)."""
         start = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix="hpctrain-ranks-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="hpctrain-ranks-", dir=self.logs_in) as tmp:
             while self.launches < MAX_LAUNCHES:
                 self.launches += 1
                 progressed = self._launch(Path(tmp) / f"launch{self.launches}", Path(tmp) / "done.txt",

@@ -10,6 +10,8 @@ checks that all ranks get bit-identical bits.
 """
 import hashlib
 import os
+import socket
+import time
 
 import numpy as np
 import pytest
@@ -84,9 +86,33 @@ def test_world_shape(comm):
     ranks = comm.allgather_object(comm.rank)
     assert ranks == list(range(comm.size))
     topo = comm.allgather_object((hpctrain.local_rank(), hpctrain.local_size(), hpctrain.node_rank()))
-    k = int(os.environ.get("HPCTRAIN_RANKS_PER_NODE", comm.size))    # one machine: one node unless faked
+    # One machine is one node unless faked; on real (namespace) nodes the launch says how it placed ranks.
+    k = int(os.environ.get("HPCTRAIN_RANKS_PER_NODE") or os.environ.get("HPCTRAIN_TEST_RANKS_PER_NODE")
+            or comm.size)
     assert topo == [(r % k, min(k, comm.size - r // k * k), r // k) for r in range(comm.size)]
     assert hpctrain.num_nodes() == -(-comm.size // k)
+    if "HPCTRAIN_RANKS_PER_NODE" not in os.environ:      # real nodes: node ranks follow the hostnames
+        hosts = comm.allgather_object(socket.gethostname())
+        assert [t[2] for t in topo] == [sorted(set(hosts), key=hosts.index).index(h) for h in hosts], hosts
+
+
+def test_nodes_have_their_own_shared_memory_and_tmp(comm):
+    """A rank sees the /dev/shm and /tmp files of the ranks on its own host, and no others."""
+    tag = comm.broadcast_object(f"hpctrain-node-test-{os.getpid()}-{time.time_ns()}")
+    hosts = comm.allgather_object(socket.gethostname())
+    mine = [os.path.join(d, f"{tag}-{comm.rank}") for d in ("/dev/shm", "/tmp")]
+    for path in mine:
+        with open(path, "w") as f:
+            f.write(hosts[comm.rank])
+    try:
+        comm.barrier()
+        for d in ("/dev/shm", "/tmp"):
+            seen = sorted(int(f.rsplit("-", 1)[1]) for f in os.listdir(d) if f.startswith(tag + "-"))
+            assert seen == [r for r in range(comm.size) if hosts[r] == hosts[comm.rank]], (d, seen, hosts)
+        comm.barrier()
+    finally:
+        for path in mine:
+            os.unlink(path)
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# Fake cluster nodes on one machine, each a set of Linux namespaces of its own (needs root).
+#
+#   scripts/cluster.sh up N [--rate RATE] [--keep PATH]... [--owner PID]
+#                                                            build node1..nodeN (with --owner, the nodes
+#                                                            also go when process PID ends, killed too)
+#   scripts/cluster.sh down                                  remove all that `up` built
+#   scripts/cluster.sh exec NODE CMD [ARG...]                run CMD on NODE, in the current directory
+#   scripts/cluster.sh agent NODE CMDLINE...                 mpirun's launch agent (ssh's place):
+#                                                            runs the shell command line on NODE
+#   scripts/cluster.sh status                                the nodes, their addresses and processes
+#
+# Each node has its own network namespace (one interface, eth0, 198.18.0.<i>/24, on a bridge that
+# lives in a namespace of its own; both directions shaped to RATE with tc tbf when --rate is given,
+# e.g. 1gbit), its own hostname (node<i>, resolvable on every node through a private /etc/hosts),
+# and its own /dev/shm and /tmp (empty tmpfs in a private mount namespace: no node sees another's
+# shared memory or temporary files).  The directory $HPCTRAIN_CLUSTER_DIR/shared (default
+# /run/hpctrain-cluster/shared) is seen by every node, as a cluster's shared file system is.  Paths
+# under /tmp that the nodes need (the repository and its venv when they are there) are kept visible
+# with --keep PATH; the current directory is kept when it is under /tmp.
+#
+# The host's own interfaces, routes, firewall and /etc are not touched: the links are made inside
+# the bridge's namespace and moved into the nodes, the addresses come from 198.18.0.0/15 (reserved
+# for benchmark networks), and each namespace lives as long as one holder process (`sleep`), so
+# `down` (killing the holders and whatever still runs on a node) leaves nothing behind.
+#
+# mpirun across the nodes, from node1 (no ssh server needed):
+#   scripts/cluster.sh exec node1 mpirun -H node1:2,node2:2 --mca plm_rsh_agent "$PWD/scripts/cluster.sh agent" \
+#       --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 python train.py
+set -euo pipefail
+
+DIR=${HPCTRAIN_CLUSTER_DIR:-/run/hpctrain-cluster}
+SUBNET=198.18.0
+OWNER=""
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+
+pid_of() {   # the holder process of NODE (node<i>, its address or bridge)
+  local f="$DIR/$1.pid"
+  case $1 in "$SUBNET".*) f="$DIR/node${1##*.}.pid" ;; esac
+  [ -s "$f" ] || die "no node $1 (is the cluster up? scripts/cluster.sh status)"
+  cat "$f"
+}
+
+holder() {   # start a process in new namespaces that runs SETUP, writes its pid to NAME.pid and waits
+  local name=$1 flags=$2 setup=$3 wait="exec sleep infinity"
+  [ -z "$OWNER" ] || wait="while kill -0 $OWNER 2>/dev/null; do sleep 1; done"
+  setsid unshare $flags sh -c "$setup
+echo \$\$ > '$DIR/$name.pid.tmp' && mv '$DIR/$name.pid.tmp' '$DIR/$name.pid' && $wait" \
+    </dev/null >"$DIR/$name.log" 2>&1 &
+  for _ in $(seq 100); do [ -s "$DIR/$name.pid" ] && return 0; sleep 0.05; done
+  die "namespace holder $name did not start: $(cat "$DIR/$name.log")"
+}
+
+in_ns() { local pid; pid=$(pid_of "$1"); shift; nsenter -t "$pid" -n -- "$@"; }
+
+up() {
+  local n=${1:-}; shift || true
+  [[ "$n" =~ ^[1-9][0-9]?$ ]] && [ "$n" -le 200 ] || die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... [--owner PID]"
+  local rate="" keep=()
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --rate) rate=${2:?--rate needs a value such as 1gbit}; shift 2 ;;
+      --keep) keep+=("$(realpath "${2:?--keep needs a path}")"); shift 2 ;;
+      --owner) OWNER=${2:?--owner needs a pid}; shift 2; kill -0 "$OWNER" || die "no process $OWNER" ;;
+      *) die "unknown argument $1" ;;
+    esac
+  done
+  [ "$(id -u)" = 0 ] || die "needs root (network and mount namespaces)"
+  [ ! -e "$DIR/bridge.pid" ] || die "a cluster is already up ($DIR); run: scripts/cluster.sh down"
+  case $PWD in /tmp/*) keep+=("$PWD") ;; esac
+  mkdir -p "$DIR/shared" "$DIR/keep"
+  trap 'echo "cluster.sh: up failed; tearing down" >&2; down' ERR
+  {
+    printf '127.0.0.1 localhost\n::1 localhost\n'
+    for i in $(seq "$n"); do printf '%s.%s node%s\n' "$SUBNET" "$i" "$i"; done
+  } > "$DIR/hosts"
+  holder bridge "--net" "ip link set lo up && ip link add br0 type bridge && ip link set br0 up"
+  for i in $(seq "$n"); do
+    # Paths under /tmp to keep: bind each to a private mount point first, then back after /tmp is new.
+    local binds="" moves="" k=0 p
+    for p in "${keep[@]}"; do
+      case $p in /tmp/*) ;; *) continue ;; esac
+      k=$((k + 1))
+      mkdir -p "$DIR/keep/node$i-$k"
+      binds+="mount --bind '$p' '$DIR/keep/node$i-$k' && "
+      moves+="mkdir -p '$p' && mount --move '$DIR/keep/node$i-$k' '$p' && "
+    done
+    holder "node$i" "--net --uts --mount --propagation private" \
+      "hostname node$i && ${binds}mount -t tmpfs -o mode=1777 shm /dev/shm && mount -t tmpfs -o mode=1777 tmp /tmp && ${moves}mount --bind '$DIR/hosts' /etc/hosts && ip link set lo up"
+    in_ns bridge ip link add "n$i" type veth peer name "b$i"
+    in_ns bridge ip link set "n$i" netns "$(pid_of "node$i")"
+    in_ns bridge ip link set "b$i" master br0
+    in_ns bridge ip link set "b$i" up
+    in_ns "node$i" ip link set "n$i" name eth0
+    in_ns "node$i" ip addr add "$SUBNET.$i/24" dev eth0
+    in_ns "node$i" ip link set eth0 up
+    if [ -n "$rate" ]; then   # both directions: the node's egress and the bridge port's (the node's ingress)
+      in_ns "node$i" tc qdisc add dev eth0 root tbf rate "$rate" burst 512kb latency 100ms
+      in_ns bridge tc qdisc add dev "b$i" root tbf rate "$rate" burst 512kb latency 100ms
+    fi
+  done
+  echo "$n" > "$DIR/nodes"
+  echo "${rate:-unshaped}" > "$DIR/rate"
+  trap - ERR
+  for j in $(seq 2 "$n"); do   # node1 reaches every other node over TCP before we say it is up
+    in_ns "node$j" python3 -c "import socket; s = socket.create_server(('$SUBNET.$j', 7999)); s.settimeout(10); s.accept()" &
+    local listener=$!
+    for _ in $(seq 50); do
+      in_ns node1 python3 -c "import socket; socket.create_connection(('$SUBNET.$j', 7999), timeout=2)" \
+        2>/dev/null && break
+      sleep 0.1
+    done
+    wait "$listener" || die "node1 cannot reach node$j"
+  done
+  echo "cluster up: $n nodes (node1..node$n, $SUBNET.1-$n, links ${rate:-unshaped}), shared directory $DIR/shared"
+}
+
+ns_pids() {   # every process in the network namespace of holder $1 (the holder too)
+  local ns p
+  ns=$(readlink "/proc/$1/ns/net" 2>/dev/null) || return 0
+  for p in /proc/[0-9]*; do
+    [ "$(readlink "$p/ns/net" 2>/dev/null)" = "$ns" ] && echo "${p#/proc/}"
+  done
+  return 0
+}
+
+down() {
+  trap - ERR
+  set +e
+  local f pid pids
+  for f in "$DIR"/node*.pid "$DIR"/bridge.pid; do
+    [ -s "$f" ] || continue
+    pid=$(cat "$f")
+    pids=$(ns_pids "$pid")
+    [ -n "$pids" ] && kill -9 $pids 2>/dev/null
+  done
+  for f in "$DIR"/node*.pid "$DIR"/bridge.pid; do
+    [ -s "$f" ] || continue
+    pid=$(cat "$f")
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+  done
+  rm -rf "$DIR"
+  echo "cluster down"
+}
+
+status() {
+  [ -s "$DIR/nodes" ] || { echo "no cluster up"; return 0; }
+  local n i pid
+  n=$(cat "$DIR/nodes")
+  echo "$n nodes, links $(cat "$DIR/rate"), shared directory $DIR/shared"
+  for i in $(seq "$n"); do
+    pid=$(pid_of "node$i")
+    echo "node$i $SUBNET.$i: $(($(ns_pids "$pid" | wc -l) - 1)) processes"
+  done
+}
+
+run_on() {   # run_on NODE CMD...: the node's network, hostname and mounts; same directory and environment
+  local node=${1:?which node?}; shift
+  [ $# -gt 0 ] || die "nothing to run on $node"
+  exec nsenter -t "$(pid_of "$node")" -n -u -m --wd="$PWD" -- "$@"
+}
+
+cmd=${1:-}; shift || true
+case $cmd in
+  up) up "$@" ;;
+  down) down ;;
+  status) status ;;
+  exec) run_on "$@" ;;
+  agent) node=${1:?}; shift; run_on "$node" /bin/sh -c "$*" ;;
+  *) die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... | down | exec NODE CMD... | agent NODE CMDLINE | status" ;;
+esac
