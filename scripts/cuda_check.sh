@@ -11,7 +11,7 @@ set -uo pipefail
 PY=${1:-python3}
 cd "$(dirname "$0")/.."
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')" || exit 1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HPCTRAIN_INNER_PYTEST=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 export HPCTRAIN_STALL_TIMEOUT_S=60
 status=0
 log=$(mktemp)
