@@ -41,7 +41,7 @@ from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
 
 # Open MPI's AVX reductions (the op/avx component, used wherever the CPU has AVX) saturate sums of 8-
 # and 16-bit integers instead of wrapping around (open-mpi/ompi#8045, closed as won't fix).  Those
-# sums go through MPI in int32 (exact for up to 65536 ranks) and wrap back, as numpy does.
+# sums go through MPI in int32 (exact up to 32768 ranks) and wrap back, as numpy does.
 _SATURATED = frozenset(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16))
 
 __all__ = ["MPICommunicator", "init_world"]
