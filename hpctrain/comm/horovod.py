@@ -28,8 +28,6 @@ from .signature import DESC_BYTES, Call, judge
 
 __all__ = ["HorovodCommunicator", "init_world"]
 
-_NARROW = (np.dtype(np.uint8), np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.uint16))   # integers Horovod cannot reduce
-
 
 class HorovodCommunicator(Communicator):
     """A communicator over a Horovod process set."""
@@ -90,10 +88,6 @@ class HorovodCommunicator(Communicator):
         return judge(list(descs), self.name, call.seq, None if self.name == "world" else self.world_ranks)
 
     def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
-        if acc.dtype in _NARROW:  # Horovod's CPU ops do not reduce these: widen, reduce, wrap back as they do
-            wide = self._wait(self._hvd.allreduce_async(self._t(acc.astype(np.int32)), op=self._ops[op],
-                                                        name=self._op_name("allreduce"), process_set=self._ps))
-            return wide.numpy().astype(acc.dtype)
         return self._wait(self._hvd.allreduce_async(self._t(acc), op=self._ops[op], name=self._op_name("allreduce"),
                                                     process_set=self._ps)).numpy()
 

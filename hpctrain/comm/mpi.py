@@ -39,11 +39,6 @@ from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, sha
 from .runtime import Config, Runtime
 from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
 
-# Open MPI's AVX reductions (the op/avx component, used wherever the CPU has AVX) saturate sums of 8-
-# and 16-bit integers instead of wrapping around (open-mpi/ompi#8045, closed as won't fix).  Those
-# sums go through MPI in int32 (exact up to 32768 ranks) and wrap back, as numpy does.
-_SATURATED = frozenset(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16))
-
 __all__ = ["MPICommunicator", "init_world"]
 
 VERDICT_BYTES = 1 << 16
@@ -205,11 +200,6 @@ No call object, plan or closure per call beyond the lane's; the call's
 
     # -- buffer primitives -----------------------------------------------------
     def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
-        if op == "sum" and acc.dtype in _SATURATED:
-            wide = acc.astype(np.int32)
-            self._coll.Allreduce(self._MPI.IN_PLACE, wide, op=self._ops[op])
-            np.copyto(acc, wide, casting="unsafe")          # wraps around, as numpy and the other algorithms do
-            return acc
         self._coll.Allreduce(self._MPI.IN_PLACE, acc, op=self._ops[op])
         return acc
 
@@ -288,11 +278,9 @@ No call object, plan or closure per call beyond the lane's; the call's
         self._coll.Bcast(raw, root)
 
     def _reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
-        wide = op == "sum" and acc.dtype in _SATURATED
-        send = acc.astype(np.int32) if wide else acc
-        out = np.empty(counts[self._rank], dtype=send.dtype)
-        self._coll.Reduce_scatter(send, out, counts, op=self._ops[op])
-        return out.astype(acc.dtype) if wide else out
+        out = np.empty(counts[self._rank], dtype=acc.dtype)
+        self._coll.Reduce_scatter(acc, out, counts, op=self._ops[op])
+        return out
 
     def _alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
         out = np.empty(sum(recv), dtype=np.uint8)
