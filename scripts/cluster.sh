@@ -8,6 +8,10 @@
 #   scripts/cluster.sh exec NODE CMD [ARG...]                run CMD on NODE, in the current directory
 #   scripts/cluster.sh agent NODE CMDLINE...                 mpirun's launch agent (ssh's place):
 #                                                            runs the shell command line on NODE
+#   scripts/cluster.sh kill NODE [PATTERN]                   a node crash: SIGKILL to everything running
+#                                                            on NODE at once (the node stays up, empty);
+#                                                            with PATTERN only the processes whose
+#                                                            command line matches it (grep -E)
 #   scripts/cluster.sh status                                the nodes, their addresses and processes
 #
 # Each node has its own network namespace (one interface, eth0, 198.18.0.<i>/24, on a bridge that
@@ -144,6 +148,20 @@ down() {
   echo "cluster down"
 }
 
+crash() {   # SIGKILL every process on the node but its holder (or those matching $2), in one kill(1)
+  local holder pids p matching=""
+  holder=$(pid_of "${1:?which node?}")
+  pids=$(ns_pids "$holder" | grep -vx "$holder" || true)
+  if [ -n "${2:-}" ]; then
+    for p in $pids; do
+      tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | grep -Eq -- "$2" && matching+="$p "
+    done
+    pids=$matching
+  fi
+  [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
+  echo "$1: killed $(echo $pids | wc -w) processes"
+}
+
 status() {
   [ -s "$DIR/nodes" ] || { echo "no cluster up"; return 0; }
   local n i pid
@@ -166,7 +184,8 @@ case $cmd in
   up) up "$@" ;;
   down) down ;;
   status) status ;;
+  kill) crash "$@" ;;
   exec) run_on "$@" ;;
   agent) node=${1:?}; shift; run_on "$node" /bin/sh -c "$*" ;;
-  *) die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... | down | exec NODE CMD... | agent NODE CMDLINE | status" ;;
+  *) die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... | down | exec NODE CMD... | agent NODE CMDLINE | kill NODE | status" ;;
 esac

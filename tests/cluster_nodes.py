@@ -55,6 +55,11 @@ class Cluster:
     def down(self) -> None:
         subprocess.run([str(SCRIPT), "down"], env={**os.environ, **self.env}, capture_output=True, timeout=120)
 
+    def kill(self, node: str, pattern: str = "") -> None:
+        """SIGKILL, at once, every process on ``node`` (whose command line matches ``pattern``, if given)."""
+        subprocess.run([str(SCRIPT), "kill", node] + ([pattern] if pattern else []), env={**os.environ, **self.env},
+                       check=True, capture_output=True, timeout=30)
+
     def mpirun(self, nodes: int, per_node: int) -> list:
         """mpirun from node1 over ``nodes`` nodes with ``per_node`` ranks each (ranks fill node1 first)."""
         hosts = ",".join(f"node{i}:{per_node}" for i in range(1, nodes + 1))

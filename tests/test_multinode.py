@@ -4,12 +4,23 @@
 (tests/cluster_nodes.py).  The rank files run there unchanged: the
 collectives against numpy (every algorithm that can run across nodes, the
 hierarchical one bit-identical across ranks and repeats), the layout against
-the ranks' hostnames, and that no rank sees another node's shared memory or
-temporary files.  Skipped, with the reason, where namespaces cannot be made.
+the ranks' hostnames, that no rank sees another node's shared memory or
+temporary files, torch and TF training against one process, and checkpoints
+in the shared directory.  Then a node is lost: every rank on it is SIGKILLed
+at once, the job must end within 30 s naming the node, and a restart resumes
+bit-identical from the newest committed checkpoint.  Skipped, with the
+reason, where namespaces cannot be made.
 """
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
 import pytest
 
 from cluster_nodes import Cluster, unavailable
+from harness import REPO, base_env, kill_tree, run
 
 LAYOUTS = [(2, 1), (2, 2), (3, 1), (3, 2)]
 COLLECTIVES = ("(world_shape or own_shared_memory or test_allreduce or allgather or broadcast or reduce_scatter "
@@ -33,3 +44,70 @@ def test_collectives_across_nodes(nodes, per_node, cluster, rank_suites):
                     launcher=lambda n: cluster.mpirun(nodes, per_node), logs_in=str(cluster.shared),
                     select=COLLECTIVES, HPCTRAIN_TEST_RANKS_PER_NODE=str(per_node), **cluster.env,
                     ).check_file("test_collectives.py")
+
+
+TRAINING = ["test_torch_training.py", "test_tf_training.py", "test_checkpoint.py"]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("test_file", TRAINING)
+@pytest.mark.parametrize("nodes, per_node", LAYOUTS)
+def test_training_and_checkpoints_across_nodes(nodes, per_node, test_file, cluster, rank_suites):
+    # Temporary directories (the checkpoint tests' own) go to the shared file system, as on a cluster.
+    tmp = cluster.shared / "tmp"
+    tmp.mkdir(exist_ok=True)
+    rank_suites.get(f"nodes-training-{nodes}x{per_node}", nodes * per_node, TRAINING,
+                    launcher=lambda n: cluster.mpirun(nodes, per_node), logs_in=str(cluster.shared),
+                    TMPDIR=str(tmp), **cluster.env).check_file(test_file)
+
+
+CKPT_TRAIN = str(REPO / "tests" / "programs" / "ckpt_train.py")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nodes, per_node", LAYOUTS)
+def test_sigkill_of_a_whole_node_ends_the_job_naming_it_and_a_restart_resumes_bit_identical(nodes, per_node,
+                                                                                            cluster):
+    where = cluster.shared / f"node-loss-{nodes}x{per_node}"
+    env = base_env(HPCTRAIN_STALL_TIMEOUT_S=60, **cluster.env)
+
+    def train(name, *args):
+        return cluster.mpirun(nodes, per_node) + [sys.executable, CKPT_TRAIN, "--ckpt", str(where / name),
+                                                   "--out", str(where / f"{name}.npz"), *args]
+
+    reference = run(train("reference"), env, 120)
+    assert reference.returncode == 0, reference.stdout[-4000:]
+    # Training slowed to 0.2 s a step; once rank 0 has done step 7 (checkpoints of steps 3 and 6 are
+    # under way or done), every rank of the last node dies at once by SIGKILL.
+    lost = f"node{nodes}"
+    job = subprocess.Popen(train("ckpt", "--step-sleep", "0.2"), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = []
+    try:
+        for line in job.stdout:
+            out.append(line)
+            if re.search(r"\bstep 7$", line.strip()):
+                break
+        cluster.kill(lost, "ckpt_train")
+        killed_at = time.monotonic()
+        out.append(job.stdout.read())
+        job.wait(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        kill_tree(job)
+    log = "".join(out)
+    assert job.returncode != 0 and "step 7" in log, log[-4000:]
+    assert took < 30, f"the job took {took:.1f} s to end after {lost} was lost"
+    assert re.search(rf"on node {lost} exited on\s+signal 9", log), log[-4000:]
+    assert not (where / "ckpt.npz").exists()
+    committed = [int(d.name.split("-")[1]) for d in (where / "ckpt").iterdir() if re.fullmatch(r"step-\d+", d.name)]
+    assert committed and max(committed) in (3, 6), sorted((where / "ckpt").iterdir())
+    # The restart (no slowing) resumes from the newest committed checkpoint and ends where the
+    # uninterrupted run did, bit for bit.
+    resumed = run(train("ckpt"), env, 120)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert f"starting at step {max(committed)}" in resumed.stdout, resumed.stdout[-3000:]
+    with np.load(where / "ckpt.npz") as got, np.load(where / "reference.npz") as want:
+        assert sorted(got.files) == sorted(want.files)
+        for k in want.files:
+            assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
