@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import os
+import socket
 import time
 
 import numpy as np
@@ -155,9 +156,10 @@ def main() -> None:
     digest = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
                             .tobytes()).hexdigest()
     identical = len(set(comm.allgather_object(digest))) == 1
+    hosts = comm.allgather_object(socket.gethostname())
     summary = {"ranks": n, "epochs": args.epochs, "global_batch": args.global_batch,
                "test_accuracy": accuracy, "replicas_identical": identical, "train_seconds": elapsed,
-               "steps": step, "compression": optimizer.compression_stats() if compressor is not None else None}
+               "steps": step, "hosts": hosts, "compression": optimizer.compression_stats() if compressor is not None else None}
     if rank == 0:
         print(f"test accuracy {accuracy:.4f} on {len(y_test)} images after {args.epochs} epochs "
               f"on {n} rank(s) in {elapsed:.1f} s; replicas identical: {identical}")

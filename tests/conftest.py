@@ -21,3 +21,15 @@ def pytest_terminal_summary(terminalreporter, config):
     cache = getattr(config, "hpctrain_suites", None)
     if cache is not None:
         cache.report(terminalreporter)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """Fake nodes node1..node3 (tests/cluster_nodes.py) for this session's multi-node tests."""
+    from cluster_nodes import Cluster, unavailable
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    nodes = Cluster.up()
+    yield nodes
+    nodes.down()

@@ -61,6 +61,12 @@ def _pmix_symlink() -> None:
             os.symlink("libpmix.so.2", link)
 
 
+def memory_mb() -> int:
+    """This machine's memory as slurmd measures it (RealMemory)."""
+    mem = re.search(r"RealMemory=(\d+)", _run(["/usr/sbin/slurmd", "-C"]).stdout)
+    return int(mem.group(1)) if mem else 1000
+
+
 class LocalSlurm:
     """One controller and one node on 127.0.0.1; ``env`` is what clients (sbatch, squeue) need."""
 
@@ -70,6 +76,7 @@ class LocalSlurm:
         self.env: Dict[str, str] = dict(os.environ, SLURM_CONF=str(self.conf))
         self._started_munge = False
         self.node = socket.gethostname().split(".")[0]
+        self.client: List[str] = []      # what runs the client commands (sbatch, squeue...): here, directly
 
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> "LocalSlurm":
@@ -78,25 +85,31 @@ class LocalSlurm:
             raise SlurmUnavailable("the local Slurm runs its daemons as root; this test run is not root")
         _pmix_symlink()
         self._start_munge()
-        self._write_conf()
-        for daemon in ("slurmctld", "slurmd"):
-            res = _run([f"/usr/sbin/{daemon}", "-f", str(self.conf)], env=self.env)
+        for sub in ("state", "spool", "log"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        self.conf.write_text("\n".join(self._conf_lines()) + "\n")
+        for where, daemon in self._daemons():
+            res = _run([*where, f"/usr/sbin/{daemon}", "-f", str(self.conf)], env=self.env)
             if res.returncode != 0:
                 self.stop()
                 raise SlurmUnavailable(f"{daemon} did not start: {res.stdout}{res.stderr}\n{self._logs()}")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             state = self.node_state()
-            if state == "idle":
+            if self.idle():
                 return self
             time.sleep(0.5)
         self.stop()
-        raise SlurmUnavailable(f"the node never became idle (sinfo says {state!r})\n{self._logs()}")
+        raise SlurmUnavailable(f"the nodes never became idle (sinfo says {state!r})\n{self._logs()}")
+
+    def _daemons(self):
+        """(command prefix, daemon) for each daemon to start, in order: here, the controller and one node."""
+        return [([], "slurmctld"), ([], "slurmd")]
 
     def stop(self) -> None:
         """Stop the daemons by the pids in their pid files (never by name)."""
-        for name in ("slurmd.pid", "slurmctld.pid"):
-            self._kill_pidfile(self.dir / name)
+        for path in sorted(self.dir.glob("slurmd*.pid")) + [self.dir / "slurmctld.pid"]:
+            self._kill_pidfile(path)
         if self._started_munge:
             self._kill_pidfile(Path("/run/munge/munged.pid"))
 
@@ -133,16 +146,11 @@ class LocalSlurm:
             raise SlurmUnavailable(f"munged did not start: {res.stderr}")
         self._started_munge = True
 
-    def _write_conf(self) -> None:
-        for sub in ("state", "spool", "log"):
-            (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        probe = _run(["/usr/sbin/slurmd", "-C"]).stdout
-        mem = re.search(r"RealMemory=(\d+)", probe)
+    def _conf_lines(self) -> List[str]:
+        """slurm.conf: the settings every local cluster shares, then :meth:`_conf_nodes`."""
         d = self.dir
-        self.conf.write_text("\n".join([
-            "ClusterName=hpctrain-test",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        return [
+            "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "AuthInfo=cred_expire=10",
             "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "AuthInfo=cred_expire=10",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
@@ -150,13 +158,22 @@ class LocalSlurm:
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none", "MpiDefault=none", "MailProg=/bin/true", "ReturnToService=2",
             "SchedulerParameters=sched_interval=2,bf_interval=2", "MinJobAge=300", "KillWait=10",
-            f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={d / 'spool'}",
-            f"SlurmctldPidFile={d / 'slurmctld.pid'}", f"SlurmdPidFile={d / 'slurmd.pid'}",
-            f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={d / 'log' / 'slurmd.log'}",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} "
-            f"RealMemory={int(mem.group(1)) if mem else 1000} State=UNKNOWN",
+            f"StateSaveLocation={d / 'state'}", f"SlurmctldPidFile={d / 'slurmctld.pid'}",
+            f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
+        ] + self._conf_nodes()
+
+    def _conf_nodes(self) -> List[str]:
+        """Controller, node and partition lines: one node, this host, on 127.0.0.1 with free ports."""
+        d = self.dir
+        return [
+            "ClusterName=hpctrain-test",
+            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+            f"SlurmdSpoolDir={d / 'spool'}", f"SlurmdPidFile={d / 'slurmd.pid'}",
+            f"SlurmdLogFile={d / 'log' / 'slurmd.log'}",
+            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={memory_mb()} State=UNKNOWN",
             f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
-        ]) + "\n")
+        ]
 
     def _logs(self) -> str:
         out = []
@@ -167,14 +184,14 @@ class LocalSlurm:
     # -- jobs -------------------------------------------------------------------------
     def submit(self, args: List[str], cwd: Path, env: Optional[Dict[str, str]] = None) -> str:
         """``sbatch --parsable args``; return the job id."""
-        res = _run(["sbatch", "--parsable", *args], cwd=cwd, env={**self.env, **(env or {})})
+        res = _run([*self.client, "sbatch", "--parsable", *args], cwd=cwd, env={**self.env, **(env or {})})
         if res.returncode != 0:
             raise AssertionError(f"sbatch {' '.join(args)} failed: {res.stderr}")
         return res.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> Dict[str, str]:
         """``scontrol show job`` as a dict (JobState, ExitCode, Restarts, ...)."""
-        out = _run(["scontrol", "show", "job", "-o", job_id], env=self.env).stdout
+        out = _run([*self.client, "scontrol", "show", "job", "-o", job_id], env=self.env).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
     def wait(self, job_id: str, timeout: float, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
@@ -187,15 +204,52 @@ class LocalSlurm:
             if info.get("JobState") in states:
                 return info
             time.sleep(0.5)
-        _run(["scancel", job_id], env=self.env)
+        self.scancel(job_id)
         raise AssertionError(f"job {job_id} did not finish in {timeout} s: {info}\n{self._logs()}")
 
+    @staticmethod
+    def wait_for_line(path: Path, pattern: str, timeout: float) -> None:
+        """Poll a job's output file until a line matches ``pattern`` (raise, with the file, on timeout)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and re.search(pattern, path.read_text(errors="replace"), re.M):
+                return
+            time.sleep(0.25)
+        raise AssertionError(f"{pattern!r} never appeared in {path}:\n"
+                             + (path.read_text(errors="replace")[-3000:] if path.exists() else "(no file)"))
+
     def node_state(self) -> str:
-        """The node's state as ``sinfo`` prints it: idle, mixed, allocated, completing, ..."""
-        return _run(["sinfo", "-h", "-N", "-o", "%T"], env=self.env).stdout.strip()
+        """The nodes' states as ``sinfo`` prints them, one a line: idle, mixed, allocated, completing, ..."""
+        return _run([*self.client, "sinfo", "-h", "-N", "-o", "%T"], env=self.env).stdout.strip()
+
+    def idle(self) -> bool:
+        """Every node idle (no job, nothing still ending)."""
+        state = self.node_state()
+        return bool(state) and set(state.split()) == {"idle"}
+
+    def release_after_requeue(self, job_id: str, timeout: float = 120) -> None:
+        """Once a requeued job is pending again, let it start soon instead of after the requeue delay.
+
+        The job shows PENDING while its first run may still be ending on the
+        nodes: it is released only when they are idle, else the first run's
+        batch step can finish after the rerun started and its exit status is
+        taken for the rerun's.  And not within the same second: slurmd revokes
+        the killed run's credential with a time stamp in whole seconds and
+        refuses a launch whose credential is not newer ("Job credential
+        revoked").  The requeue delay prevents both on a real cluster.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("Restarts", "0") != "0" and info.get("JobState") == "PENDING" and self.idle():
+                self.scontrol("update", f"JobId={job_id}", "StartTime=now+2")
+                return
+            if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+                return
+            time.sleep(0.25)
 
     def scontrol(self, *args: str) -> subprocess.CompletedProcess:
-        return _run(["scontrol", *args], env=self.env)
+        return _run([*self.client, "scontrol", *args], env=self.env)
 
     def scancel(self, *args: str) -> subprocess.CompletedProcess:
-        return _run(["scancel", *args], env=self.env)
+        return _run([*self.client, "scancel", *args], env=self.env)

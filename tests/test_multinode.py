@@ -19,22 +19,11 @@ import time
 import numpy as np
 import pytest
 
-from cluster_nodes import Cluster, unavailable
 from harness import REPO, base_env, kill_tree, run
 
 LAYOUTS = [(2, 1), (2, 2), (3, 1), (3, 2)]
 COLLECTIVES = ("(world_shape or own_shared_memory or test_allreduce or allgather or broadcast or reduce_scatter "
                "or alltoall or bit_identical or shm_refused or grouped_allreduce_equals or narrow_integer) and not 64mib")
-
-
-@pytest.fixture(scope="session")
-def cluster():
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    nodes = Cluster.up()
-    yield nodes
-    nodes.down()
 
 
 @pytest.mark.timeout(1800)

@@ -5,7 +5,6 @@ reason; they do not skip.
 """
 import re
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -103,16 +102,6 @@ def reference(n, tmp_path_factory):
     return _references[n]
 
 
-def wait_for_line(path, pattern, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and re.search(pattern, path.read_text(errors="replace"), re.M):
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"{pattern!r} never appeared in {path}:\n"
-                         + (path.read_text(errors="replace")[-3000:] if path.exists() else "(no file)"))
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("n", RANK_COUNTS)
 @pytest.mark.parametrize("interrupt", ["usr2", "scontrol requeue"])
@@ -124,28 +113,13 @@ def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted
             "--steps", "24", "--every", "4", "--step-sleep", "0.4"]
     job = slurm.submit([f"--ntasks={n}", f"--output={log}", str(REPO / "slurm" / "preemptible.sbatch"),
                         "python", *args], cwd=REPO, env=job_env())
-    wait_for_line(log, r"^step 6$", 120)
+    slurm.wait_for_line(log, r"^step 6$", 120)
     if interrupt == "usr2":
         res = slurm.scancel("--signal=USR2", "--batch", job)
     else:
         res = slurm.scontrol("requeue", job)
     assert res.returncode == 0, res.stderr
-    # Once requeued, start it again soon instead of after the scheduler's requeue delay. The job
-    # shows PENDING while its first run may still be ending on the node: release it only when the
-    # node is idle, else the first run's batch step can finish after the rerun started and its exit
-    # status is taken for the rerun's. And not within the same second: slurmd revokes the killed
-    # run's credential with a time stamp in whole seconds and refuses a launch whose credential is
-    # not newer ("Job credential revoked"). The requeue delay prevents both on a real cluster.
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        info = slurm.job(job)
-        if (info.get("Restarts", "0") != "0" and info.get("JobState") == "PENDING"
-                and slurm.node_state() == "idle"):
-            slurm.scontrol("update", f"JobId={job}", "StartTime=now+2")
-            break
-        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
-            break
-        time.sleep(0.25)
+    slurm.release_after_requeue(job)
     info = slurm.wait(job, 240)
     text = log.read_text(errors="replace")
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-5000:]}\n{slurm._logs()}"

@@ -1,0 +1,100 @@
+"""The sbatch scripts on real Slurm across nodes: one slurmd per fake node, `sbatch --nodes=2`.
+
+slurmctld runs on node1 and a slurmd on each of node1..node3 (tests/slurm_nodes.py);
+jobs take 2 nodes x 2 tasks, so srun's ranks cross a shaped TCP link.  Job
+output and checkpoints go to the shared directory (each node's /tmp is its
+own).  Skipped, with the reason, where the nodes cannot be made; where they
+can, a Slurm that cannot be installed or started fails the tests.
+"""
+import json
+import re
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import REPO, base_env, run
+from slurm_cluster import SlurmUnavailable
+from slurm_nodes import NodesSlurm
+
+VENV = Path(sys.executable).parent.parent
+CKPT_TRAIN = str(REPO / "tests" / "programs" / "ckpt_train.py")
+ACROSS = ["--nodes=2", "--ntasks-per-node=2"]
+HOSTS = ["node1", "node1", "node2", "node2"]
+
+
+@pytest.fixture(scope="module")
+def slurm(cluster):
+    try:
+        nodes = NodesSlurm(cluster).start()
+    except SlurmUnavailable as exc:
+        pytest.fail(f"the multi-node Slurm tests need Slurm's daemons: {exc}", pytrace=False)
+    yield nodes
+    nodes.stop()
+
+
+@pytest.fixture
+def shared(cluster):
+    """A fresh directory of this test in the cluster's shared file system."""
+    path = cluster.shared / f"job-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    return path
+
+
+def submit(slurm, shared, script, args, **env):
+    log = shared / "job.log"
+    job = slurm.submit(ACROSS + [f"--output={log}", str(REPO / "slurm" / script), *args], cwd=REPO,
+                       env=base_env(HPCTRAIN_HOME=str(REPO), HPCTRAIN_VENV=str(VENV), **env))
+    return job, log
+
+
+def finished(slurm, job, log, timeout=300):
+    info = slurm.wait(job, timeout)
+    return info, log.read_text(errors="replace") if log.exists() else "(no log)"
+
+
+@pytest.mark.timeout(400)
+def test_train_sbatch_trains_across_two_nodes(slurm, shared):
+    out = shared / "summary.json"
+    job, log = submit(slurm, shared, "train.sbatch", ["python", str(REPO / "examples" / "torch_digits.py"),
+                                                      "--epochs", "4", "--min-accuracy", "0.9", "--out", str(out)])
+    info, text = finished(slurm, job, log)
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] == "node[1-2]", f"{info}\n{text[-4000:]}"
+    assert "4 tasks on 2 node(s)" in text and "launcher srun" in text, text[-4000:]
+    summary = json.loads(out.read_text())
+    assert summary["hosts"] == HOSTS and summary["replicas_identical"] and summary["test_accuracy"] >= 0.9
+
+
+@pytest.mark.timeout(400)
+def test_horovod_sbatch_runs_horovod_across_two_nodes(slurm, shared):
+    job, log = submit(slurm, shared, "horovod.sbatch", ["python", str(REPO / "tests" / "programs" / "hvd_check.py")])
+    info, text = finished(slurm, job, log)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{text[-4000:]}"
+    assert "Horovod on MPI, started by srun on 2 node(s)" in text, text[-4000:]
+    assert "backend horovod size 4 (Slurm tasks 4) sum 10: OK" in text and f"hosts {','.join(HOSTS)}" in text, text
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("interrupt", ["usr2", "scontrol requeue"])
+def test_preemptible_sbatch_on_two_nodes_is_requeued_and_resumes_bit_identical(slurm, shared, cluster, interrupt):
+    train = [CKPT_TRAIN, "--steps", "24", "--every", "4"]
+    ref = run(cluster.mpirun(2, 2) + [sys.executable, *train, "--ckpt", str(shared / "ref"),
+                                      "--out", str(shared / "ref.npz")], base_env(**cluster.env), 120)
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    job, log = submit(slurm, shared, "preemptible.sbatch", ["python", *train, "--ckpt", str(shared / "ckpt"),
+                                                            "--out", str(shared / "out.npz"), "--step-sleep", "0.4"])
+    slurm.wait_for_line(log, r"^step 6$", 120)
+    res = slurm.scancel("--signal=USR2", "--batch", job) if interrupt == "usr2" else slurm.scontrol("requeue", job)
+    assert res.returncode == 0, res.stderr
+    slurm.release_after_requeue(job)
+    info, text = finished(slurm, job, log, 240)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-5000:]}\n{slurm._logs()}"
+    starts = [int(s) for s in re.findall(r"^starting at step (\d+)$", text, re.M)]
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 4, text[-5000:]
+    if interrupt == "usr2":       # every rank saved the step of the signal; rank 0 asked for the requeue
+        assert "requeued Slurm job" in text and starts[1] >= 6, text[-5000:]
+    with np.load(shared / "out.npz") as got, np.load(shared / "ref.npz") as want:
+        assert sorted(got.files) == sorted(want.files)
+        assert all(np.array_equal(got[k], want[k]) for k in want.files)
