@@ -24,30 +24,23 @@ from harness import REPO, base_env, kill_tree, run
 LAYOUTS = [(2, 1), (2, 2), (3, 1), (3, 2)]
 COLLECTIVES = ("(world_shape or own_shared_memory or test_allreduce or allgather or broadcast or reduce_scatter "
                "or alltoall or bit_identical or shm_refused or grouped_allreduce_equals or narrow_integer) and not 64mib")
-
-
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize("nodes, per_node", LAYOUTS)
-def test_collectives_across_nodes(nodes, per_node, cluster, rank_suites):
-    rank_suites.get(f"nodes-{nodes}x{per_node}", nodes * per_node, ["test_collectives.py"],
-                    launcher=lambda n: cluster.mpirun(nodes, per_node), logs_in=str(cluster.shared),
-                    select=COLLECTIVES, HPCTRAIN_TEST_RANKS_PER_NODE=str(per_node), **cluster.env,
-                    ).check_file("test_collectives.py")
-
-
 TRAINING = ["test_torch_training.py", "test_tf_training.py", "test_checkpoint.py"]
+FILES = ["test_collectives.py"] + TRAINING
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("test_file", TRAINING)
+@pytest.mark.parametrize("test_file", FILES)
 @pytest.mark.parametrize("nodes, per_node", LAYOUTS)
-def test_training_and_checkpoints_across_nodes(nodes, per_node, test_file, cluster, rank_suites):
-    # Temporary directories (the checkpoint tests' own) go to the shared file system, as on a cluster.
+def test_across_nodes(nodes, per_node, test_file, cluster, rank_suites):
+    # One launch a layout.  Temporary directories (the checkpoint tests' own) are in the shared file
+    # system, as on a cluster; the node test still looks at each node's own /tmp.
     tmp = cluster.shared / "tmp"
     tmp.mkdir(exist_ok=True)
-    rank_suites.get(f"nodes-training-{nodes}x{per_node}", nodes * per_node, TRAINING,
+    rank_suites.get(f"nodes-{nodes}x{per_node}", nodes * per_node, FILES,
                     launcher=lambda n: cluster.mpirun(nodes, per_node), logs_in=str(cluster.shared),
-                    TMPDIR=str(tmp), **cluster.env).check_file(test_file)
+                    select=f"({COLLECTIVES}) or " + " or ".join(f[:-3] for f in TRAINING),
+                    HPCTRAIN_TEST_RANKS_PER_NODE=str(per_node), TMPDIR=str(tmp), **cluster.env,
+                    ).check_file(test_file)
 
 
 CKPT_TRAIN = str(REPO / "tests" / "programs" / "ckpt_train.py")
