@@ -30,11 +30,15 @@ def launch_worker(n: int, argv: List[str], timeout: float = 1800) -> dict:
 
     env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_PORT=str(free_port()), TF_CPP_MIN_LOG_LEVEL="3")
     cmd = build_command(n, [sys.executable, *argv], env=env)
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    return result_of(subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout), argv, n)
+
+
+def result_of(out: subprocess.CompletedProcess, argv: Sequence[str], n: object = "all") -> dict:
+    """The JSON a finished worker launch's rank 0 printed as ``RESULT {...}`` (raise with its output if none)."""
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"{' '.join(argv)} at {n} ranks failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    raise RuntimeError(f"{' '.join(map(str, argv))} at {n} ranks failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
 
 
 def oversubscribed(n: int) -> str:

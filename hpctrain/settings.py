@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Tuple
 __all__ = ["Setting", "SettingError", "SETTINGS", "setting", "default", "get", "markdown_table"]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_KINDS = ("flag", "bytes", "int", "seconds", "milliseconds", "choice", "text")
+_KINDS = ("flag", "bytes", "int", "number", "seconds", "milliseconds", "choice", "text")
 _BINARY = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -53,7 +53,7 @@ class Setting:
         if self.kind == "text":
             return "text"
         what = {"bytes": "bytes (e.g. 65536, 1e6, 64KiB, 64MiB, 1GiB)", "int": "a whole number",
-                "seconds": "seconds", "milliseconds": "milliseconds"}[self.kind]
+                "number": "a number", "seconds": "seconds", "milliseconds": "milliseconds"}[self.kind]
         return what if self.minimum is None else f"{what}, at least {self.minimum:g}"
 
     def parse(self, text: str) -> Any:
@@ -103,8 +103,17 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_RING_CHUNK_BYTES", "bytes", 1 * MIB, "piece size of the ring all-reduce", minimum=1),
     Setting("HPCTRAIN_SHM_MIN_BYTES", "bytes", 256 * KIB, "from this size on, `auto` all-reduces through "
             "shared memory on one node (also set by `hpctrain tune`)", minimum=0),
-    Setting("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "bytes", 256 * KIB, "from this size on, `auto` uses the "
-            "hierarchical all-reduce across nodes (also set by `hpctrain tune`)", minimum=0),
+    Setting("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "bytes", 0, "from this size on, `auto` uses the hierarchical "
+            "all-reduce across nodes (also set by `hpctrain tune`); 0: the cost model decides, from the three "
+            "settings below", minimum=0),
+    Setting("HPCTRAIN_LINK_GBIT", "number", 10.0, "cost model of `auto` across nodes "
+            "(hpctrain.collectives.cost_model): each node's link, Gbit/s", minimum=1e-3),
+    Setting("HPCTRAIN_LINK_LATENCY_US", "number", 50.0, "cost model: latency of one message between nodes, "
+            "microseconds (default: kernel TCP, as fitted by benchmarks/model.py; RDMA is about 10x less)",
+            minimum=0),
+    Setting("HPCTRAIN_MEMORY_GBPS", "number", 20.0, "cost model: a node's memory bandwidth for the "
+            "shared-memory passes, GB/s (default: as fitted by benchmarks/model.py on a 2-core machine)",
+            minimum=1e-3),
     Setting("HPCTRAIN_SHM_SMALL_BYTES", "bytes", 256 * KIB, "all-reduces up to this size ride along with the "
             "call check on one node and every rank reduces them itself (each communicator keeps twice this per "
             "rank and slot)", minimum=0),

@@ -8,10 +8,13 @@
 #   scripts/cluster.sh exec NODE CMD [ARG...]                run CMD on NODE, in the current directory
 #   scripts/cluster.sh agent NODE CMDLINE...                 mpirun's launch agent (ssh's place):
 #                                                            runs the shell command line on NODE
+#   scripts/cluster.sh rate RATE                             reshape every link to RATE (e.g. 10gbit)
 #   scripts/cluster.sh kill NODE [PATTERN]                   a node crash: SIGKILL to everything running
 #                                                            on NODE at once (the node stays up, empty);
 #                                                            with PATTERN only the processes whose
 #                                                            command line matches it (grep -E)
+#   scripts/cluster.sh mpirun MPIRUN-ARGS...                 mpirun (${MPIRUN:-mpirun}) on node1 with what the
+#                                                            nodes need: the launch agent, eth0 only, root
 #   scripts/cluster.sh status                                the nodes, their addresses and processes
 #
 # Each node has its own network namespace (one interface, eth0, 198.18.0.<i>/24, on a bridge that
@@ -28,9 +31,11 @@
 # for benchmark networks), and each namespace lives as long as one holder process (`sleep`), so
 # `down` (killing the holders and whatever still runs on a node) leaves nothing behind.
 #
-# mpirun across the nodes, from node1 (no ssh server needed):
-#   scripts/cluster.sh exec node1 mpirun -H node1:2,node2:2 --mca plm_rsh_agent "$PWD/scripts/cluster.sh agent" \
-#       --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 python train.py
+# mpirun across the nodes, from node1 (no ssh server needed), is
+#   scripts/cluster.sh mpirun -H node1:2,node2:2 python train.py
+# which runs, on node1:
+#   mpirun --allow-run-as-root --bind-to none --mca plm_rsh_agent "<this script> agent" \
+#       --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --mca osc ^ucx -H node1:2,node2:2 python train.py
 set -euo pipefail
 
 DIR=${HPCTRAIN_CLUSTER_DIR:-/run/hpctrain-cluster}
@@ -99,10 +104,7 @@ up() {
     in_ns "node$i" ip link set "n$i" name eth0
     in_ns "node$i" ip addr add "$SUBNET.$i/24" dev eth0
     in_ns "node$i" ip link set eth0 up
-    if [ -n "$rate" ]; then   # both directions: the node's egress and the bridge port's (the node's ingress)
-      in_ns "node$i" tc qdisc add dev eth0 root tbf rate "$rate" burst 512kb latency 100ms
-      in_ns bridge tc qdisc add dev "b$i" root tbf rate "$rate" burst 512kb latency 100ms
-    fi
+    [ -z "$rate" ] || shape "$i" "$rate" add
   done
   echo "$n" > "$DIR/nodes"
   echo "${rate:-unshaped}" > "$DIR/rate"
@@ -118,6 +120,28 @@ up() {
     wait "$listener" || die "node1 cannot reach node$j"
   done
   echo "cluster up: $n nodes (node1..node$n, $SUBNET.1-$n, links ${rate:-unshaped}), shared directory $DIR/shared"
+}
+
+shape() {   # shape NODE_INDEX RATE add|replace: tbf on both directions of node i's link
+  # The node's egress (eth0) and the bridge port's (the node's ingress).  The bucket holds 4 ms of
+  # traffic (at least 512 KiB): a smaller one cannot reach the rate between two timer ticks.
+  local burst
+  burst=$(python3 -c "
+import re, sys
+m = re.fullmatch(r'([0-9.]+)([kmg]?)bit', sys.argv[1].lower())
+if not m: sys.exit('cluster.sh: a rate looks like 100mbit, 1gbit or 10gbit, not ' + sys.argv[1])
+bits = float(m.group(1)) * {'': 1, 'k': 1e3, 'm': 1e6, 'g': 1e9}[m.group(2)]
+print(max(512 * 1024, int(bits / 8 * 0.004)))" "$2") || die "bad rate $2"
+  in_ns "node$1" tc qdisc "$3" dev eth0 root tbf rate "$2" burst "$burst" latency 100ms
+  in_ns bridge tc qdisc "$3" dev "b$1" root tbf rate "$2" burst "$burst" latency 100ms
+}
+
+reshape() {   # reshape RATE: every link of the cluster that is up
+  [ -s "$DIR/nodes" ] || die "no cluster up (scripts/cluster.sh up N first)"
+  local i
+  for i in $(seq "$(cat "$DIR/nodes")"); do shape "$i" "${1:?rate, e.g. 10gbit}" replace; done
+  echo "$1" > "$DIR/rate"
+  echo "links shaped to $1"
 }
 
 ns_pids() {   # every process in the network namespace of holder $1 (the holder too)
@@ -179,13 +203,22 @@ run_on() {   # run_on NODE CMD...: the node's network, hostname and mounts; same
   exec nsenter -t "$(pid_of "$node")" -n -u -m --wd="$PWD" -- "$@"
 }
 
+cluster_mpirun() {   # mpirun from node1 over the nodes; the arguments are mpirun's
+  local self
+  self=$(realpath "$0")
+  run_on node1 "${MPIRUN:-mpirun}" --allow-run-as-root --bind-to none --mca plm_rsh_agent "$self agent" \
+    --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --mca osc ^ucx "$@"
+}
+
 cmd=${1:-}; shift || true
 case $cmd in
   up) up "$@" ;;
   down) down ;;
   status) status ;;
   kill) crash "$@" ;;
+  rate) reshape "$@" ;;
+  mpirun) cluster_mpirun "$@" ;;
   exec) run_on "$@" ;;
   agent) node=${1:?}; shift; run_on "$node" /bin/sh -c "$*" ;;
-  *) die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... | down | exec NODE CMD... | agent NODE CMDLINE | kill NODE | status" ;;
+  *) die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... | down | exec NODE CMD... | agent NODE CMDLINE | mpirun ARGS | rate RATE | kill NODE | status" ;;
 esac

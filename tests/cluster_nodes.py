@@ -63,7 +63,4 @@ class Cluster:
     def mpirun(self, nodes: int, per_node: int) -> list:
         """mpirun from node1 over ``nodes`` nodes with ``per_node`` ranks each (ranks fill node1 first)."""
         hosts = ",".join(f"node{i}:{per_node}" for i in range(1, nodes + 1))
-        return [str(SCRIPT), "exec", "node1", str(BIN / "mpirun"), "-H", hosts, "--allow-run-as-root",
-                "--bind-to", "none", "--mca", "plm_rsh_agent", f"{SCRIPT} agent",
-                "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
-                "--mca", "osc", "^ucx", "--output", "tag"]
+        return ["env", f"MPIRUN={BIN / 'mpirun'}", str(SCRIPT), "mpirun", "-H", hosts, "--output", "tag"]

@@ -48,6 +48,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .cost_model import LinkModel, hierarchical_cost
 from .flat import Flat
 from .ops import _UFUNCS, segment_bounds
 from .registry import ONE_NODE, Algorithm, register
@@ -313,7 +314,9 @@ def shm_allgather(raw: np.ndarray, counts, sh) -> np.ndarray:
 # Both run inside the MPI backend on its node windows (``run`` None).  Their cost estimates are the
 # crossovers ``hpctrain tune`` measures against the library call: on one node "shm" is cheaper for
 # small buffers (one exchange through the mailbox) and from HPCTRAIN_SHM_MIN_BYTES on; across nodes
-# "hierarchical" is cheaper from HPCTRAIN_HIERARCHICAL_MIN_BYTES on.
+# "hierarchical" is cheaper from HPCTRAIN_HIERARCHICAL_MIN_BYTES on where that is set (measured), else
+# where the cost model says it is (cost_model.py, its constants from HPCTRAIN_LINK_GBIT,
+# HPCTRAIN_LINK_LATENCY_US and HPCTRAIN_MEMORY_GBPS).
 def _shm_cost(where, nbytes):
     cfg = where.config
     return 0.5 if nbytes <= cfg.shm_small_bytes or nbytes >= cfg.shm_min_bytes else 2.0
@@ -322,7 +325,10 @@ def _shm_cost(where, nbytes):
 def _hierarchical_cost(where, nbytes):
     if where.num_nodes == 1:
         return None
-    return 0.5 if nbytes >= where.config.hierarchical_min_bytes else 2.0
+    cfg = where.config
+    if cfg.hierarchical_min_bytes:
+        return 0.5 if nbytes >= cfg.hierarchical_min_bytes else 2.0
+    return hierarchical_cost(LinkModel.from_config(cfg), nbytes, where.num_nodes, -(-where.size // where.num_nodes))
 
 
 register(Algorithm("shm", "allreduce", backends=("mpi",), layouts=(ONE_NODE,), shared_memory=True, cost=_shm_cost,

@@ -1,0 +1,98 @@
+"""The all-reduce cost model against a step-by-step walk of each algorithm's messages, and auto's use of it.
+
+The walk (written here, independently of hpctrain.collectives.cost_model)
+plays every step of the ring, the hierarchical form and recursive doubling
+on ``n`` nodes of ``k`` ranks, counting per step the bytes that cross each
+node's link; the model's latency coefficient must be the number of steps
+that send over a link and its bandwidth coefficient the bytes of the
+busiest link, summed over steps.
+"""
+import math
+from dataclasses import replace
+
+import pytest
+
+from hpctrain.collectives import registry
+from hpctrain.collectives.cost_model import LinkModel, hierarchical_cost, predict, terms
+from hpctrain.comm.runtime import Config
+
+LAYOUTS = [(2, 1), (2, 2), (3, 2), (4, 4), (8, 2), (5, 3)]
+S = 3 * 2 ** 20
+
+
+def node(rank, k):
+    return rank // k
+
+
+def busiest(sends, k, n):
+    """Bytes on the busiest link, one direction, for one step: ``sends`` is [(src, dst, bytes)]."""
+    out, into = [0.0] * n, [0.0] * n
+    for src, dst, size in sends:
+        if node(src, k) != node(dst, k):
+            out[node(src, k)] += size
+            into[node(dst, k)] += size
+    return max(out + into)
+
+
+def walk_ring(n, k, s):
+    p = n * k
+    steps = [[(r, (r + 1) % p, s / p) for r in range(p)] for _ in range(2 * (p - 1))]
+    return crossing(steps, k, n)
+
+
+def crossing(steps, k, n):
+    """(steps that send over a link, bytes of the busiest link summed over the steps)."""
+    loads = [busiest(step, k, n) for step in steps]
+    return sum(1 for x in loads if x > 0), sum(loads)
+
+
+def walk_hierarchical(n, k, s):
+    # k rings (one per segment of s / k bytes) over the n nodes, all stepping together; rank j of node i
+    # is rank i * k + j.
+    steps = [[(i * k + j, ((i + 1) % n) * k + j, s / k / n) for i in range(n) for j in range(k)]
+             for _ in range(2 * (n - 1))]
+    return crossing(steps, k, n)
+
+
+def walk_tree(n, k, s):
+    p = n * k
+    rounds = [[(r, r ^ (1 << b), s) for r in range(p) if r ^ (1 << b) < p] for b in range(math.ceil(math.log2(p)))]
+    return crossing(rounds, k, n)
+
+
+@pytest.mark.parametrize("n, k", LAYOUTS)
+@pytest.mark.parametrize("algorithm, walk", [("ring", walk_ring), ("hierarchical", walk_hierarchical),
+                                             ("tree", walk_tree)])
+def test_latency_and_link_terms_match_a_walk_of_the_messages(algorithm, walk, n, k):
+    if algorithm == "tree" and (n & (n - 1) or k & (k - 1)):
+        pytest.skip("recursive doubling as modelled needs powers of two")
+    steps, link_bytes = walk(n, k, S)
+    a, b, _ = terms(algorithm, S, n, k)
+    assert a == steps
+    assert b == pytest.approx(link_bytes, rel=1e-12)
+
+
+def test_predict_adds_the_three_terms():
+    m = LinkModel(alpha=2e-5, beta=8e-10, gamma=1e-10)
+    a, b, c = terms("hierarchical", S, 3, 2)
+    assert predict(m, "hierarchical", S, 3, 2) == pytest.approx(a * 2e-5 + b * 8e-10 + c * 1e-10)
+
+
+def where(config, nodes=2, per_node=2):
+    return registry.Where(backend="mpi", size=nodes * per_node, num_nodes=nodes, shared_memory="", config=config)
+
+
+def test_auto_across_nodes_follows_the_model_unless_a_crossover_is_set():
+    slow = replace(Config(), link_gbit=1.0, link_latency_us=50.0, memory_gbps=10.0)
+    for nbytes in (1024, 64 * 1024, 2 ** 20, 64 * 2 ** 20):
+        model = LinkModel.from_config(slow)
+        expected = "hierarchical" if hierarchical_cost(model, nbytes, 2, 2) < 1.0 else "native"
+        assert registry.choose("allreduce", where(slow), nbytes).name == expected
+    # On slow links the hierarchical form sends a third less per link: the model takes it for large
+    # buffers, and the library call (one message over the link, against two) for tiny ones.
+    assert registry.choose("allreduce", where(slow), 64 * 2 ** 20).name == "hierarchical"
+    assert registry.choose("allreduce", where(slow), 1024).name == "native"
+    measured = replace(slow, hierarchical_min_bytes=2 ** 30)        # a crossover from `hpctrain tune`
+    assert registry.choose("allreduce", where(measured), 64 * 2 ** 20).name == "native"
+    one_node = replace(slow, hierarchical_min_bytes=0)
+    assert registry.choose("allreduce", where(one_node, nodes=1), 64 * 2 ** 20).name != "hierarchical"
