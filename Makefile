@@ -34,6 +34,9 @@ bench: setup
 	$(PY) benchmarks/checkpoint.py --out results/checkpoint
 	$(PY) benchmarks/compression.py --out results/compression
 	$(PY) benchmarks/pipeline.py --out results/pipeline
+	@if [ "$$(id -u)" = 0 ]; then $(PY) benchmarks/multinode.py --out results/multinode && \
+		$(PY) benchmarks/model.py --runs results/multinode/multinode.json --out results/model; \
+	else echo "skipping benchmarks/multinode.py and model.py: fake nodes need root"; fi
 
 clean:
 	rm -rf results .pytest_cache
