@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -56,8 +57,6 @@ PER_NODE = 2
 
 # ---------------------------------------------------------------- worker: ResNet-18's gradient exchange
 def exchange_worker(method: str, steps: int) -> None:
-    import torch
-
     import hpctrain
     import hpctrain.compression
     from hpctrain.gradients import GradientAverager
@@ -79,7 +78,6 @@ def exchange_worker(method: str, steps: int) -> None:
         averager.reduce(grads, names)
         if step >= 3:
             times.append(time.perf_counter() - t0)
-    del torch
     if comm.rank == 0:
         print("RESULT " + json.dumps({"method": method, "times": times,
                                       "values": int(sum(g.size for g in grads)), "tensors": len(grads)}), flush=True)
@@ -134,8 +132,11 @@ class Nodes:
 
 
 def rate_gbit(rate: str) -> float:
-    return float(rate.lower().rstrip("bit").rstrip("g")) if rate.lower().endswith("gbit") else \
-        float(rate.lower().rstrip("bit").rstrip("m")) / 1e3
+    """Gbit/s of a tc rate such as 1gbit, 10gbit or 500mbit."""
+    m = re.fullmatch(r"([0-9.]+)([mg])bit", rate.lower())
+    if not m:
+        raise SystemExit(f"--rates: expected rates such as 1gbit, 10gbit or 500mbit, not {rate!r}")
+    return float(m.group(1)) / (1 if m.group(2) == "g" else 1e3)
 
 
 def measure(args) -> dict:
@@ -208,7 +209,8 @@ def write_outputs(data: dict, out: Path) -> None:
             for size in sorted({r[3] for r in rows}):
                 cell = {r[2]: r for r in rows if r[0] == rate and r[1] == int(nodes) and r[3] == size}
                 t = {p: cell[p][4] for p in cell}
-                link = max(cell[p][6] for p in ("hpctrain-ring", "hpctrain-hierarchical") if p in cell)
+                link = max((cell[p][6] for p in ("hpctrain-ring", "hpctrain-hierarchical") if p in cell),
+                           default=float("nan"))
 
                 def ratio(a, b):
                     return f"{t[a] / t[b]:.2f}" if a in t and b in t else "-"
