@@ -72,3 +72,20 @@ def run(cmd: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
         out, _ = proc.communicate()
         raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def saved_arrays(path) -> dict:
+    """The arrays of an ``.npz`` file (ckpt_train.py's parameters), read into memory."""
+    import numpy as np
+
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def assert_bit_identical(got: dict, want: dict) -> None:
+    """The same names, dtypes and bits in two dicts of arrays (e.g. a resumed run's and an uninterrupted one's)."""
+    import numpy as np
+
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for k in want:
+        assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import RANK_COUNTS, REPO, base_env, mpirun_cmd, run
+from harness import RANK_COUNTS, REPO, assert_bit_identical, base_env, mpirun_cmd, run, saved_arrays
 
 PROGRAM = str(REPO / "tests" / "programs" / "ckpt_train.py")
 EXIT_PREEMPTED = 75
@@ -32,25 +32,14 @@ def start_step(log):
     return int(found[-1])
 
 
-def params(path):
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files}
-
-
 def reference(n, tmp_path_factory, *args):
     key = (n, args)
     if key not in _references:
         d = tmp_path_factory.mktemp(f"ref{n}")
         res = launch(n, d / "ckpt", d / "ref.npz", *args)
         assert res.returncode == 0, res.stdout[-4000:]
-        _references[key] = params(d / "ref.npz")
+        _references[key] = saved_arrays(d / "ref.npz")
     return _references[key]
-
-
-def assert_bit_identical(got, want):
-    assert got.keys() == want.keys()
-    for k in want:
-        assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
 
 
 @pytest.mark.timeout(300)
@@ -62,7 +51,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes_bit_identical
     resumed = launch(n, tmp_path / "ckpt", tmp_path / "out.npz")
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert start_step(resumed.stdout) in (3, 6)      # the last committed checkpoint before the kill
-    assert_bit_identical(params(tmp_path / "out.npz"), ref)
+    assert_bit_identical(saved_arrays(tmp_path / "out.npz"), ref)
 
 
 @pytest.mark.timeout(300)
@@ -78,7 +67,7 @@ def test_a_kill_while_writing_a_checkpoint_falls_back_to_the_previous_one(n, tmp
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert start_step(resumed.stdout) == 3
     assert "step-000000006.partial" not in os.listdir(tmp_path / "ckpt")
-    assert_bit_identical(params(tmp_path / "out.npz"), ref)
+    assert_bit_identical(saved_arrays(tmp_path / "out.npz"), ref)
 
 
 @pytest.mark.timeout(300)
@@ -93,7 +82,7 @@ def test_sigusr2_on_one_rank_checkpoints_every_rank_at_one_step_and_exits(n, tmp
     resumed = launch(n, tmp_path / "ckpt", tmp_path / "out.npz")
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert start_step(resumed.stdout) == 5
-    assert_bit_identical(params(tmp_path / "out.npz"), ref)
+    assert_bit_identical(saved_arrays(tmp_path / "out.npz"), ref)
 
 
 @pytest.mark.timeout(300)
@@ -106,10 +95,10 @@ def test_restore_on_another_world_size(written, restored, tmp_path, tmp_path_fac
     # Restoring alone (no steps left) gives back exactly what was written.
     again = launch(restored, tmp_path / "ckpt", tmp_path / "restored6.npz", "--steps", "6", *args)
     assert again.returncode == 0 and start_step(again.stdout) == 6, again.stdout[-4000:]
-    assert_bit_identical(params(tmp_path / "restored6.npz"), params(tmp_path / "at6.npz"))
+    assert_bit_identical(saved_arrays(tmp_path / "restored6.npz"), saved_arrays(tmp_path / "at6.npz"))
     # Training on from there on the new world size sees the same global batches.
     resumed = launch(restored, tmp_path / "ckpt", tmp_path / "out.npz", *args)
     assert resumed.returncode == 0 and start_step(resumed.stdout) == 6, resumed.stdout[-4000:]
-    got = params(tmp_path / "out.npz")
+    got = saved_arrays(tmp_path / "out.npz")
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -16,10 +16,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
-from harness import REPO, base_env, kill_tree, run
+from harness import REPO, assert_bit_identical, base_env, kill_tree, run, saved_arrays
 
 LAYOUTS = [(2, 1), (2, 2), (3, 1), (3, 2)]
 COLLECTIVES = ("(world_shape or own_shared_memory or test_allreduce or allgather or broadcast or reduce_scatter "
@@ -89,7 +88,4 @@ def test_sigkill_of_a_whole_node_ends_the_job_naming_it_and_a_restart_resumes_bi
     resumed = run(train("ckpt"), env, 120)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert f"starting at step {max(committed)}" in resumed.stdout, resumed.stdout[-3000:]
-    with np.load(where / "ckpt.npz") as got, np.load(where / "reference.npz") as want:
-        assert sorted(got.files) == sorted(want.files)
-        for k in want.files:
-            assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+    assert_bit_identical(saved_arrays(where / "ckpt.npz"), saved_arrays(where / "reference.npz"))

@@ -7,10 +7,9 @@ import re
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from harness import RANK_COUNTS, REPO, base_env, mpirun_cmd, run
+from harness import RANK_COUNTS, REPO, assert_bit_identical, base_env, mpirun_cmd, run, saved_arrays
 from slurm_cluster import LocalSlurm, SlurmUnavailable
 
 VENV = Path(sys.executable).parent.parent
@@ -97,8 +96,7 @@ def reference(n, tmp_path_factory):
                                    "--out", str(d / "ref.npz"), "--steps", "24", "--every", "4"],
                   base_env(), timeout=120)
         assert res.returncode == 0, res.stdout[-3000:]
-        with np.load(d / "ref.npz") as z:
-            _references[n] = {k: z[k] for k in z.files}
+        _references[n] = saved_arrays(d / "ref.npz")
     return _references[n]
 
 
@@ -128,9 +126,7 @@ def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted
     if interrupt == "usr2":
         assert "preempted (SIGUSR2)" in text or "preempted (a signal on another rank)" in text, text[-5000:]
         assert "requeued Slurm job" in text and starts[1] >= 6, text[-5000:]
-    with np.load(tmp_path / "out.npz") as z:
-        got = {k: z[k] for k in z.files}
-    assert got.keys() == ref.keys() and all(np.array_equal(got[k], ref[k]) for k in ref)
+    assert_bit_identical(saved_arrays(tmp_path / "out.npz"), ref)
 
 
 @pytest.mark.timeout(400)

@@ -12,10 +12,9 @@ import sys
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from harness import REPO, base_env, run
+from harness import REPO, assert_bit_identical, base_env, run, saved_arrays
 from slurm_cluster import SlurmUnavailable
 from slurm_nodes import NodesSlurm
 
@@ -95,6 +94,4 @@ def test_preemptible_sbatch_on_two_nodes_is_requeued_and_resumes_bit_identical(s
     assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 4, text[-5000:]
     if interrupt == "usr2":       # every rank saved the step of the signal; rank 0 asked for the requeue
         assert "requeued Slurm job" in text and starts[1] >= 6, text[-5000:]
-    with np.load(shared / "out.npz") as got, np.load(shared / "ref.npz") as want:
-        assert sorted(got.files) == sorted(want.files)
-        assert all(np.array_equal(got[k], want[k]) for k in want.files)
+    assert_bit_identical(saved_arrays(shared / "out.npz"), saved_arrays(shared / "ref.npz"))
