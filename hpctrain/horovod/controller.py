@@ -31,7 +31,9 @@ waits without spinning, so cycles do not take the training thread's core).
 A cycle follows at once while requests arrive; while a request is open
 somewhere but none came in the last cycle, the pause doubles from 1 ms up to
 ``HOROVOD_CYCLE_TIME`` (ms, default 5); a rank that starts a request wakes
-its thread at once.  When the last cycle left nothing open (the table is
+its thread at once.  A rank that has started every open request it belongs
+to skips the pause and waits inside the exchange, so a request completes as
+soon as its last rank starts it, not up to a pause later.  When the last cycle left nothing open (the table is
 empty, the same on every rank), no rank cycles: each waits for a request of
 its own or for a doorbell (:meth:`CycleExchange.ring`), checked at the same
 growing pause, and the rank that starts the next request rings the others.
@@ -133,6 +135,7 @@ class Controller:
         self._cycle = 0
         self._pause = 0.0
         self._quiet = False                          # nothing open anywhere: wait for news or a doorbell
+        self._waiting = False                        # started all it belongs to; only waits for others
         self._max_pause = float(settings.get("HOROVOD_CYCLE_TIME")) / 1000.0
         self._warn_s = world.config.stall_warning_s
         self._timeout_s = world.config.stall_timeout_s
@@ -237,7 +240,7 @@ class Controller:
         if rung:
             self._wait_for_doorbell()
         with self._cv:
-            if not rung and not self._has_news() and self._pause:
+            if not rung and not self._has_news() and self._pause and not self._waiting:
                 self._cv.wait(self._pause)
             new, self._new = self._new, []
             joining = self._join_handle is not None and not self._join_sent
@@ -267,7 +270,27 @@ class Controller:
         self._finish_join()
         self._pause = 0.0 if busy else min(max(2 * self._pause, 0.001), self._max_pause)
         self._quiet = self._exchange.has_doorbells and not self._table
+        self._waiting = self._waits_for_others()
         return True
+
+    def _waits_for_others(self) -> bool:
+        """Whether some request is open and this rank has started every open one it belongs to.
+
+        Such a rank cannot add anything: it enters the next cycle at once and
+        waits inside the exchange, so the cycle completes as soon as the last
+        rank starts the request (which wakes that rank's thread at once),
+        instead of up to ``HOROVOD_CYCLE_TIME`` later when this rank's pause
+        ends.  The ranks that have yet to start a request keep pausing, so
+        ranks that wait on each other's requests never spin.
+        """
+        waiting = False
+        for entry in self._table.values():
+            if self.rank not in (self.sets[entry.ps][0] if entry.ps in self.sets else ()):
+                continue
+            if self.rank not in entry.sigs:
+                return False
+            waiting = True
+        return waiting
 
     def _run_ready(self, now: float) -> None:
         ready: List[Tuple[str, Entry, Optional[HpctrainError]]] = []

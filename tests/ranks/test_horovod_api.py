@@ -99,6 +99,29 @@ def test_no_cycles_while_nothing_is_open_and_a_rank_with_nothing_to_start_still_
         assert hvd.remove_process_set(mine)
 
 
+def test_a_request_completes_when_its_last_rank_starts_it_not_a_pause_later():
+    """Ranks that started a request wait inside the exchange instead of pausing between cycles, so the
+    rank that starts it last gets the result at once, however long the others' pauses have grown."""
+    import time
+    from hpctrain.horovod.basics import controller
+    ctl = controller()
+    r, n = hvd.rank(), hvd.size()
+    hvd.barrier()
+    saved, ctl._max_pause = ctl._max_pause, 0.5          # pauses of up to 0.5 s (HOROVOD_CYCLE_TIME=500)
+    try:
+        if r == n - 1:
+            time.sleep(0.8)            # the others' pauses have grown to the maximum meanwhile
+        start = time.monotonic()
+        out = hvd.allreduce(torch.full((3,), float(r)), op=hvd.Sum, name="last.starts")
+        waited = time.monotonic() - start
+    finally:
+        ctl._max_pause = saved
+    assert out.tolist() == [float(sum(range(n)))] * 3
+    if r == n - 1:
+        assert waited < 0.15, f"the last rank waited {waited:.3f} s for a request every other rank had started"
+    hvd.barrier()
+
+
 def test_in_place_and_grouped_forms(inputs):
     xs = inputs((6,), np.float64, seed=2)
     x = t(xs[hvd.rank()])
