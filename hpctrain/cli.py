@@ -32,7 +32,7 @@ def _launch(args) -> int:
 def _info(args) -> int:
     from .info import report
 
-    text = report()
+    text = report(imports=args.imports)
     if text:
         print(text)
     return 0
@@ -61,7 +61,10 @@ def _tune(args) -> int:
 
 def main(argv=None) -> int:
     """Run the hpctrain command line and return its exit status."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="hpctrain", description="hpctrain: distributed training tools")
+    parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("launch", help="start N ranks of a program with mpirun (or srun in Slurm)")
     p.add_argument("-n", "-np", "--np", "--num-proc", dest="n", type=int, required=True, help="number of ranks")
@@ -74,7 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("program", nargs=argparse.REMAINDER, help="script.py args..., or a command")
     p.set_defaults(func=_launch)
-    p = sub.add_parser("info", help="versions, launcher, rank layout and importable backends")
+    p = sub.add_parser("info", help="versions, launcher, rank layout and installed backends")
+    p.add_argument("--import", dest="imports", action="store_true",
+                   help="import torch, TensorFlow and Horovod (slow) to show import errors and Horovod's controllers")
     p.set_defaults(func=_info)
     p = sub.add_parser("check", help="run a 2-rank all-reduce on each backend and framework; say what works")
     p.add_argument("--only", nargs="+", metavar="NAME", help="these checks only (local, mpi, horovod, torch, "

@@ -56,13 +56,42 @@ def test_hpctrain_info_lists_versions_and_layout():
     for word in ("Open MPI", "mpi4py", "numpy", "torch", "tensorflow", "horovod", "launcher   openmpi",
                  "world size 2"):
         assert word in out, f"{word!r} missing from:\n{out}"
-    assert "horovod  importable" in out and "mpi      importable" in out
-    assert not re.search(r"\bworks\b", out), "info only imports; `hpctrain check` says what works"
-    assert out.count("hpctrain info") == 1, "only rank 0 prints"
+    assert "horovod  installed" in out and "mpi      installed" in out
+    assert not re.search(r"\bworks\b", out), "info only looks; `hpctrain check` says what works"
+    assert out.count("hpctrain info (hpctrain ") == 1, "only rank 0 prints"
     for name in ("native", "ring", "shm", "hierarchical"):
         assert re.search(rf"^    \* {name} ", out, re.M), f"algorithm {name} not listed:\n{out}"
     # one node, two ranks: the shared-memory all-reduce up to HPCTRAIN_SHM_SMALL_BYTES (default 256 KiB)
     assert re.search(r"^  auto picks here: 1 KiB -> shm, ", out, re.M), out
+
+
+def test_hpctrain_version_is_the_installed_distribution():
+    from importlib.metadata import version
+    result = run([str(BIN / "hpctrain"), "--version"], base_env(), 60)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.strip() == f"hpctrain {version('hpctrain')}"
+
+
+def test_hpctrain_info_imports_no_framework_and_takes_under_two_seconds():
+    """The versions come from the installed metadata: torch, TensorFlow and Horovod stay unimported."""
+    from importlib.metadata import version
+    code = ("import sys, time; from hpctrain.cli import main; t = time.perf_counter(); main(['info']); "
+            "print('elapsed', time.perf_counter() - t); "
+            "print('imported', [m for m in ('torch', 'tensorflow', 'horovod') if m in sys.modules])")
+    result = run([sys.executable, "-c", code], base_env(), 120)
+    assert result.returncode == 0, result.stdout
+    out = result.stdout
+    assert "imported []" in out, out
+    assert float(re.search(r"^elapsed (\S+)", out, re.M).group(1)) < 2.0, out
+    for dist in ("torch", "numpy", "mpi4py", "horovod"):
+        assert re.search(rf"^  {dist} +{re.escape(version(dist))}\b", out, re.M), f"{dist} version wrong:\n{out}"
+    assert re.search(r"^  tensorflow +2\.", out, re.M), out
+
+
+def test_hpctrain_info_import_imports_and_shows_horovods_controllers():
+    result = run([str(BIN / "hpctrain"), "info", "--import"], base_env(), 180)
+    assert result.returncode == 0, result.stdout
+    assert "controllers: MPI, Gloo" in result.stdout and "horovod  importable" in result.stdout, result.stdout
 
 
 def test_hpctrain_check_runs_every_backend_and_framework():
