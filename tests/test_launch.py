@@ -94,6 +94,16 @@ def test_hpctrain_info_import_imports_and_shows_horovods_controllers():
     assert "controllers: MPI, Gloo" in result.stdout and "horovod  importable" in result.stdout, result.stdout
 
 
+def test_comm_log_setting_prints_rank_0s_table_at_shutdown():
+    code = ("import numpy as np, hpctrain as h; c = h.init(); [c.allreduce(np.ones(256, np.float32)) "
+            "for _ in range(4)]; h.shutdown()")
+    result = run([str(BIN / "hpctrain"), "launch", "-n", "2", "python", "-c", code],
+                 base_env(HPCTRAIN_COMM_LOG="1"), 120)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("communication log of this rank") == 1, result.stdout
+    assert re.search(r"^\| allreduce \| 2 \| 1 KiB \| 4 \| 4 KiB \| ", result.stdout, re.M), result.stdout
+
+
 def test_hpctrain_check_runs_every_backend_and_framework():
     result = run([str(BIN / "hpctrain"), "check", "--timeout", "150"], base_env(), 600)
     assert result.returncode == 0, result.stdout

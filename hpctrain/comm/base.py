@@ -23,6 +23,7 @@ Rules common to every collective:
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from ..collectives import registry
 from ..errors import CollectiveMismatchError
 from ..tensors import to_numpy
+from .comm_log import call_bytes
 from .exchanges import Exchanges
 from .handle import Handle, Plan, Riding, Topology, done_handle, same as _same
 from .primitives import Primitives
@@ -80,6 +82,12 @@ class Communicator(Primitives):
         """The settings this communicator runs with (a read-only :class:`~hpctrain.comm.runtime.Config`)."""
         return self._rt.config
 
+    @property
+    def comm_log(self):
+        """This rank's log of collectives (a :class:`~hpctrain.comm.comm_log.CommLog`, shared by the world's
+        communicators): ``start()``, ``stop()``, ``rows()``, ``table()``; on from the start with HPCTRAIN_COMM_LOG=1."""
+        return self._rt.comm_log
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} rank {self._rank} of {self._size}>"
 
@@ -102,7 +110,7 @@ class Communicator(Primitives):
         buffers the reduction then runs in ``x``'s own memory, saving a copy and
         an allocation of the buffer's size.  Do not touch ``x`` until it is done.
         """
-        if type(x) is np.ndarray and not inplace:     # a repeated small call: the backend's lean path
+        if type(x) is np.ndarray and not inplace and not self._rt.comm_log.on:   # a repeated small call: lean path
             seen = self._reductions.seen.get((x.dtype, x.shape, op, algorithm))
             if seen is not None and seen[2] is not None and x.flags.c_contiguous:
                 return seen[2](x)
@@ -324,7 +332,17 @@ class Communicator(Primitives):
                     raise CollectiveMismatchError(verdict)
                 self._rt.note_waiting("all ranks joined; the data transfer has not finished")
             return riding.finish() if riding is not None else work()
-        return task
+
+        log = self._rt.comm_log
+        if not log.on:
+            return task
+
+        def logged():
+            start = time.perf_counter()
+            out = task()
+            log.record(call.kind, self._size, call_bytes(call, self._size), time.perf_counter() - start)
+            return out
+        return logged
 
     def _check_rank(self, value, what) -> None:
         """Raise ValueError unless ``value`` is a rank of this communicator (``what``: "root", "dest", ...)."""

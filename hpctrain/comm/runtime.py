@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple, Union
 
 from .. import settings
+from .comm_log import CommLog
 
 __all__ = ["Config", "Runtime", "Lane", "InFlight"]
 
@@ -42,6 +43,7 @@ class Config:
     :mod:`hpctrain.settings` (meaning and default are there), else the tuning file's value."""
 
     check: bool = settings.default("HPCTRAIN_CHECK")
+    comm_log: bool = settings.default("HPCTRAIN_COMM_LOG")
     stall_warning_s: float = settings.default("HPCTRAIN_STALL_WARNING_S")
     stall_timeout_s: float = settings.default("HPCTRAIN_STALL_TIMEOUT_S")
     ring_chunk_bytes: int = settings.default("HPCTRAIN_RING_CHUNK_BYTES")
@@ -223,6 +225,7 @@ class Runtime:
         self.before_close: list = []   # callables run by close() first (checkpoint managers flush)
         self.departures = None         # a departures.Departures where the backend sends leaving notices
         self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
+        self.comm_log = CommLog(on=config.comm_log)     # see comm_log.py
         self._closed = False
         self._watchdog = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._watchdog.start()
@@ -268,6 +271,10 @@ class Runtime:
         if self.departures is not None:      # no collective is left on this rank: leave, with the others
             self.departures.leave(self.config.stall_warning_s)
             self.departures = None
+        if self.config.comm_log and self.world_rank == 0:
+            table = self.comm_log.table()
+            if table:
+                print(table, flush=True)
 
     def abort(self, message: str) -> None:
         """End the whole job with ``message`` (never returns)."""

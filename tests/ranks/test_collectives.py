@@ -880,3 +880,40 @@ def test_narrow_integer_sums_wrap_around_on_every_algorithm(comm, dtype):
         np.testing.assert_array_equal(comm.allreduce(xs[r], algorithm=alg), want, err_msg=alg)
         mine = comm.reduce_scatter(xs[r], algorithm=alg)
         np.testing.assert_array_equal(mine, np.array_split(want, n)[r], err_msg=f"reduce_scatter {alg}")
+
+
+def test_comm_log_counts_bytes_and_bandwidths_of_every_call(comm):
+    """The communication log: per collective and size bucket, the calls this test made, their bytes (the
+    input's; all-gather's output), and busbw = algbw x nccl-tests' factor for this many ranks."""
+    n = comm.size
+    log = comm.comm_log
+    was_on = log.on
+    log.clear()
+    log.start()
+    try:
+        for _ in range(3):
+            comm.allreduce(np.ones(1000, np.float32))            # 4000 B: the 4 KiB bucket
+        comm.allreduce(np.ones(300_000, np.float64), op="avg")   # 2.4 MB: the 4 MiB bucket
+        comm.allgather(np.ones((2, 5), np.int32))                # 40 B per rank, 40 n gathered
+        comm.broadcast(np.ones(7), root=0)
+        comm.barrier()
+    finally:
+        if not was_on:
+            log.stop()
+    rows = {(r["collective"], r["bucket_bytes"]): r for r in log.rows()}
+    log.clear()
+    gathered = 40 * n
+    expect = {("allreduce", 4096): (3, 12000), ("allreduce", 4 << 20): (1, 2_400_000),
+              ("allgather", 1 << (gathered - 1).bit_length()): (1, gathered), ("broadcast", 64): (1, 56),
+              ("barrier", 0): (1, 0)}
+    assert set(rows) == set(expect), sorted(rows)
+    factors = {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "broadcast": 1.0}
+    for key, (count, nbytes) in expect.items():
+        r = rows[key]
+        assert (r["count"], r["bytes"], r["ranks"]) == (count, nbytes, n), r
+        assert r["mean_latency_s"] > 0
+        assert r["algbw_gbps"] == pytest.approx(nbytes / (r["mean_latency_s"] * count) / 1e9)
+        if key[0] in factors:
+            assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factors[key[0]])
+        else:
+            assert r["busbw_gbps"] is None
