@@ -33,10 +33,11 @@ somewhere but none came in the last cycle, the pause doubles from 1 ms up to
 ``HOROVOD_CYCLE_TIME`` (ms, default 5); a rank that starts a request wakes
 its thread at once.  A rank that has started every open request it belongs
 to skips the pause and waits inside the exchange, so a request completes as
-soon as its last rank starts it, not up to a pause later.  When the last cycle left nothing open (the table is
-empty, the same on every rank), no rank cycles: each waits for a request of
-its own or for a doorbell (:meth:`CycleExchange.ring`), checked at the same
-growing pause, and the rank that starts the next request rings the others.
+soon as its last rank starts it, not up to a pause later.  When the last
+cycle left nothing open (the table is empty, the same on every rank), no
+rank cycles: each waits for a request of its own or for a doorbell
+(:meth:`CycleExchange.ring`), checked at the same growing pause, and the
+rank that starts the next request rings the others.
 So a training step's forward pass runs without cycles, and a rank that
 starts nothing (joined, or outside the request's process set) still enters
 the next cycle within ``HOROVOD_CYCLE_TIME``.  Backends without doorbells
