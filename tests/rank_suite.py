@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from harness import REPO, base_env, kill_tree, mpirun_cmd
 
 MAX_LAUNCHES = 6
+START_RETRIES = 2   # launches that start no rank at all (mpirun's own start-up failed) are tried again
 POLL_S = 0.25
 _PYTEST_FRAME = re.compile(r'File ".*(/_pytest/|/pluggy/|rank_main\.py)')
 
@@ -92,10 +93,19 @@ class RankSuite:
         """Launch until every collected test has a verdict (or MAX_LAUNCHES launches were spent)."""
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="hpctrain-ranks-", dir=self.logs_in) as tmp:
+            retries = 0
             while self.launches < MAX_LAUNCHES:
                 self.launches += 1
-                progressed = self._launch(Path(tmp) / f"launch{self.launches}", Path(tmp) / "done.txt",
-                                          self.limit_s - (time.monotonic() - start))
+                logdir = Path(tmp) / f"launch{self.launches}"
+                progressed = self._launch(logdir, Path(tmp) / "done.txt", self.limit_s - (time.monotonic() - start))
+                if not progressed and retries < START_RETRIES and self.errors and \
+                        not any(logdir.glob("rank*.log")):
+                    # The launcher failed before any rank ran (seen once in CI: "The PMIx server's
+                    # listener thread failed to start"): not a test's fault; launch again, say so.
+                    retries += 1
+                    print(f"rank suite: launch {self.launches} started no rank; trying again:\n"
+                          f"{self.errors.pop()[-800:]}", file=sys.stderr)
+                    continue
                 if not progressed or not self._remaining():
                     break
             for tid in self._remaining():
