@@ -1,4 +1,4 @@
-"""Report versions, the detected launcher, the rank layout and which backends import (``hpctrain info``).
+"""Report versions, the detected launcher, the rank layout and which backends are there (``hpctrain info``).
 
 By default nothing heavy is imported: package versions come from the
 installed distributions' metadata (``importlib.metadata``), Horovod's
@@ -10,6 +10,7 @@ is not working: ``hpctrain check`` (:mod:`hpctrain.check`) runs each backend.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -28,10 +29,16 @@ __all__ = ["versions", "backends", "report"]
 _MISSING = "not available"
 
 
+@functools.lru_cache(maxsize=1)
+def _distributions() -> Dict[str, List[str]]:
+    """Top-level module -> the distributions that provide it (one scan of the installed metadata)."""
+    return importlib.metadata.packages_distributions()
+
+
 def _version(module: str, imports: bool) -> str:
     """The version of ``module``: from its distribution's metadata, or by importing it when ``imports``."""
     if not imports:         # the distribution may have another name (tensorflow-cpu provides tensorflow)
-        for dist in importlib.metadata.packages_distributions().get(module, [module]):
+        for dist in _distributions().get(module, [module]):
             try:
                 return importlib.metadata.version(dist)
             except importlib.metadata.PackageNotFoundError:
