@@ -20,7 +20,8 @@ from typing import Any, List, Optional
 
 from .. import settings
 from ..world import init as _hpctrain_init
-from .controller import Controller, HorovodInternalError, OpHandle
+from .controller import Controller
+from .pending import HorovodInternalError, OpHandle
 from .timeline import Timeline
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",

@@ -55,57 +55,11 @@ from ..comm.signature import format_ranks
 from ..errors import CollectiveMismatchError, HpctrainError, InvalidCollectiveError
 from . import execute
 from .exchange import CycleExchange
+from .pending import Entry, HorovodInternalError, OpHandle, Request
 
-__all__ = ["Controller", "OpHandle", "HorovodInternalError"]
+__all__ = ["Controller"]
 
 log = logging.getLogger("hpctrain")
-
-
-class HorovodInternalError(HpctrainError):
-    """Horovod's error for a collective that could not complete (shut down, or a rank lost)."""
-
-
-class OpHandle:
-    """The pending result of one request: ``done()``, ``wait()``."""
-
-    __slots__ = ("_event", "_value", "_error", "name")
-
-    def __init__(self, name: str):
-        self._event, self._value, self._error, self.name = threading.Event(), None, None, name
-
-    def done(self) -> bool:
-        """Return whether the request has finished (successfully or not)."""
-        return self._event.is_set()
-
-    def wait(self) -> Any:
-        """Block until the request finishes; return its result or raise its error."""
-        self._event.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def _finish(self, value: Any = None, error: Optional[BaseException] = None) -> None:
-        self._value, self._error = value, error
-        self._event.set()
-
-
-class Request:
-    """One started collective: what the ranks compare (``sig``) and what this rank runs (``payload``)."""
-
-    __slots__ = ("name", "kind", "ps", "sig", "payload", "handle")
-
-    def __init__(self, name: str, kind: str, ps: int, sig: tuple, payload: Any):
-        self.name, self.kind, self.ps, self.sig, self.payload = name, kind, ps, sig, payload
-        self.handle = OpHandle(name)
-
-
-class Entry:
-    """A name in the shared table: who started it, with which signature, since when (rank 0's clock)."""
-
-    __slots__ = ("kind", "ps", "sigs", "since", "warned")
-
-    def __init__(self, kind: str, ps: int, since: float):
-        self.kind, self.ps, self.sigs, self.since, self.warned = kind, ps, {}, since, False
 
 
 class Controller:

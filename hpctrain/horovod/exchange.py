@@ -130,7 +130,7 @@ class CycleExchange:
         board.update()
         gone = board.blocking(range(self.world.size), since, now)
         if gone:
-            from .controller import HorovodInternalError
+            from .pending import HorovodInternalError
             raise HorovodInternalError(f"world {format_ranks(gone)} left the job while this rank "
                                        f"({self.world.rank}) negotiates Horovod collectives with it")
 

@@ -8,7 +8,7 @@ argument does not raise here: it becomes the signature ``("invalid", text)``,
 so every rank of the process set hears of it in the same negotiation cycle
 and fails together (a rank that raised alone would leave the others waiting).
 
-Every function returns the request's :class:`~hpctrain.horovod.controller.OpHandle`;
+Every function returns the request's :class:`~hpctrain.horovod.pending.OpHandle`;
 ``wait()`` gives the numpy result (a list for the grouped forms; for
 alltoall the pair ``(rows, received splits)``).  ``op`` is hpctrain's name
 (``basics.op_name``).  Cost: one negotiation cycle of latency, then the
