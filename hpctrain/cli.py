@@ -9,7 +9,7 @@ __all__ = ["main"]
 
 
 def _launch(args) -> int:
-    from .launch import build_command
+    from .launch import build_command, remove_stale_session_dirs
 
     if args.gloo and args.mpi:
         print("hpctrain launch: choose --gloo or --mpi, not both", file=sys.stderr)
@@ -25,6 +25,8 @@ def _launch(args) -> int:
     if args.dry_run:
         return 0
     sys.stdout.flush()
+    if not args.gloo:
+        remove_stale_session_dirs(pid=os.getpid())   # mpirun gets this pid: a killed one's folder stops it
     os.execv(cmd[0], cmd)
     return 0  # not reached
 

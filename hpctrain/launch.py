@@ -20,14 +20,18 @@ Inside a Slurm allocation (SLURM_JOB_ID set and ``srun`` found) it is
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from typing import List, Mapping, Optional
 
 from . import settings
 
-__all__ = ["build_command", "find_mpirun", "mpi_vendor"]
+__all__ = ["build_command", "find_mpirun", "mpi_vendor", "remove_stale_session_dirs"]
+
+_LAUNCHERS = {"prterun", "mpirun", "mpiexec", "orterun", "prte", "prted"}
 
 
 def _gloo_command(n: int, argv: List[str], hosts, hostfile, start_timeout) -> List[str]:
@@ -62,6 +66,46 @@ def mpi_vendor(mpirun: str) -> str:
     if "HYDRA" in out or "MPICH" in out.upper():
         return "mpich"
     return "unknown"
+
+
+def remove_stale_session_dirs(tmpdir: Optional[str] = None, pid: Optional[int] = None) -> List[str]:
+    """Remove Open MPI session folders (``<tmp>/ompi.<pid>``) whose launcher is gone; return them.
+
+    Open MPI 5.0's mpirun keeps its PMIx rendezvous files in ``<tmp>/ompi.<its pid>`` and
+    removes the folder when it exits. One that was killed (SIGKILL, the OOM killer, a
+    timeout) leaves it behind, and a later mpirun given the same pid (pids wrap at
+    ``pid_max``, 32768 by default) refuses to start with only "The PMIx server's listener
+    thread failed to start". With ``pid`` (the caller's own, before it execs mpirun) only
+    that pid's folder goes: no live launcher can have it. Without, every folder of this user
+    that holds ``pmix.*`` files and whose pid runs no launcher (prterun, mpirun...) goes;
+    pids of other pid namespaces are not visible, so use that only where all launchers share
+    this one. ``<tmp>`` is ``tempfile.gettempdir()`` (TMPDIR first, as Open MPI's).
+    Cost: one listing of ``<tmp>``.
+    """
+    import psutil
+
+    tmpdir = tmpdir or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [f"ompi.{pid}"] if pid is not None else os.listdir(tmpdir)
+    except OSError:
+        return removed
+    for name in names:
+        match = re.fullmatch(r"ompi\.(\d+)", name)
+        path = os.path.join(tmpdir, name)
+        try:
+            if not match or os.lstat(path).st_uid != os.geteuid() or not os.path.isdir(path) \
+                    or not any(f.startswith("pmix.") for f in os.listdir(path)):
+                continue
+            if pid is None and psutil.Process(int(match.group(1))).name() in _LAUNCHERS:
+                continue
+        except psutil.NoSuchProcess:
+            pass
+        except (OSError, psutil.Error):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _program(argv: List[str]) -> List[str]:

@@ -7,6 +7,13 @@ if not os.environ.get("HPCTRAIN_INNER_PYTEST"):
     collect_ignore_glob = ["ranks/*"]
 
 
+@pytest.fixture(autouse=True)
+def _no_stale_mpi_sessions():
+    """Before each test, remove the session folders of killed mpiruns (a later mpirun given the pid fails)."""
+    from hpctrain.launch import remove_stale_session_dirs
+    remove_stale_session_dirs()
+
+
 @pytest.fixture(scope="session")
 def rank_suites(request):
     """Multi-rank suites of this session, each launched once with the files that the selected tests need."""

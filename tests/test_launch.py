@@ -159,3 +159,73 @@ def test_horovod_run_returns_every_ranks_result():
             "    print(horovod.run(work, args=(10,), np=3))\n")
     result = run([sys.executable, "-c", code], base_env(), 180)
     assert "[(0, 60.0), (1, 60.0), (2, 60.0)]" in result.stdout, result.stdout
+
+
+def _in_new_pid_namespace(cmd):
+    """``cmd`` as the first process (pid 1) of a new pid namespace, so the pid mpirun gets is known."""
+    return ["unshare", "--pid", "--fork", "--mount-proc", *cmd]
+
+
+def _leave_a_stale_session_folder(mpirun, env, folder):
+    """Start mpirun as pid 1 of a new pid namespace and SIGKILL it once it has its session folder."""
+    import time
+
+    from harness import kill_tree
+    victim = subprocess.Popen(_in_new_pid_namespace(mpirun + ["sleep", "60"]), env=env, start_new_session=True)
+    deadline = time.monotonic() + 30
+    try:
+        while not (folder.is_dir() and any(f.startswith("pmix.") for f in os.listdir(folder))):
+            assert time.monotonic() < deadline and victim.poll() is None, "mpirun never made its session folder"
+            time.sleep(0.1)
+    finally:
+        kill_tree(victim)
+        victim.wait(10)
+    assert folder.is_dir()
+
+
+@pytest.mark.timeout(120)
+def test_launch_removes_a_killed_mpiruns_session_folder_that_stops_the_next_one_with_its_pid(tmp_path):
+    import shutil
+    import time
+
+    import psutil
+    from harness import kill_tree
+    from hpctrain.launch import remove_stale_session_dirs
+
+    if shutil.which("unshare") is None or subprocess.run(
+            _in_new_pid_namespace(["true"]), capture_output=True).returncode != 0:
+        pytest.skip("needs unshare and the right to create pid namespaces (root)")
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    env = base_env(TMPDIR=str(tmp))
+    mpirun = [str(BIN / "mpirun"), "-n", "1", "--allow-run-as-root"]
+    folder = tmp / "ompi.1"   # pid 1's: every mpirun below is pid 1 of its namespace
+    # The fault, unrepaired: an mpirun given a killed one's pid does not start.
+    _leave_a_stale_session_folder(mpirun, env, folder)
+    plain = subprocess.run(_in_new_pid_namespace(mpirun + ["true"]), env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert plain.returncode != 0 and "listener thread failed to start" in plain.stdout + plain.stderr, \
+        plain.stdout + plain.stderr
+    # A live mpirun's folder is not stale.
+    live = subprocess.Popen(mpirun + ["sleep", "60"], env=env, start_new_session=True)
+    try:
+        live_folder = tmp / f"ompi.{live.pid}"
+        deadline = time.monotonic() + 30
+        while not live_folder.is_dir():
+            assert time.monotonic() < deadline, "mpirun never made its session folder"
+            time.sleep(0.1)
+        assert psutil.Process(live.pid).name() in ("prterun", "mpirun")
+        # hpctrain launch, given the killed one's pid, removes its folder (not the live one's) and starts.
+        _leave_a_stale_session_folder(mpirun, env, folder)
+        launched = subprocess.run(_in_new_pid_namespace([str(BIN / "hpctrain"), "launch", "-n", "1", "python",
+                                                         "-c", "print('started')"]),
+                                  env=env, capture_output=True, text=True, timeout=60)
+        assert launched.returncode == 0 and "started" in launched.stdout, launched.stdout + launched.stderr
+        assert live_folder.is_dir() and not folder.exists()
+        # The sweep of a whole folder (as tests/conftest.py does) keeps the live launcher's, removes the dead one's.
+        _leave_a_stale_session_folder(mpirun, env, folder)
+        assert remove_stale_session_dirs(str(tmp)) == [str(folder)]
+        assert live_folder.is_dir()
+    finally:
+        kill_tree(live)
+        live.wait(10)
