@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(VENV)/bin/hpctrain launch -n $(RANKS) python examples/torch_digits.py --out results/demo.json --checkpoint-dir results/demo-ckpt
+	$(VENV)/bin/hpctrain launch -n $(RANKS) python examples/torch_digits.py --out results/demo.json --checkpoint-dir results/demo-ckpt --metrics-dir results/demo-metrics
 
 allreduce-demo: setup
 	$(PY) benchmarks/allreduce.py --ranks $(RANKS) --quick --out results/allreduce-demo

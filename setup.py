@@ -19,6 +19,7 @@ setup(
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],
         "horovod": ["horovod==0.28.1"],
+        "observe": ["tensorboard", "matplotlib"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn", "matplotlib", "safetensors"],
     },
     entry_points={"console_scripts": ["hpctrain=hpctrain.cli:main"]},

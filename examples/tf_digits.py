@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--min-accuracy", type=float, default=0.0, help="exit with an error below this test accuracy")
     ap.add_argument("--out", help="write a JSON summary here (rank 0)")
     ap.add_argument("--checkpoint-dir", help="checkpoint here every epoch; resume from it")
+    ap.add_argument("--metrics-dir", help="per-step metrics here (CSV, JSONL, TensorBoard) and, at the end, "
+                    "their plots (hpctrain report)")
     args = ap.parse_args()
 
     comm = hpctrain.init()                                                        # hpctrain
@@ -131,6 +133,11 @@ def main() -> None:
         if rank == 0 and initial_epoch:
             print(f"resumed from the checkpoint of epoch {initial_epoch} in {args.checkpoint_dir}", flush=True)
         callbacks.append(Checkpoint(manager, state))
+    step_metrics = None
+    if args.metrics_dir:   # step time, samples/s, communication share, stragglers, resource use     # hpctrain
+        step_metrics = hk.StepMetricsCallback(args.metrics_dir, samples_per_step=args.global_batch // n,
+                                              step=initial_epoch * steps_per_epoch)
+        callbacks.append(step_metrics)
     sampler.set_epoch(initial_epoch)
     data = htf.distributed_dataset((x_train, y_train), args.global_batch // n, sampler)    # hpctrain
 
@@ -153,6 +160,12 @@ def main() -> None:
     if rank == 0:
         print(f"test accuracy {accuracy:.4f} on {len(y_test)} images after {args.epochs} epochs "
               f"on {n} rank(s) in {elapsed:.1f} s; replicas identical: {identical}")
+        if step_metrics and step_metrics.metrics:
+            from hpctrain.observe.report import write_report
+            summary["step_metrics"] = step_metrics.metrics.summary()
+            write_report(args.metrics_dir)
+            print(f"per-step metrics, plots and summary.md in {args.metrics_dir} "
+                  f"(tensorboard --logdir {os.path.join(args.metrics_dir, 'tensorboard')})")
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

@@ -5,6 +5,7 @@
     mpirun -n 4 python examples/torch_digits.py           # the same, by hand
     ... --checkpoint-dir ckpt                             # checkpoint every epoch; rerun to resume
     ... --compression topk:ratio=0.01                     # compress the gradients (hpctrain.compression)
+    ... --metrics-dir results/metrics                     # per-step metrics, TensorBoard, plots
 
 The data (1797 real 8x8 images of hand-written digits) ships inside
 scikit-learn; nothing is downloaded.  The global batch is fixed
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--out", help="write a JSON summary here (rank 0)")
     ap.add_argument("--checkpoint-dir", help="checkpoint here every epoch (and on SIGUSR2/SIGTERM); resume from it")
     ap.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: one epoch)")
+    ap.add_argument("--metrics-dir", help="per-step metrics here (CSV, JSONL, TensorBoard) and, at the end, "
+                    "their plots (hpctrain report)")
     args = ap.parse_args()
 
     comm = hpctrain.init()                                                     # hpctrain
@@ -124,9 +127,12 @@ def main() -> None:
         if rank == 0 and step:
             print(f"resumed from the checkpoint of step {step} in {args.checkpoint_dir}", flush=True)
 
+    metrics = None
+    if args.metrics_dir:   # step time, samples/s, communication share, stragglers, resource use       # hpctrain
+        metrics = ht.track_steps(optimizer, log_dir=args.metrics_dir, samples_per_step=per_rank, step=step)
     start = time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc=f"{n} rank(s)", unit="step")
-    losses = []
+    losses, postfix = [], {}
     while step < total_steps:
         order = sampler.indices()          # what is left of this epoch (all of it unless resumed mid-epoch)
         for i in range(0, len(order), per_rank):
@@ -138,17 +144,22 @@ def main() -> None:
             sampler.advance(len(batch))
             losses.append(loss.item())
             step += 1
+            if metrics:
+                bar.set_postfix({**postfix, **metrics.postfix()}, refresh=False)
             bar.update()
             if i + per_rank >= len(order):   # end of the epoch
                 scheduler.step()
                 stats = ht.average_metrics({"loss": float(np.mean(losses))})                  # hpctrain
-                bar.set_postfix(epoch=sampler.epoch, loss=f"{stats['loss']:.4f}")
+                postfix = {"epoch": sampler.epoch, "loss": f"{stats['loss']:.4f}"}
+                bar.set_postfix(postfix)
                 sampler.set_epoch(sampler.epoch + 1)
                 losses = []
             if manager:
                 manager.save(step, state)                                                     # hpctrain
     if manager:
         manager.close()                                                                       # hpctrain
+    if metrics:
+        metrics.close()                                                                       # hpctrain
     bar.close()
     elapsed = time.perf_counter() - start
 
@@ -163,6 +174,12 @@ def main() -> None:
     if rank == 0:
         print(f"test accuracy {accuracy:.4f} on {len(y_test)} images after {args.epochs} epochs "
               f"on {n} rank(s) in {elapsed:.1f} s; replicas identical: {identical}")
+        if metrics:
+            from hpctrain.observe.report import write_report
+            summary["step_metrics"] = metrics.summary()
+            write_report(args.metrics_dir)
+            print(f"per-step metrics, plots and summary.md in {args.metrics_dir} "
+                  f"(tensorboard --logdir {os.path.join(args.metrics_dir, 'tensorboard')})")
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

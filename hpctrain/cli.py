@@ -1,4 +1,4 @@
-"""The ``hpctrain`` command: ``launch`` ranks, print ``info``, ``check`` what works, ``tune`` the thresholds."""
+"""The ``hpctrain`` command: ``launch`` ranks, print ``info``, ``check`` what works, ``tune`` the thresholds, ``report`` a run."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +61,14 @@ def _tune(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from .observe.report import write_report
+
+    for path in write_report(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
 def main(argv=None) -> int:
     """Run the hpctrain command line and return its exit status."""
     from . import __version__
@@ -94,6 +102,10 @@ def main(argv=None) -> int:
                    help="file to write (default: HPCTRAIN_TUNE_FILE or ~/.config/hpctrain/tune.json)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per size (default 3)")
     p.set_defaults(func=_tune)
+    p = sub.add_parser("report", help="plot a run folder of per-step metrics (PNGs and summary.md)")
+    p.add_argument("run_dir", help="the log_dir given to StepMetrics / track_steps / StepMetricsCallback")
+    p.add_argument("--out", help="folder for the plots (default: the run folder)")
+    p.set_defaults(func=_report)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -21,12 +21,20 @@ EXAMPLES = {"torch_digits.py": "resumed from the checkpoint of step {steps}",
 def test_digits_example_reaches_97_percent_and_resumes(example, n, tmp_path):
     out = tmp_path / "summary.json"
     cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / example),
-                           "--min-accuracy", "0.97", "--out", str(out), "--checkpoint-dir", str(tmp_path / "ckpt")]
+                           "--min-accuracy", "0.97", "--out", str(out), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                           "--metrics-dir", str(tmp_path / "metrics")]
     result = run(cmd, base_env(), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     summary = json.loads(out.read_text())
     assert summary["ranks"] == n and summary["replicas_identical"]
     assert summary["test_accuracy"] >= 0.97
+    # per-step metrics of every step, and their report
+    assert summary["step_metrics"]["steps"] == summary["steps"]
+    rows = (tmp_path / "metrics" / "steps.csv").read_text().splitlines()
+    assert len(rows) == 1 + summary["steps"] and rows[-1].startswith(f"{summary['steps']},")
+    for name in ("summary.md", "step_time.png", "communication.png", "rank_spread.png", "resources.png"):
+        assert (tmp_path / "metrics" / name).stat().st_size > 0, name
+    assert list((tmp_path / "metrics" / "tensorboard").glob("events.out.tfevents.*"))
     again = run(cmd, base_env(), timeout=300)
     assert again.returncode == 0, again.stdout[-4000:]
     resumed = EXAMPLES[example].format(**summary)

@@ -229,3 +229,20 @@ def test_launch_removes_a_killed_mpiruns_session_folder_that_stops_the_next_one_
     finally:
         kill_tree(live)
         live.wait(10)
+
+
+def test_hpctrain_report_draws_a_run_folder_and_refuses_a_folder_without_one(tmp_path):
+    make_run = ("import numpy as np, hpctrain; from hpctrain.observe import StepMetrics; c = hpctrain.init(); "
+                f"m = StepMetrics(log_dir={str(tmp_path / 'run')!r}, samples_per_step=4, interval=2)\n"
+                "for _ in range(5): c.allreduce(np.ones(8)); m.mark()\n"
+                "m.close()")
+    made = run([str(BIN / "python"), "-c", make_run], base_env(), 120)
+    assert made.returncode == 0, made.stdout
+    report = run([str(BIN / "hpctrain"), "report", str(tmp_path / "run"), "--out", str(tmp_path / "plots")],
+                 base_env(), 120)
+    assert report.returncode == 0, report.stdout
+    listed = sorted(os.path.basename(p) for p in report.stdout.split())
+    assert listed == sorted(os.listdir(tmp_path / "plots")) and "summary.md" in listed and len(listed) == 7
+    assert "| 5 |" in (tmp_path / "plots" / "summary.md").read_text()
+    missing = run([str(BIN / "hpctrain"), "report", str(tmp_path / "plots")], base_env(), 60)
+    assert missing.returncode == 2 and "has no steps.csv" in missing.stdout, missing.stdout

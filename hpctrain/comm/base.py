@@ -314,13 +314,20 @@ class Communicator(Primitives):
 
     def _run(self, plan: Plan) -> Any:
         call, work, restore = plan
-        return restore(self._rt.run(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
-                                    self.world_ranks))
+        log = self._rt.comm_log
+        start = time.perf_counter() if log.on else None
+        try:
+            return restore(self._rt.run(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
+                                        self.world_ranks))
+        finally:
+            if start is not None:
+                log.add_blocked(time.perf_counter() - start)
 
     def _submit(self, plan: Plan) -> Handle:
         call, work, restore = plan
+        log = self._rt.comm_log
         return Handle(self._rt.submit(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
-                                      self.world_ranks), restore)
+                                      self.world_ranks), restore, log if log.on else None)
 
     def _task(self, call: Call, work: Optional[Callable[[], Any]]) -> Callable[[], Any]:
         riding = work if isinstance(work, Riding) else None

@@ -18,6 +18,12 @@ or at run time with ``comm.comm_log.start()``; ``comm.comm_log.table()``
 returns it on demand.  Cost while on: two clock reads and a dictionary
 update per call (the small all-reduces then take the general path instead of
 the lean one); while off: one attribute test per call.
+
+While on, it also keeps running totals (:meth:`CommLog.totals`): calls, bytes,
+seconds in collectives, and seconds the calling thread was blocked on them (a
+synchronous call, or ``Handle.wait()`` on a call that had not finished): the
+exposed, not overlapped, communication that :mod:`hpctrain.observe` reports
+per step.
 """
 from __future__ import annotations
 
@@ -71,6 +77,7 @@ class CommLog:
         self.on = on
         self._lock = threading.Lock()
         self._rows: Dict[Tuple[str, int, int], List[float]] = {}
+        self._totals = [0, 0, 0.0, 0.0]      # calls, bytes, seconds, blocked seconds
 
     def start(self) -> None:
         """Record from now on."""
@@ -84,6 +91,7 @@ class CommLog:
         """Forget what was recorded."""
         with self._lock:
             self._rows.clear()
+            self._totals = [0, 0, 0.0, 0.0]
 
     def record(self, kind: str, ranks: int, nbytes: int, seconds: float) -> None:
         """Add one call of ``kind`` on a communicator of ``ranks`` ranks that moved ``nbytes`` bytes in ``seconds``."""
@@ -95,6 +103,21 @@ class CommLog:
             row[0] += 1
             row[1] += nbytes
             row[2] += seconds
+            t = self._totals
+            t[0] += 1
+            t[1] += nbytes
+            t[2] += seconds
+
+    def add_blocked(self, seconds: float) -> None:
+        """Add ``seconds`` that the calling thread waited for a collective's result."""
+        with self._lock:
+            self._totals[3] += seconds
+
+    def totals(self) -> Tuple[int, int, float, float]:
+        """Return (calls, bytes, seconds in collectives, seconds blocked on them) since the last clear()."""
+        with self._lock:
+            calls, nbytes, seconds, blocked = self._totals
+        return int(calls), int(nbytes), seconds, blocked
 
     def rows(self) -> List[dict]:
         """Return one dict per (collective, ranks, bucket): count, bytes, mean_latency_s, algbw_gbps, busbw_gbps."""

@@ -1,6 +1,7 @@
 """What a communicator hands out: a handle on a call in flight, the node layout, work that rides the call check."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
@@ -42,15 +43,26 @@ def done_handle(value: Any = None) -> "Handle":
 
 
 class Handle:
-    """A call in flight.  ``wait()`` returns its result (or raises its error); ``test()`` polls."""
+    """A call in flight.  ``wait()`` returns its result (or raises its error); ``test()`` polls.
 
-    def __init__(self, future: Future, restore: Callable[[Any], Any]):
+    ``log``: a :class:`~hpctrain.comm.comm_log.CommLog` that is told how long ``wait()`` blocked.
+    """
+
+    def __init__(self, future: Future, restore: Callable[[Any], Any], log=None):
         self._future = future
         self._restore = restore
+        self._log = log
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the collective has finished and return its result in the input's type."""
-        return self._restore(self._future.result(timeout))
+        if self._log is None or self._future.done():
+            return self._restore(self._future.result(timeout))
+        start = time.perf_counter()
+        try:
+            value = self._future.result(timeout)
+        finally:
+            self._log.add_blocked(time.perf_counter() - start)
+        return self._restore(value)
 
     def test(self) -> bool:
         """Return True when the collective has finished (``wait()`` will not block)."""

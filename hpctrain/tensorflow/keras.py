@@ -26,7 +26,7 @@ from .ops import average_gradients
 from .tape import _name
 
 __all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
-           "LearningRateScheduleCallback", "LearningRateWarmupCallback"]
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "StepMetricsCallback"]
 
 _CLASSES: Dict[type, type] = {}
 
@@ -132,3 +132,41 @@ class LearningRateWarmupCallback(LearningRateWarmupMixin, keras.callbacks.Callba
         super().__init__()
         self.comm = comm
         self._setup_warmup(initial_lr, warmup_epochs, momentum_correction, steps_per_epoch, verbose)
+
+
+class StepMetricsCallback(keras.callbacks.Callback):
+    """Per-step metrics (:class:`hpctrain.observe.StepMetrics`) of ``model.fit``, in one line.
+
+    ::
+
+        model.fit(..., callbacks=[..., hk.StepMetricsCallback("runs/x", samples_per_step=batch_size)])
+
+    A step ends at each ``on_train_batch_end``; the step's samples/s and
+    exposed communication share are added to the batch logs (so Keras's
+    progress bar shows them) as ``samples_per_s`` and ``comm_share``.  The
+    compression ratio comes from an hpctrain DistributedOptimizer.  The
+    metrics are gathered and the files closed at ``on_train_end``; ``metrics``
+    is the StepMetrics of the last ``fit``.  ``options``: StepMetrics' others.
+    """
+
+    def __init__(self, log_dir: Optional[str] = None, samples_per_step: Optional[int] = None, comm=None,
+                 **options):
+        super().__init__()
+        self.log_dir, self.samples_per_step, self.comm, self.options = log_dir, samples_per_step, comm, options
+        self.metrics = None
+
+    def on_train_begin(self, logs=None):
+        from ..observe import StepMetrics
+
+        stats = getattr(getattr(self.model, "optimizer", None), "compression_stats", None)
+        self.metrics = StepMetrics(self.comm, self.log_dir, self.samples_per_step, compression=stats, **self.options)
+
+    def on_train_batch_end(self, batch, logs=None):
+        rec = self.metrics.mark()
+        if logs is not None:
+            logs["comm_share"] = rec["exposed_comm_fraction"]
+            if rec["samples"]:
+                logs["samples_per_s"] = rec["samples_per_s"] * self.metrics.comm.size
+
+    def on_train_end(self, logs=None):
+        self.metrics.close()

@@ -1,0 +1,256 @@
+"""Per-step metrics of a training loop on every rank: time, throughput, communication, stragglers, resources.
+
+Call :meth:`StepMetrics.mark` at the end of every step (the torch and Keras
+helpers do it for you: :func:`hpctrain.torch.track_steps`,
+:class:`hpctrain.tensorflow.keras.StepMetricsCallback`).  Per rank and step:
+
+* ``step_s``: wall time since the previous mark;
+* ``exposed_comm_s``: time this thread was blocked on collectives (a
+  synchronous call, or ``wait()`` on one still running), the communication
+  that did not overlap with computation; ``exposed_comm_fraction`` is its
+  share of the step;
+* ``comm_s``: time the collectives themselves took (overlapped or not);
+* ``busy_s = step_s - exposed_comm_s``: what the rank spent on its own work;
+* ``bytes``: input bytes of its collectives; ``compression_ratio``: float32
+  bytes over bytes sent by the gradient compressor (1 without one).
+
+In synchronous training every rank's ``step_s`` is the same (the others
+wait for the slowest in the gradient all-reduce), so stragglers show in
+``busy_s``: every ``interval`` steps the ranks all-gather their window of
+steps and resource samples, and a rank whose ``busy_s`` is at least
+``straggler_factor`` times the median over ranks for ``straggler_steps``
+steps in a row is named in a warning (logger ``hpctrain.observe``, rank 0).
+Rank 0 writes one row per step over all ranks (median and maximum step and
+busy time, the slowest rank and the spread ``max/median`` of busy time,
+mean exposed fraction, samples per second of the whole job) and per-rank
+rows of each window to ``log_dir`` (:mod:`hpctrain.observe.sinks`).
+
+Cost: two clock reads and a dictionary update per collective (the
+communication log is switched on), one all-gather of
+``6 * interval + 8`` float64 values per rank every ``interval`` steps, and a
+few system calls for the resource sample.  Every rank must mark the same
+number of steps: the all-gather is a collective, and ranks that gather
+different windows get an error on every rank that names their steps.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Callable, Deque, Dict, List, Optional
+
+import numpy as np
+
+from .resources import FIELDS, ResourceSampler
+
+__all__ = ["StepMetrics"]
+
+_LOCAL = ("step_s", "busy_s", "exposed_comm_s", "comm_s", "bytes", "samples")
+log = logging.getLogger("hpctrain.observe")
+
+
+class StepMetrics:
+    """Measure every step of a training loop on every rank (see the module docstring).
+
+    Args:
+        comm: the communicator of the data-parallel ranks (default: the world).
+        log_dir: run folder rank 0 writes to (None: keep the values in memory only).
+        samples_per_step: samples one rank processes per step (for samples/s); ``mark(samples=)`` overrides it.
+        interval: steps per all-gather of the ranks' windows (and per resource sample).
+        straggler_factor, straggler_steps: the straggler rule.
+        tensorboard: also write TensorBoard event files under ``log_dir/tensorboard``.
+        resources: sample CPU, memory, network and GPU use per rank every window.
+        compression: a callable returning the gradient compressor's totals (``sent_bytes``, ``dense_bytes``),
+            e.g. a DistributedOptimizer's ``compression_stats``.
+        step: steps done before (a resumed run): the first ``mark()`` is step ``step + 1``.
+    """
+
+    def __init__(self, comm=None, log_dir: Optional[str] = None, samples_per_step: Optional[int] = None,
+                 interval: int = 10, straggler_factor: float = 1.5, straggler_steps: int = 3,
+                 tensorboard: bool = True, resources: bool = True,
+                 compression: Optional[Callable[[], Dict]] = None, step: int = 0):
+        from ..world import comm_or_world
+
+        if interval < 1 or straggler_steps < 1 or straggler_factor <= 1:
+            raise ValueError(f"need interval >= 1, straggler_steps >= 1 and straggler_factor > 1, got "
+                             f"{interval}, {straggler_steps}, {straggler_factor}")
+        self.comm = comm_or_world(comm)
+        self.samples_per_step = samples_per_step
+        self.interval, self.factor, self.patience = interval, straggler_factor, straggler_steps
+        self._compression = compression
+        self._log = self.comm.comm_log
+        self._log_was_on = self._log.on
+        self._log.start()
+        self._sampler = ResourceSampler() if resources else None
+        self._writer = None
+        if log_dir is not None and self.comm.rank == 0:
+            from .sinks import RunWriter
+            self._writer = RunWriter(log_dir, tensorboard=tensorboard)
+        self.step = int(step)
+        self.latest: Optional[Dict] = None       # this rank's last step
+        self.rows: List[Dict] = []               # rank 0: every step over all ranks (others: empty)
+        self.stragglers: List[Dict] = []         # every rank: the straggler warnings so far
+        self._window: List[Dict] = []
+        self._recent: Deque[Dict] = collections.deque(maxlen=interval)
+        self._streak = np.zeros(self.comm.size, dtype=np.int64)
+        self._closed = False
+        self.on_close: List[Callable[[], None]] = []   # run by close() (e.g. removing a framework hook)
+        self._last = time.perf_counter()
+        self._totals = self._log.totals()
+        self._compressed = self._compression_totals()
+        rt = getattr(self.comm, "_rt", None)
+        if rt is not None:
+            rt.before_close.append(self.close)  # flushed at hpctrain.shutdown() when not closed before
+
+    def _compression_totals(self):
+        if self._compression is None:
+            return (0.0, 0.0)
+        s = self._compression()
+        sent = float(s.get("sent_bytes", 0))
+        return float(s.get("dense_bytes", sent)), sent
+
+    def mark(self, samples: Optional[int] = None) -> Dict:
+        """End a step: measure it, and every ``interval`` steps gather the ranks' windows (a collective)."""
+        if self._closed:
+            raise RuntimeError("StepMetrics.mark() after close()")
+        now = time.perf_counter()
+        step_s, self._last = now - self._last, now
+        totals = self._log.totals()
+        calls, nbytes, comm_s, blocked = (a - b for a, b in zip(totals, self._totals))
+        self._totals = totals
+        dense, sent = self._compression_totals()
+        ratio = (dense - self._compressed[0]) / (sent - self._compressed[1]) if sent > self._compressed[1] else 1.0
+        self._compressed = (dense, sent)
+        exposed = min(max(blocked, 0.0), step_s)
+        samples = self.samples_per_step if samples is None else samples
+        self.step += 1
+        rec = {"step": self.step, "step_s": step_s, "busy_s": step_s - exposed, "exposed_comm_s": exposed,
+               "exposed_comm_fraction": exposed / step_s if step_s > 0 else 0.0, "comm_s": comm_s,
+               "bytes": nbytes, "compression_ratio": ratio, "samples": samples or 0,
+               "samples_per_s": (samples or 0) / step_s if step_s > 0 else 0.0}
+        self.latest = rec
+        self._window.append(rec)
+        self._recent.append(rec)
+        if len(self._window) >= self.interval:
+            self._gather()
+            self._totals, self._last = self._log.totals(), time.perf_counter()   # the next step leaves it out
+        return rec
+
+    def postfix(self) -> Dict[str, str]:
+        """What rank 0's progress bar shows, over this rank's last ``interval`` steps: samples/s of the
+        whole job (this rank's samples x ranks / step time) and the exposed communication share."""
+        recent = self._recent
+        if not recent:
+            return {}
+        step_s = sum(r["step_s"] for r in recent)
+        exposed = sum(r["exposed_comm_s"] for r in recent)
+        out = {"comm": f"{exposed / step_s:.1%}" if step_s > 0 else "-"}
+        samples = sum(r["samples"] for r in recent)
+        if samples and step_s > 0:
+            out = {"samples/s": f"{samples * self.comm.size / step_s:.0f}", **out}
+        return out
+
+    def _gather(self) -> None:
+        """All-gather the window (steps and a resource sample) and write / warn on rank 0.
+
+        Every rank sends ``[steps in its window, interval x _LOCAL (NaN-padded), FIELDS]`` (the same
+        length on every rank); ranks whose windows differ raise the same error on every rank.
+        """
+        window, self._window = self._window, []
+        k, width = len(window), len(_LOCAL)
+        local = np.full((self.interval, width), np.nan)
+        local[:k] = [[r[f] for f in _LOCAL] for r in window]
+        sample = self._sampler.sample() if self._sampler is not None else {}
+        res = np.array([sample.get(f, np.nan) for f in FIELDS], dtype=np.float64)
+        every = np.asarray(self.comm.allgather(np.concatenate([[k, window[0]["step"]], local.ravel(), res])))
+        every = every.reshape(self.comm.size, -1)
+        if (every[:, :2] != every[0, :2]).any():
+            told = ", ".join(f"rank {r}: steps {int(a)}-{int(a + n - 1)}" for r, (n, a) in enumerate(every[:, :2]))
+            raise RuntimeError(f"hpctrain.observe: the ranks marked different steps ({told}); every rank must call "
+                               f"StepMetrics.mark() once per step and close() at the same step")
+        steps = every[:, 2:2 + self.interval * width].reshape(self.comm.size, self.interval, width)[:, :k]
+        res_all = every[:, 2 + self.interval * width:]
+        first = window[0]["step"]
+        for j in range(k):
+            self._check_straggler(first + j, steps[:, j, _LOCAL.index("busy_s")])
+        if self.comm.rank != 0:
+            return
+        rows = [self._step_row(window[j], steps[:, j, :]) for j in range(k)]
+        self.rows.extend(rows)
+        if self._writer is not None:
+            for row in rows:
+                self._writer.step(row)
+            self._writer.ranks(self._rank_rows(first, first + k - 1, steps, res_all))
+            self._writer.flush()
+
+    def _step_row(self, mine: Dict, s: np.ndarray) -> Dict:
+        """One step over all ranks (``s``: ranks x _LOCAL)."""
+        col = {f: s[:, i] for i, f in enumerate(_LOCAL)}
+        busy = col["busy_s"]
+        median = float(np.median(busy))
+        step_max = float(col["step_s"].max())
+        return {"step": mine["step"], "time": time.time(), "step_s": float(np.median(col["step_s"])),
+                "step_s_max": step_max, "busy_s_median": median, "busy_s_max": float(busy.max()),
+                "slowest_rank": int(np.argmax(busy)), "busy_spread": float(busy.max() / median) if median > 0 else 1.0,
+                "exposed_comm_fraction": float(np.mean(col["exposed_comm_s"] / np.maximum(col["step_s"], 1e-12))),
+                "comm_s": float(col["comm_s"].mean()), "bytes_per_rank": float(col["bytes"].mean()),
+                "compression_ratio": mine["compression_ratio"], "samples": int(col["samples"].sum()),
+                "samples_per_s": float(col["samples"].sum() / step_max) if step_max > 0 else 0.0}
+
+    def _rank_rows(self, first: int, last: int, steps: np.ndarray, res: np.ndarray) -> List[Dict]:
+        """Per rank over the window: mean step and busy time, exposed fraction, and its resource sample."""
+        rows = []
+        for r in range(self.comm.size):
+            s = steps[r]
+            row = {"rank": r, "step_first": first, "step_last": last,
+                   "step_s_mean": float(s[:, 0].mean()), "busy_s_mean": float(s[:, 1].mean()),
+                   "exposed_comm_fraction": float(s[:, 2].sum() / max(s[:, 0].sum(), 1e-12))}
+            row.update({f: float(v) for f, v in zip(FIELDS, res[r])})
+            rows.append(row)
+        return rows
+
+    def _check_straggler(self, step: int, busy: np.ndarray) -> None:
+        """Count steps in a row at >= factor x the median busy time; warn when a rank's count reaches the limit."""
+        median = float(np.median(busy))
+        slow = (busy >= self.factor * median) if (median > 0 and busy.size > 1) else np.zeros(busy.size, bool)
+        self._streak = np.where(slow, self._streak + 1, 0)
+        for r in np.flatnonzero(self._streak == self.patience):
+            event = {"rank": int(r), "step_first": step - self.patience + 1, "step_last": step,
+                     "busy_s": float(busy[r]), "median_busy_s": median, "ratio": float(busy[r] / median)}
+            self.stragglers.append(event)
+            if self.comm.rank == 0:
+                log.warning("hpctrain: rank %d is a straggler: its own work took %.1fx the median of the %d ranks "
+                            "for %d steps in a row (steps %d-%d; at step %d %.3f s against %.3f s), and the other "
+                            "ranks wait for it", r, event["ratio"], busy.size, self.patience, event["step_first"],
+                            step, step, busy[r], median)
+                if self._writer is not None:
+                    self._writer.straggler(event)
+
+    def close(self) -> None:
+        """Gather the last, partial window (a collective: every rank calls it), close the files."""
+        if self._closed:
+            return
+        if self._window:
+            self._gather()
+        self._closed = True
+        for fn in self.on_close:
+            fn()
+        if self._writer is not None:
+            self._writer.close()
+        if not self._log_was_on:
+            self._log.stop()
+        rt = getattr(self.comm, "_rt", None)
+        if rt is not None and self.close in rt.before_close:
+            rt.before_close.remove(self.close)
+
+    def summary(self) -> Dict:
+        """Rank 0: steps, mean step time, samples/s, exposed communication share and stragglers over the run."""
+        rows = self.rows
+        if not rows:
+            return {"steps": self.step, "stragglers": list(self.stragglers)}
+        step_s = np.array([r["step_s_max"] for r in rows])
+        return {"steps": self.step, "step_s_mean": float(step_s.mean()), "step_s_median": float(np.median(step_s)),
+                "samples_per_s": float(sum(r["samples"] for r in rows) / step_s.sum()) if step_s.sum() > 0 else 0.0,
+                "exposed_comm_fraction": float(np.mean([r["exposed_comm_fraction"] for r in rows])),
+                "busy_spread_median": float(np.median([r["busy_spread"] for r in rows])),
+                "stragglers": list(self.stragglers)}

@@ -1,0 +1,33 @@
+"""Turn on per-step metrics (:mod:`hpctrain.observe`) for a torch training loop in one line."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..observe import StepMetrics
+
+__all__ = ["track_steps"]
+
+
+def track_steps(optimizer: torch.optim.Optimizer, log_dir: Optional[str] = None,
+                samples_per_step: Optional[int] = None, comm=None, **options) -> StepMetrics:
+    """Measure every ``optimizer.step()`` as one training step; return the :class:`~hpctrain.observe.StepMetrics`.
+
+    ::
+
+        metrics = ht.track_steps(optimizer, log_dir="runs/x", samples_per_step=batch_size)
+        ...                                   # the loop, unchanged
+        bar.set_postfix(metrics.postfix())    # rank 0's tqdm bar: samples/s, communication share
+        metrics.close()                       # every rank (hpctrain.shutdown() does it otherwise)
+
+    A step ends when ``optimizer.step()`` returns (a post-step hook), so the
+    step time includes the data loading, forward and backward before it.
+    With a :func:`DistributedOptimizer` compressing gradients the compression
+    ratio is read from it.  ``options``: the other arguments of StepMetrics.
+    """
+    stats = getattr(optimizer, "compression_stats", None)
+    comm = comm if comm is not None else getattr(getattr(optimizer, "_hpctrain", None), "comm", None)
+    metrics = StepMetrics(comm, log_dir, samples_per_step, compression=stats, **options)
+    metrics.on_close.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: metrics.mark()).remove)
+    return metrics

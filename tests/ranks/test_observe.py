@@ -1,0 +1,174 @@
+"""Per-step metrics (hpctrain.observe) on every rank: straggler naming, sinks, report, the torch and Keras helpers."""
+import json
+import logging
+import os
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from hpctrain.observe import StepMetrics
+
+SLEEP = 0.06
+
+
+def shared_dir(comm):
+    """A folder every rank of this (one-machine) launch names alike: rank 0's fresh temporary folder."""
+    path = tempfile.mkdtemp(prefix="observe-") if comm.rank == 0 else None
+    return comm.broadcast_object(path, root=0)
+
+
+def straggling_run(comm, log_dir, steps=8, interval=4):
+    """Steps of a little work and one all-reduce; the last rank (of 2 or more) sleeps SLEEP in each step first."""
+    metrics = StepMetrics(comm, log_dir, samples_per_step=16, interval=interval, straggler_steps=3)
+    x = np.arange(4096, dtype=np.float32)
+    for _ in range(steps):
+        if comm.size > 1 and comm.rank == comm.size - 1:
+            time.sleep(SLEEP)
+        y = comm.allreduce(x * 2)
+        assert y[1] == 2 * comm.size
+        metrics.mark()
+    metrics.close()
+    return metrics
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_sleeps_is_named_a_straggler_on_every_rank(comm, caplog):
+    with caplog.at_level(logging.WARNING, logger="hpctrain.observe"):
+        m = straggling_run(comm, None)
+    assert m.step == 8 and m.latest["step"] == 8
+    slow = comm.size - 1
+    if comm.size == 1:
+        assert m.stragglers == [] and not caplog.records
+        return
+    # The sleeping rank's own work holds its sleep; the others wait for it in the all-reduce, blocked.
+    if comm.rank == slow:
+        assert m.latest["busy_s"] >= SLEEP * 0.9, m.latest
+    else:
+        assert m.latest["exposed_comm_s"] >= SLEEP * 0.5 and m.latest["busy_s"] < SLEEP / 2, m.latest
+    assert [e["rank"] for e in m.stragglers] == [slow], m.stragglers
+    assert m.stragglers[0]["step_last"] - m.stragglers[0]["step_first"] == 2
+    assert m.stragglers[0]["ratio"] >= 1.5
+    warned = [r.getMessage() for r in caplog.records]
+    if comm.rank == 0:
+        assert len(warned) == 1 and f"rank {slow} is a straggler" in warned[0], warned
+    else:
+        assert warned == []
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_writes_csv_jsonl_and_tensorboard_and_the_report_draws_them(comm):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hpctrain.observe.report import read_run, write_report
+
+    folder = shared_dir(comm)
+    m = straggling_run(comm, folder, steps=7, interval=3)
+    comm.barrier()
+    if comm.rank != 0:
+        assert m.rows == []
+        return
+    run = read_run(folder)
+    assert [int(r["step"]) for r in run["steps"]] == list(range(1, 8))
+    assert [r["step"] for r in m.rows] == list(range(1, 8))
+    for row, mine in zip(run["steps"], m.rows):
+        assert row["samples"] == 16 * comm.size
+        assert row["step_s_max"] >= row["step_s"] > 0
+        assert row["bytes_per_rank"] == 4096 * 4               # one float32 all-reduce of 4096 per step
+        assert row["slowest_rank"] == mine["slowest_rank"]
+        if comm.size > 1:
+            assert row["slowest_rank"] == comm.size - 1 and row["busy_spread"] >= 1.5
+    with open(os.path.join(folder, "steps.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    assert [r["step"] for r in lines] == list(range(1, 8))
+    # windows of 3, 3 and the last 1 step: one row per rank each, with the resource sample
+    assert len(run["ranks"]) == 3 * comm.size
+    assert sorted({r["rank"] for r in run["ranks"]}) == list(range(comm.size))
+    assert all(r["rss_bytes"] > 10 * 2**20 and r["cpu_percent"] >= 0 for r in run["ranks"])
+    assert len(run["stragglers"]) == (1 if comm.size > 1 else 0)
+    acc = EventAccumulator(os.path.join(folder, "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("steps/step_s")
+    assert [e.step for e in events] == list(range(1, 8))
+    np.testing.assert_allclose([e.value for e in events], [r["step_s"] for r in lines], rtol=1e-6)
+    assert len(acc.Scalars(f"ranks/busy_s_mean/rank{comm.size - 1}")) == 3
+    written = write_report(folder)
+    for name in ("step_time.png", "throughput.png", "communication.png", "rank_spread.png", "resources.png"):
+        path = os.path.join(folder, name)
+        assert path in written
+        import matplotlib.image
+        assert matplotlib.image.imread(path).shape[0] > 100
+    summary = open(os.path.join(folder, "summary.md")).read()
+    assert "| 7 |" in summary
+    if comm.size > 1:
+        assert f"- rank {comm.size - 1}:" in summary
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_mark_different_numbers_of_steps_get_an_error_naming_them_not_a_hang(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    m = StepMetrics(comm, None, interval=2, resources=False)
+    m.mark()
+    with pytest.raises(RuntimeError, match="marked different steps") as err:
+        if comm.rank == 0:
+            m.mark()            # its window is full: it gathers steps 1-2
+        else:
+            m.close()           # the others stop after step 1: they gather a window of 1
+    others = ", ".join(f"rank {r}: steps 1-1" for r in range(1, comm.size))
+    assert f"(rank 0: steps 1-2, {others})" in str(err.value), str(err.value)
+    m.close()
+
+
+@pytest.mark.timeout(120)
+def test_torch_track_steps_counts_optimizer_steps_bytes_and_the_compression_ratio(comm):
+    import torch
+
+    import hpctrain.compression as hc
+    import hpctrain.torch as ht
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 8, bias=False))
+    numel = sum(p.numel() for p in model.parameters())
+    opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), compression=hc.get("fp16"),
+                                  compression_policy=hc.Policy(min_numel=0))
+    metrics = ht.track_steps(opt, samples_per_step=8, interval=3)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+    metrics.close()
+    assert metrics.step == 5
+    opt.step()                                   # the hook is gone after close()
+    assert metrics.step == 5
+    # fp16 sends 2 of float32's 4 bytes for every parameter the policy compresses (here all of them)
+    assert metrics.latest["compression_ratio"] == pytest.approx(2.0)
+    if comm.size > 1:
+        assert metrics.latest["bytes"] >= numel * 2
+    assert metrics.postfix()["samples/s"]
+
+
+@pytest.mark.timeout(180)
+def test_keras_step_metrics_callback_marks_every_batch_and_logs_the_comm_share(comm):
+    import keras
+
+    import hpctrain.tensorflow.keras as hk
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    seen = []
+
+    class Logs(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(dict(logs))
+
+    x, y = np.random.default_rng(0).normal(size=(40, 8)), np.zeros((40, 4))
+    cb = hk.StepMetricsCallback(samples_per_step=10, interval=2)
+    model.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=[cb, Logs()])
+    assert cb.metrics.step == 8
+    assert len(seen) == 8 and all(0 <= s["comm_share"] <= 1 and s["samples_per_s"] > 0 for s in seen)
+    if comm.size > 1:
+        assert cb.metrics.latest["bytes"] >= (8 * 4 + 4) * 4    # the gradients all-reduced every step
