@@ -98,6 +98,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "(a mismatch is an error on every rank)"),
     Setting("HPCTRAIN_COMM_LOG", "flag", False, "log every collective's count, bytes, latency, algbw and busbw "
             "per size bucket; rank 0 prints the table at shutdown (hpctrain.comm.comm_log)"),
+    Setting("HPCTRAIN_TIMELINE", "text", "", "file of a Chrome-trace timeline of every rank (collectives and "
+            "their phases, fusion, compression, forward/backward/step, checkpoint saves), written by rank 0 at "
+            "shutdown (hpctrain.comm.timeline); empty: off"),
     Setting("HPCTRAIN_STALL_WARNING_S", "seconds", 60.0, "log the collective a rank waits in, and the ranks "
             "that have not joined, after this long", minimum=1e-3),
     Setting("HPCTRAIN_STALL_TIMEOUT_S", "seconds", 600.0, "abort the whole job when a collective waits this "

@@ -79,6 +79,10 @@ def init(backend: str = "auto") -> Communicator:
         else:
             from .comm import local as impl
         _world = impl.init_world(config)
+        if config.timeline:       # every rank's timeline, merged into one file by rank 0 at shutdown
+            from .comm.timeline import write_trace
+            w = _world
+            w._rt.before_close.append(lambda: write_trace(w, config.timeline))
         if _world.backend != "local":
             _install_excepthook(_world)
             _install_atexit()

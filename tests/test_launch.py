@@ -246,3 +246,18 @@ def test_hpctrain_report_draws_a_run_folder_and_refuses_a_folder_without_one(tmp
     assert "| 5 |" in (tmp_path / "plots" / "summary.md").read_text()
     missing = run([str(BIN / "hpctrain"), "report", str(tmp_path / "plots")], base_env(), 60)
     assert missing.returncode == 2 and "has no steps.csv" in missing.stdout, missing.stdout
+
+
+def test_timeline_setting_writes_one_trace_of_every_rank_at_shutdown(tmp_path):
+    import json
+
+    path = tmp_path / "trace.json"
+    code = ("import numpy as np, hpctrain; c = hpctrain.init(); c.allreduce(np.ones(1000)); "
+            "c.allgather(np.ones(3) * c.rank); hpctrain.shutdown()")
+    result = run([str(BIN / "hpctrain"), "launch", "-n", "2", "python", "-c", code],
+                 base_env(HPCTRAIN_TIMELINE=str(path)), 120)
+    assert result.returncode == 0, result.stdout
+    trace = json.loads(path.read_text())
+    for rank in (0, 1):
+        calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank and e["cat"] == "collective"]
+        assert [(e["name"], e["args"]["bytes"]) for e in calls] == [("allreduce", 8000), ("allgather", 48)], calls

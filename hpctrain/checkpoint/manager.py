@@ -42,6 +42,7 @@ import numpy as np
 
 from .. import settings
 from ..agreement import check_same
+from ..comm.timeline import span_of
 from ..errors import CheckpointError
 from .hostcopy import HostCopier, default_copy_threads
 from .layout import Sharded, by_rank, compare_replicas, write_files, write_manifest
@@ -202,8 +203,9 @@ class CheckpointManager:
                or (self.every_steps is not None and step % self.every_steps == 0))
         started = due and step != self._last_step     # never the same step twice
         if started:
-            self._finish_pending()
-            self._start(step, state)
+            with span_of(self.comm, "checkpoint save", "checkpoint", step=step):
+                self._finish_pending()
+                self._start(step, state)
         if preempt:
             self.wait()
             self.preempted = True

@@ -88,6 +88,13 @@ class Communicator(Primitives):
         communicators): ``start()``, ``stop()``, ``rows()``, ``table()``; on from the start with HPCTRAIN_COMM_LOG=1."""
         return self._rt.comm_log
 
+    @property
+    def timeline(self):
+        """This rank's timeline recorder (a :class:`~hpctrain.comm.timeline.Timeline`, shared by the world's
+        communicators): ``start()``, ``stop()``, ``span()``; on from the start with HPCTRAIN_TIMELINE=path.
+        :func:`hpctrain.comm.timeline.write_trace` merges the ranks' into one file."""
+        return self._rt.timeline
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} rank {self._rank} of {self._size}>"
 
@@ -110,7 +117,7 @@ class Communicator(Primitives):
         buffers the reduction then runs in ``x``'s own memory, saving a copy and
         an allocation of the buffer's size.  Do not touch ``x`` until it is done.
         """
-        if type(x) is np.ndarray and not inplace and not self._rt.comm_log.on:   # a repeated small call: lean path
+        if type(x) is np.ndarray and not inplace and not (self._rt.comm_log.on or self._rt.timeline.on):   # lean path
             seen = self._reductions.seen.get((x.dtype, x.shape, op, algorithm))
             if seen is not None and seen[2] is not None and x.flags.c_contiguous:
                 return seen[2](x)
@@ -331,25 +338,34 @@ class Communicator(Primitives):
 
     def _task(self, call: Call, work: Optional[Callable[[], Any]]) -> Callable[[], Any]:
         riding = work if isinstance(work, Riding) else None
+        rt = self._rt
 
-        def task():
-            if self._size > 1 and (self._rt.config.check or riding is not None):
+        def task(checked=None):
+            if self._size > 1 and (rt.config.check or riding is not None):
                 verdict = self._exchange_calls(call, riding)
                 if verdict:
                     raise CollectiveMismatchError(verdict)
-                self._rt.note_waiting("all ranks joined; the data transfer has not finished")
+                rt.note_waiting("all ranks joined; the data transfer has not finished")
+            if checked is not None:
+                checked.append(time.perf_counter())
             return riding.finish() if riding is not None else work()
 
-        log = self._rt.comm_log
-        if not log.on:
+        log, tl = rt.comm_log, rt.timeline
+        if not (log.on or tl.on):
             return task
+        issued = time.perf_counter()
 
-        def logged():
-            start = time.perf_counter()
-            out = task()
-            log.record(call.kind, self._size, call_bytes(call, self._size), time.perf_counter() - start)
+        def observed():
+            marks = [time.perf_counter()]
+            out = task(marks)
+            end = time.perf_counter()
+            nbytes = call_bytes(call, self._size)
+            if log.on:
+                log.record(call.kind, self._size, nbytes, end - marks[0])
+            if tl.on:
+                tl.collective(call, self.name, nbytes, issued, marks[0], marks[1], end)
             return out
-        return logged
+        return observed
 
     def _check_rank(self, value, what) -> None:
         """Raise ValueError unless ``value`` is a rank of this communicator (``what``: "root", "dest", ...)."""

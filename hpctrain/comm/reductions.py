@@ -218,28 +218,38 @@ class Reductions:
     def _do_grouped(self, arrs: List[np.ndarray], groups, algs: List[str], op: str,
                     inplace: bool = False) -> List[np.ndarray]:
         outs: List[Optional[np.ndarray]] = [None] * len(arrs)
+        tl = self._c._rt.timeline
         for g, alg in zip(groups, algs):
             dtype = arrs[g.members[0]].dtype
-            if self.shared_alg(alg) and self._c._size > 1:
-                members = [arrs[i] for i in g.members]
-                if inplace and accumulation_dtype(dtype) == dtype and _disjoint(members):
-                    # the results go straight into the inputs (each part is read before it is written):
-                    # no result buffer and nothing to copy back; with direct copies, no copy at all
-                    self._c._allreduce_shared(Flat(members), Flat(members), op, alg, self._divisor(op))
-                    for i in g.members:
-                        outs[i] = arrs[i]
-                    continue
-                # the results are views of one buffer from the result pool: no page faults once it is warm,
-                # and the buffer is reused only when the caller has dropped all of them
-                acc = self.results.empty(g.numel, accumulation_dtype(dtype))
-                self._c._allreduce_shared(Flat(members), Flat([acc]), op, alg, self._divisor(op))
-                for i, off, n in zip(g.members, g.offsets, g.numels):
-                    outs[i] = finish(acc[off:off + n], op, 1, dtype).reshape(arrs[i].shape)   # (divided already)
-                continue
-            flat = self._do_allreduce(self.fusion.pack(arrs, g), op, alg, inplace=True)
-            for i, off, n in zip(g.members, g.offsets, g.numels):
-                outs[i] = flat[off:off + n].reshape(arrs[i].shape).copy()
+            if tl.on:
+                with tl.span("fusion buffer", "fusion", tensors=len(g.members), bytes=int(g.numel * dtype.itemsize),
+                             dtype=str(dtype), algorithm=alg):
+                    self._do_group(arrs, outs, g, alg, dtype, op, inplace)
+            else:
+                self._do_group(arrs, outs, g, alg, dtype, op, inplace)
         return outs
+
+    def _do_group(self, arrs, outs, g, alg: str, dtype, op: str, inplace: bool) -> None:
+        """All-reduce one fusion group of ``arrs`` and put its members' results into ``outs``."""
+        if self.shared_alg(alg) and self._c._size > 1:
+            members = [arrs[i] for i in g.members]
+            if inplace and accumulation_dtype(dtype) == dtype and _disjoint(members):
+                # the results go straight into the inputs (each part is read before it is written):
+                # no result buffer and nothing to copy back; with direct copies, no copy at all
+                self._c._allreduce_shared(Flat(members), Flat(members), op, alg, self._divisor(op))
+                for i in g.members:
+                    outs[i] = arrs[i]
+                return
+            # the results are views of one buffer from the result pool: no page faults once it is warm,
+            # and the buffer is reused only when the caller has dropped all of them
+            acc = self.results.empty(g.numel, accumulation_dtype(dtype))
+            self._c._allreduce_shared(Flat(members), Flat([acc]), op, alg, self._divisor(op))
+            for i, off, n in zip(g.members, g.offsets, g.numels):
+                outs[i] = finish(acc[off:off + n], op, 1, dtype).reshape(arrs[i].shape)   # (divided already)
+            return
+        flat = self._do_allreduce(self.fusion.pack(arrs, g), op, alg, inplace=True)
+        for i, off, n in zip(g.members, g.offsets, g.numels):
+            outs[i] = flat[off:off + n].reshape(arrs[i].shape).copy()
 
     def plan_reduce_scatter(self, x, op, algorithm) -> Plan:
         def build(seq):

@@ -31,6 +31,7 @@ from typing import Callable, Optional, Tuple, Union
 
 from .. import settings
 from .comm_log import CommLog
+from .timeline import Timeline
 
 __all__ = ["Config", "Runtime", "Lane", "InFlight"]
 
@@ -44,6 +45,7 @@ class Config:
 
     check: bool = settings.default("HPCTRAIN_CHECK")
     comm_log: bool = settings.default("HPCTRAIN_COMM_LOG")
+    timeline: str = settings.default("HPCTRAIN_TIMELINE")
     stall_warning_s: float = settings.default("HPCTRAIN_STALL_WARNING_S")
     stall_timeout_s: float = settings.default("HPCTRAIN_STALL_TIMEOUT_S")
     ring_chunk_bytes: int = settings.default("HPCTRAIN_RING_CHUNK_BYTES")
@@ -226,6 +228,7 @@ class Runtime:
         self.departures = None         # a departures.Departures where the backend sends leaving notices
         self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
         self.comm_log = CommLog(on=config.comm_log)     # see comm_log.py
+        self.timeline = Timeline(on=bool(config.timeline))   # see timeline.py
         self._closed = False
         self._watchdog = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._watchdog.start()

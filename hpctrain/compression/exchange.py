@@ -33,6 +33,13 @@ import numpy as np
 
 from .base import Compressor, Policy
 
+
+def _on_timeline(comm, name: str, started: float, **args) -> None:
+    """Put a span from ``started`` until now on the communicator's timeline, when it records."""
+    tl = getattr(comm, "timeline", None)      # (hpctrain.horovod's negotiated communicator has none)
+    if tl is not None and tl.on:
+        tl.add(name, "compression", started, time.perf_counter(), args)
+
 __all__ = ["CompressedReducer", "Pending", "pack_payloads", "unpack_payloads"]
 
 _WIRE_DTYPES = [np.dtype(t) for t in (np.float32, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32,
@@ -169,6 +176,7 @@ class CompressedReducer:
             else:
                 finishers.append(self._start_standard(items, op))
             t["compress_s"] += time.perf_counter() - started
+            _on_timeline(self.comm, "compress", started, compressor=comp.name, tensors=len(packed))
 
         def finish():
             for f in finishers:
@@ -204,6 +212,7 @@ class CompressedReducer:
                     k += len(payload)
                     a.reshape(-1)[...] = comp.finish(total, comm.size, op)
                 t["decompress_s"] += time.perf_counter() - started
+                _on_timeline(comm, "decompress", started, compressor=comp.name, tensors=len(items))
             return finish_allreduce
 
         if comp.communication != "allgather":
@@ -229,4 +238,5 @@ class CompressedReducer:
                     total = part.astype(np.float32, copy=True) if total is None else np.add(total, part, out=total)
                 a.reshape(-1)[...] = comp.finish(total, comm.size, op)
             t["decompress_s"] += time.perf_counter() - started
+            _on_timeline(comm, "decompress", started, compressor=comp.name, tensors=len(items))
         return finish_allgather

@@ -1,5 +1,7 @@
-"""See what a run does: per-step metrics with stragglers and resource use (steps.py), their files (sinks.py), plots (report.py)."""
+"""See what a run does: per-step metrics with stragglers and resource use (steps.py), their files (sinks.py),
+plots (report.py); the timeline (recorded by the communicator: :mod:`hpctrain.comm.timeline`)."""
+from ..comm.timeline import Timeline, write_trace
 from .resources import ResourceSampler
 from .steps import StepMetrics
 
-__all__ = ["ResourceSampler", "StepMetrics"]
+__all__ = ["ResourceSampler", "StepMetrics", "Timeline", "write_trace"]

@@ -16,6 +16,7 @@ compiles with XLA by default on GPUs, which cannot run that op: pass
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, Optional
 
 import keras
@@ -26,7 +27,8 @@ from .ops import average_gradients
 from .tape import _name
 
 __all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
-           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "StepMetricsCallback"]
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "StepMetricsCallback",
+           "TimelineCallback"]
 
 _CLASSES: Dict[type, type] = {}
 
@@ -170,3 +172,28 @@ class StepMetricsCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.metrics.close()
+
+
+class TimelineCallback(keras.callbacks.Callback):
+    """Put every ``model.fit`` batch on the timeline as a "train step" span (while it records).
+
+    Keras runs forward, backward and the update inside one compiled step, so
+    the step is the finest span it has; the gradient all-reduce inside it
+    (and checkpoint saves) are recorded by the core.  Turn the timeline on
+    with HPCTRAIN_TIMELINE=path or ``comm.timeline.start()``.
+    """
+
+    def __init__(self, comm=None):
+        super().__init__()
+        self.comm = comm
+        self._started = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        from ..world import comm_or_world
+
+        self._timeline = comm_or_world(self.comm).timeline
+        self._started = time.perf_counter() if self._timeline.on else None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._started is not None:
+            self._timeline.add("train step", "keras", self._started, time.perf_counter(), {"batch": int(batch)})

@@ -13,10 +13,10 @@ from .state_broadcast import allreduce, average_metrics, broadcast_optimizer_sta
 from .joining import Join
 from .optimizer import DistributedOptimizer
 from .pipeline import Pipeline, PipelineError
-from .step_metrics import track_steps
+from .observe import trace_forward, track_steps
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .tensor_parallel import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "allreduce",
            "average_metrics", "Join", "SyncBatchNorm", "convert_sync_batchnorm", "Pipeline", "PipelineError",
-           "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "track_steps"]
+           "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "track_steps", "trace_forward"]

@@ -15,6 +15,7 @@ bucket.
 """
 from __future__ import annotations
 
+import time
 from typing import List
 
 import numpy as np
@@ -115,10 +116,14 @@ class GradientSync:
                 f"after every {self.k} backward pass(es), or accumulate inside optimizer.no_sync()")
         self.in_backward = True
         self.passes += 1
+        self.backward_started = time.perf_counter()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         self.in_backward = False
+        timeline = getattr(self.comm, "timeline", None)
+        if timeline is not None and timeline.on:   # from the first gradient hook of the pass to its end
+            timeline.add("backward", "torch", self.backward_started, time.perf_counter(), {"pass": self.passes})
         if self._final_pass():
             self._launch_upto(len(self.buckets))
 

@@ -151,8 +151,14 @@ class _DistributedMixin:
 
     def step(self, closure=None):
         """Wait for the averaged gradients (unless already synchronized or skipped), then step."""
-        self._before_step()
-        return super().step(closure)
+        timeline = getattr(self._hpctrain.comm, "timeline", None)
+        if timeline is None or not timeline.on:
+            self._before_step()
+            return super().step(closure)
+        with timeline.span("synchronize gradients", "torch"):
+            self._before_step()
+        with timeline.span("optimizer step", "torch"):
+            return super().step(closure)
 
     def _before_step(self) -> None:
         sync = self._hpctrain

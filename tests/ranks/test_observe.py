@@ -172,3 +172,133 @@ def test_keras_step_metrics_callback_marks_every_batch_and_logs_the_comm_share(c
     assert len(seen) == 8 and all(0 <= s["comm_share"] <= 1 and s["samples_per_s"] > 0 for s in seen)
     if comm.size > 1:
         assert cb.metrics.latest["bytes"] >= (8 * 4 + 4) * 4    # the gradients all-reduced every step
+
+
+def merged_trace(comm, folder):
+    """Write the ranks' timelines with write_trace and return rank 0's parsed file (None on other ranks)."""
+    from hpctrain.observe import write_trace
+
+    comm.timeline.stop()
+    path = os.path.join(folder, "trace.json")
+    written = write_trace(comm, path)
+    comm.timeline.clear()
+    if comm.rank != 0:
+        assert written is None
+        return None
+    assert written == path
+    with open(path) as f:
+        return json.load(f)
+
+
+def spans(trace, rank, cat=None):
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank and (cat is None or e["cat"] == cat)]
+
+
+@pytest.mark.timeout(60)
+def test_timeline_has_every_ranks_collectives_with_their_phases_and_fusion_buffers(comm):
+    folder = shared_dir(comm)
+    tl = comm.timeline
+    tl.clear()
+    tl.start()
+    x = np.arange(4096, dtype=np.float32)
+    comm.allreduce(x)
+    comm.allreduce_async(x).wait()
+    comm.grouped_allreduce([x[:100], x[:300].astype(np.float64), x[:50]])
+    tl.stop()
+    comm.allreduce(x)                    # not recorded: the timeline is off
+    tl.start()
+    comm.broadcast(x, root=comm.size - 1)
+    trace = merged_trace(comm, folder)
+    if trace is None:
+        return
+    assert {e["pid"] for e in trace["traceEvents"]} == set(range(comm.size))
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(comm.size)}
+    per_rank = {r: spans(trace, r, "collective") for r in range(comm.size)}
+    for r, calls in per_rank.items():
+        assert [c["name"] for c in calls] == ["allreduce", "allreduce", "grouped_allreduce", "broadcast"], calls
+        assert [c["args"]["bytes"] for c in calls] == [16384, 16384, (100 + 300 + 50) * 8, 16384]
+        assert calls[0]["args"]["dtype"] == "float32" and calls[0]["args"]["algorithm"]
+        phases = spans(trace, r, "collective phase")
+        for c in calls:
+            inside = [p for p in phases if p["args"]["seq"] == c["args"]["seq"] and p["name"] != "queued"]
+            assert [p["name"] for p in inside] == ["waiting for peers", "transfer and reduce"], inside
+            for p in inside:
+                assert c["ts"] - 1 <= p["ts"] and p["ts"] + p["dur"] <= c["ts"] + c["dur"] + 1
+        fused = spans(trace, r, "fusion")
+        assert sum(f["args"]["tensors"] for f in fused) == 3 and {f["args"]["dtype"] for f in fused} == \
+            {"float32", "float64"}
+        tids = {e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name" and e["pid"] == r}
+        assert {e["tid"] for e in spans(trace, r)} <= tids
+    # Clocks aligned: no rank's wait for its peers ends before another rank has started that collective.
+    for i in range(4):
+        starts = [per_rank[r][i]["ts"] for r in range(comm.size)]
+        for r in range(comm.size):
+            seq = per_rank[r][i]["args"]["seq"]
+            wait = [p for p in spans(trace, r, "collective phase") if p["args"]["seq"] == seq
+                    and p["name"] == "waiting for peers"][0]
+            assert wait["ts"] + wait["dur"] >= max(starts) - 2000, (i, r, wait, starts)   # 2 ms: barrier spread
+
+
+@pytest.mark.timeout(120)
+def test_timeline_marks_forward_backward_step_compression_and_checkpoint_saves_of_torch(comm):
+    import torch
+
+    import hpctrain.compression as hc
+    import hpctrain.torch as ht
+    from hpctrain.checkpoint import CheckpointManager
+
+    folder = shared_dir(comm)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), compression=hc.get("fp16"),
+                                  compression_policy=hc.Policy(min_numel=0))
+    hooks = ht.trace_forward(model)
+    manager = CheckpointManager(os.path.join(folder, "ckpt"))
+    comm.timeline.start()
+    for step in (1, 2):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+    manager.save(2, {"model": model})
+    manager.close()
+    for h in hooks:
+        h.remove()
+    trace = merged_trace(comm, folder)
+    if trace is None:
+        return
+    for r in range(comm.size):
+        got = spans(trace, r)
+        count = {name: sum(e["name"] == name for e in got) for name in
+                 ("forward", "backward", "synchronize gradients", "optimizer step", "compress", "decompress",
+                  "checkpoint save")}
+        assert count == {"forward": 2, "backward": 2, "synchronize gradients": 2, "optimizer step": 2,
+                         "compress": 2, "decompress": 2, "checkpoint save": 1}, count
+        order = [e["name"] for e in sorted(got, key=lambda e: e["ts"]) if e["cat"] == "torch"]
+        assert order == ["forward", "backward", "synchronize gradients", "optimizer step"] * 2, order
+
+
+@pytest.mark.timeout(120)
+def test_keras_timeline_callback_marks_every_train_step(comm):
+    import keras
+
+    import hpctrain.tensorflow.keras as hk
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = np.random.default_rng(0).normal(size=(30, 8)), np.zeros((30, 4))
+    comm.timeline.clear()
+    comm.timeline.start()
+    model.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=[hk.TimelineCallback()])
+    comm.timeline.stop()
+    events = comm.timeline.trace_events(comm.rank, 0.0, 0.0)
+    comm.timeline.clear()
+    steps = [e for e in events if e.get("cat") == "keras"]
+    assert [e["args"]["batch"] for e in steps] == [0, 1, 2] * 2
+    reductions = [e for e in events if e.get("cat") == "collective" and e["name"] == "grouped_allreduce"]
+    if comm.size > 1:   # the gradient all-reduce of each step lies inside that step's span
+        assert len(reductions) == 6
+        for step, red in zip(steps, reductions):
+            assert step["ts"] <= red["ts"] and red["ts"] + red["dur"] <= step["ts"] + step["dur"]

@@ -1,13 +1,16 @@
-"""Turn on per-step metrics (:mod:`hpctrain.observe`) for a torch training loop in one line."""
+"""Per-step metrics (:mod:`hpctrain.observe`) and forward spans on the timeline for a torch training loop."""
 from __future__ import annotations
 
 from typing import Optional
+
+import time
+from typing import List
 
 import torch
 
 from ..observe import StepMetrics
 
-__all__ = ["track_steps"]
+__all__ = ["trace_forward", "track_steps"]
 
 
 def track_steps(optimizer: torch.optim.Optimizer, log_dir: Optional[str] = None,
@@ -31,3 +34,26 @@ def track_steps(optimizer: torch.optim.Optimizer, log_dir: Optional[str] = None,
     metrics = StepMetrics(comm, log_dir, samples_per_step, compression=stats, **options)
     metrics.on_close.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: metrics.mark()).remove)
     return metrics
+
+
+def trace_forward(model: torch.nn.Module, comm=None) -> List:
+    """Put each ``model(...)`` call on the timeline as a "forward" span (while the timeline records).
+
+    The DistributedOptimizer already marks backward, gradient synchronisation
+    and the optimizer step.  Returns the two hook handles (``.remove()``).
+    Cost while the timeline is off: one attribute test per forward.
+    """
+    from ..world import comm_or_world
+
+    timeline = comm_or_world(comm).timeline
+    started: List[float] = []
+
+    def before(module, args):
+        if timeline.on:
+            started.append(time.perf_counter())
+
+    def after(module, args, output):
+        if started:
+            timeline.add("forward", "torch", started.pop(), time.perf_counter(), {"module": type(module).__name__})
+
+    return [model.register_forward_pre_hook(before), model.register_forward_hook(after)]

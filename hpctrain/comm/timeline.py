@@ -1,0 +1,170 @@
+"""A timeline of what every rank did: a Chrome trace-event JSON file that Perfetto and chrome://tracing load.
+
+Each rank records spans (complete events, ``"ph": "X"``) while its timeline
+is on: every collective of the communicator (its kind, bytes, dtype, shape,
+op and algorithm) split into its phases
+
+* ``queued``: from the call until the collective lane starts it (earlier
+  asynchronous calls run first);
+* ``waiting for peers``: the call check, which ends when every rank has
+  arrived (with small calls the data rides along);
+* ``transfer and reduce``: the algorithm's own work;
+
+each fusion buffer of a grouped all-reduce, gradient compression and
+decompression, and, through the adapters, forward (torch, with
+:func:`hpctrain.torch.trace_forward`), backward and optimizer step (torch's
+DistributedOptimizer), train steps (Keras, ``StepMetricsCallback``) and
+checkpoint saves.  Rows: one process per rank (``rank <r>``), one thread row
+per Python thread (the caller's, the collective lane).
+
+:func:`write_trace` (a collective: every rank calls it; ``hpctrain.shutdown()``
+does it when ``HPCTRAIN_TIMELINE=path`` is set) sends every rank's events to
+rank 0, which writes one file.  Clocks: each rank's ``perf_counter`` is
+aligned at the exit of a barrier just before the merge, so the ranks' rows
+agree to within the barrier's exit spread (microseconds on a node, a network
+latency across nodes) whatever the nodes' wall clocks say; each rank's wall
+clock offset from rank 0 is kept in ``otherData``.  Switch it at run time
+with ``comm.timeline.start()`` / ``.stop()``.
+
+It lives with the communicator (as the communication log does) because every
+collective records into it; :mod:`hpctrain.observe` re-exports it.
+Cost while on: two clock reads and a tuple per span (a collective makes
+four); while off: one attribute test per collective.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["Timeline", "span_of", "write_trace"]
+
+_TAG = 0x71E1          # point-to-point tag of the events sent to rank 0
+_OFF = contextlib.nullcontext()
+
+
+class _Span:
+    __slots__ = ("tl", "name", "cat", "args", "start")
+
+    def __init__(self, tl, name, cat, args):
+        self.tl, self.name, self.cat, self.args = tl, name, cat, args
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.tl.add(self.name, self.cat, self.start, time.perf_counter(), self.args)
+        return False
+
+
+class Timeline:
+    """One rank's recorder (shared by the communicators of its world): spans in ``perf_counter`` seconds."""
+
+    def __init__(self, on: bool = False):
+        self.on = on
+        self._lock = threading.Lock()
+        self._events: List[Tuple] = []
+        self._threads: Dict[int, Tuple[int, str]] = {}
+
+    def start(self) -> None:
+        """Record from now on."""
+        self.on = True
+
+    def stop(self) -> None:
+        """Stop recording (what was recorded stays until :meth:`clear` or the file is written)."""
+        self.on = False
+
+    def clear(self) -> None:
+        """Forget what was recorded."""
+        with self._lock:
+            self._events.clear()
+
+    def span(self, name: str, cat: str, **args):
+        """A context manager that records ``name`` around its block (nothing while off)."""
+        return _Span(self, name, cat, args) if self.on else _OFF
+
+    def add(self, name: str, cat: str, start: float, end: float, args: Optional[dict] = None) -> None:
+        """Record a span of the calling thread from ``start`` to ``end`` (``time.perf_counter()`` values)."""
+        ident = threading.get_ident()
+        with self._lock:
+            tid = self._threads.get(ident)
+            if tid is None:
+                tid = self._threads[ident] = (len(self._threads), threading.current_thread().name)
+            self._events.append((name, cat, start, end, tid[0], args))
+
+    def collective(self, call, comm_name: str, nbytes: int, issued: float, start: float, checked: float,
+                   end: float) -> None:
+        """Record one collective and its phases (see the module docstring)."""
+        args = {"communicator": comm_name, "seq": call.seq, "bytes": nbytes, "dtype": call.dtype,
+                "shape": list(call.shape), "op": call.op, "algorithm": call.algorithm}
+        if start - issued > 20e-6:
+            self.add("queued", "collective phase", issued, start, {"seq": call.seq})
+        self.add(call.kind, "collective", start, end, args)
+        self.add("waiting for peers", "collective phase", start, checked, {"seq": call.seq})
+        self.add("transfer and reduce", "collective phase", checked, end, {"seq": call.seq})
+
+    def trace_events(self, rank: int, zero: float, ts0_us: float) -> List[dict]:
+        """This rank's events in trace-event form: ``ts = ts0_us + (t - zero)`` microseconds."""
+        with self._lock:
+            events, threads = list(self._events), dict(self._threads)
+        out = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+               {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]
+        out += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+                for tid, name in threads.values()]
+        for name, cat, start, end, tid, args in events:
+            ev = {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": tid,
+                  "ts": round(ts0_us + (start - zero) * 1e6, 3), "dur": round(max(end - start, 0.0) * 1e6, 3)}
+            if args:
+                ev["args"] = args
+            out.append(ev)
+        return out
+
+
+def span_of(comm, name: str, cat: str, **args):
+    """``comm.timeline.span(...)``, or a context that records nothing when ``comm`` has no timeline (hpctrain.horovod's
+    negotiated communicator) or it is off."""
+    tl = getattr(comm, "timeline", None)
+    return tl.span(name, cat, **args) if tl is not None else _OFF
+
+
+def write_trace(comm, path: str) -> Optional[str]:
+    """Merge every rank's timeline into one Chrome trace file at ``path``, written by rank 0 (a collective).
+
+    Returns ``path`` on rank 0, None elsewhere.  Events stay recorded (call
+    ``comm.timeline.clear()`` to start afresh).  Cost: a barrier, an
+    all-gather of 8 bytes, and one message of each rank's events to rank 0.
+    """
+    tl = comm.timeline
+    recording, tl.on = tl.on, False          # (its own collectives stay off the timeline)
+    try:
+        comm.barrier()
+        zero, wall = time.perf_counter(), time.time()
+        walls = np.asarray(comm.allgather(np.array([wall], dtype=np.float64)), dtype=np.float64)
+    finally:
+        tl.on = recording
+    ts0_us = float(walls[0]) * 1e6           # every rank's barrier exit is rank 0's wall-clock instant
+    mine = tl.trace_events(comm.rank, zero, ts0_us)
+    if comm.rank != 0:
+        blob = json.dumps(mine).encode()
+        comm.send_async(np.frombuffer(blob, dtype=np.uint8), 0, _TAG, header=False).wait()
+        return None
+    events = mine
+    for r in range(1, comm.size):
+        events += json.loads(comm.recv_bytes(r, tag=_TAG).tobytes())
+    trace = {"traceEvents": events, "displayTimeUnit": "ms",
+             "otherData": {"producer": "hpctrain", "ranks": comm.size,
+                           "clock": "each rank's perf_counter aligned at a barrier's exit before the merge",
+                           "wall_clock_offset_s": [float(w - walls[0]) for w in walls]}}
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(trace, f)
+    os.replace(tmp, path)
+    return path
