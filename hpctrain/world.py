@@ -85,6 +85,7 @@ def init(backend: str = "auto") -> Communicator:
             w._rt.before_close.append(lambda: write_trace(w, config.timeline))
         if _world.backend != "local":
             _install_excepthook(_world)
+        if _world.backend != "local" or config.timeline:   # (a world of one writes its timeline at exit too)
             _install_atexit()
         return _world
 

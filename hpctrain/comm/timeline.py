@@ -29,7 +29,8 @@ with ``comm.timeline.start()`` / ``.stop()``.
 It lives with the communicator (as the communication log does) because every
 collective records into it; :mod:`hpctrain.observe` re-exports it.
 Cost while on: two clock reads and a tuple per span (a collective makes
-four); while off: one attribute test per collective.
+four), kept in memory (a few hundred bytes each) until the file is written;
+while off: one attribute test per collective.
 """
 from __future__ import annotations
 
