@@ -20,10 +20,10 @@ per Python thread (the caller's, the collective lane).
 :func:`write_trace` (a collective: every rank calls it; ``hpctrain.shutdown()``
 does it when ``HPCTRAIN_TIMELINE=path`` is set) sends every rank's events to
 rank 0, which writes one file.  Clocks: each rank's ``perf_counter`` is
-aligned at the exit of a barrier just before the merge, so the ranks' rows
-agree to within the barrier's exit spread (microseconds on a node, a network
-latency across nodes) whatever the nodes' wall clocks say; each rank's wall
-clock offset from rank 0 is kept in ``otherData``.  Switch it at run time
+aligned on rank 0's at the exits of barriers just before the merge, so the
+ranks' rows agree to within the barriers' exit spread (microseconds on a
+node, a network latency across nodes) whatever the nodes' wall clocks say;
+each rank's wall clock offset from rank 0 is kept in ``otherData``.  Switch it at run time
 with ``comm.timeline.start()`` / ``.stop()``.
 
 It lives with the communicator (as the communication log does) because every
@@ -46,6 +46,7 @@ import numpy as np
 __all__ = ["Timeline", "span_of", "write_trace"]
 
 _TAG = 0x71E1          # point-to-point tag of the events sent to rank 0
+_CLOCK_ROUNDS = 5      # barrier exits sampled to align the ranks' clocks (their median difference is used)
 _OFF = contextlib.nullcontext()
 
 
@@ -138,19 +139,27 @@ def write_trace(comm, path: str) -> Optional[str]:
     """Merge every rank's timeline into one Chrome trace file at ``path``, written by rank 0 (a collective).
 
     Returns ``path`` on rank 0, None elsewhere.  Events stay recorded (call
-    ``comm.timeline.clear()`` to start afresh).  Cost: a barrier, an
-    all-gather of 8 bytes, and one message of each rank's events to rank 0.
+    ``comm.timeline.clear()`` to start afresh).  Clocks: each rank reads its
+    ``perf_counter`` at the exit of 5 barriers; its shift from rank 0 is the
+    median difference (a rank descheduled at one exit does not skew it).
+    Cost: 5 barriers and all-gathers of 16 bytes, and one message of each
+    rank's events to rank 0.
     """
     tl = comm.timeline
     recording, tl.on = tl.on, False          # (its own collectives stay off the timeline)
     try:
-        comm.barrier()
-        zero, wall = time.perf_counter(), time.time()
-        walls = np.asarray(comm.allgather(np.array([wall], dtype=np.float64)), dtype=np.float64)
+        samples = []
+        for _ in range(_CLOCK_ROUNDS):
+            comm.barrier()
+            pc = time.perf_counter()
+            samples.append(np.asarray(comm.allgather(np.array([pc, time.time()], dtype=np.float64))).reshape(-1, 2))
     finally:
         tl.on = recording
-    ts0_us = float(walls[0]) * 1e6           # every rank's barrier exit is rank 0's wall-clock instant
-    mine = tl.trace_events(comm.rank, zero, ts0_us)
+    pcs = np.stack([s[:, 0] for s in samples])       # rounds x ranks: each rank's clock at each barrier's exit
+    shift = float(np.median(pcs[:, comm.rank] - pcs[:, 0]))   # this rank's clock minus rank 0's
+    pc0, wall0 = samples[-1][0]
+    ts0_us = float(wall0) * 1e6              # rank 0's wall clock at its last sample
+    mine = tl.trace_events(comm.rank, float(pc0) + shift, ts0_us)
     if comm.rank != 0:
         blob = json.dumps(mine).encode()
         comm.send_async(np.frombuffer(blob, dtype=np.uint8), 0, _TAG, header=False).wait()
@@ -161,7 +170,7 @@ def write_trace(comm, path: str) -> Optional[str]:
     trace = {"traceEvents": events, "displayTimeUnit": "ms",
              "otherData": {"producer": "hpctrain", "ranks": comm.size,
                            "clock": "each rank's perf_counter aligned at a barrier's exit before the merge",
-                           "wall_clock_offset_s": [float(w - walls[0]) for w in walls]}}
+                           "wall_clock_offset_s": [float(w - samples[-1][0, 1]) for w in samples[-1][:, 1]]}}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"

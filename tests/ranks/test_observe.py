@@ -237,7 +237,7 @@ def test_timeline_has_every_ranks_collectives_with_their_phases_and_fusion_buffe
             seq = per_rank[r][i]["args"]["seq"]
             wait = [p for p in spans(trace, r, "collective phase") if p["args"]["seq"] == seq
                     and p["name"] == "waiting for peers"][0]
-            assert wait["ts"] + wait["dur"] >= max(starts) - 2000, (i, r, wait, starts)   # 2 ms: barrier spread
+            assert wait["ts"] + wait["dur"] >= max(starts) - 5000, (i, r, wait, starts)   # 5 ms: barrier spread
 
 
 @pytest.mark.timeout(120)
