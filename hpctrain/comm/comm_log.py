@@ -27,10 +27,11 @@ per step.
 """
 from __future__ import annotations
 
-import threading
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+
+from .recorder import Recorder
 
 __all__ = ["CommLog", "bus_factor", "call_bytes"]
 
@@ -70,28 +71,17 @@ def _bucket(nbytes: int) -> int:
     return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
-class CommLog:
+class CommLog(Recorder):
     """The per-rank log (see the module docstring); thread-safe."""
 
     def __init__(self, on: bool = False):
-        self.on = on
-        self._lock = threading.Lock()
+        super().__init__(on)
         self._rows: Dict[Tuple[str, int, int], List[float]] = {}
         self._totals = [0, 0, 0.0, 0.0]      # calls, bytes, seconds, blocked seconds
 
-    def start(self) -> None:
-        """Record from now on."""
-        self.on = True
-
-    def stop(self) -> None:
-        """Stop recording (what was recorded stays)."""
-        self.on = False
-
-    def clear(self) -> None:
-        """Forget what was recorded."""
-        with self._lock:
-            self._rows.clear()
-            self._totals = [0, 0, 0.0, 0.0]
+    def _forget(self) -> None:
+        self._rows.clear()
+        self._totals = [0, 0, 0.0, 0.0]
 
     def record(self, kind: str, ranks: int, nbytes: int, seconds: float) -> None:
         """Add one call of ``kind`` on a communicator of ``ranks`` ranks that moved ``nbytes`` bytes in ``seconds``."""

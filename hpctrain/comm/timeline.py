@@ -43,6 +43,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .recorder import Recorder
+
 __all__ = ["Timeline", "span_of", "write_trace"]
 
 _TAG = 0x71E1          # point-to-point tag of the events sent to rank 0
@@ -65,27 +67,16 @@ class _Span:
         return False
 
 
-class Timeline:
+class Timeline(Recorder):
     """One rank's recorder (shared by the communicators of its world): spans in ``perf_counter`` seconds."""
 
     def __init__(self, on: bool = False):
-        self.on = on
-        self._lock = threading.Lock()
+        super().__init__(on)
         self._events: List[Tuple] = []
         self._threads: Dict[int, Tuple[int, str]] = {}
 
-    def start(self) -> None:
-        """Record from now on."""
-        self.on = True
-
-    def stop(self) -> None:
-        """Stop recording (what was recorded stays until :meth:`clear` or the file is written)."""
-        self.on = False
-
-    def clear(self) -> None:
-        """Forget what was recorded."""
-        with self._lock:
-            self._events.clear()
+    def _forget(self) -> None:
+        self._events.clear()
 
     def span(self, name: str, cat: str, **args):
         """A context manager that records ``name`` around its block (nothing while off)."""
