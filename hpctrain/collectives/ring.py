@@ -109,11 +109,20 @@ def ring_allreduce(acc: np.ndarray, op: str, t, chunk_elems: int) -> np.ndarray:
 
 
 def _run(links, acc: np.ndarray, op: str) -> np.ndarray:
-    return ring_allreduce(acc, op, links.transport, links.chunk_elems(acc.itemsize))
+    t = links.transport
+    if t.size == 1 or acc.size == 0:
+        return acc
+    bounds = segment_bounds(acc.size, t.size)
+    with links.phase("ring reduce-scatter (transfer, reduce)"):
+        ring_reduce_scatter(acc, bounds, op, t, links.chunk_elems(acc.itemsize))
+    with links.phase("ring all-gather (transfer)"):
+        ring_allgather_segments(acc, bounds, t)
+    return acc
 
 
 def _reduce_scatter(links, acc: np.ndarray, bounds: np.ndarray, op: str) -> np.ndarray:
-    ring_reduce_scatter(acc, bounds, op, links.transport, links.chunk_elems(acc.itemsize))
+    with links.phase("ring reduce-scatter (transfer, reduce)"):
+        ring_reduce_scatter(acc, bounds, op, links.transport, links.chunk_elems(acc.itemsize))
     return acc[bounds[links.rank]:bounds[links.rank + 1]]
 
 

@@ -47,6 +47,10 @@ class Links:
         """Overwrite the flat uint8 array ``raw`` with root's, in place."""
         self._comm._broadcast(raw, root)
 
+    def phase(self, name: str, **args):
+        """A context manager that puts the algorithm's phase ``name`` on the timeline (nothing while it is off)."""
+        return self._comm._rt.timeline.span(name, "collective phase", **args)
+
     def chunk_elems(self, itemsize: int) -> int:
         """Return the elements per message of a pipelined algorithm (``HPCTRAIN_RING_CHUNK_BYTES``)."""
         return self._comm._chunk_elems(itemsize)

@@ -208,6 +208,7 @@ def test_timeline_has_every_ranks_collectives_with_their_phases_and_fusion_buffe
     comm.allreduce(x)                    # not recorded: the timeline is off
     tl.start()
     comm.broadcast(x, root=comm.size - 1)
+    comm.allreduce(x, algorithm="ring")
     trace = merged_trace(comm, folder)
     if trace is None:
         return
@@ -216,26 +217,34 @@ def test_timeline_has_every_ranks_collectives_with_their_phases_and_fusion_buffe
     assert names == {r: f"rank {r}" for r in range(comm.size)}
     per_rank = {r: spans(trace, r, "collective") for r in range(comm.size)}
     for r, calls in per_rank.items():
-        assert [c["name"] for c in calls] == ["allreduce", "allreduce", "grouped_allreduce", "broadcast"], calls
-        assert [c["args"]["bytes"] for c in calls] == [16384, 16384, (100 + 300 + 50) * 8, 16384]
+        assert [c["name"] for c in calls] == ["allreduce", "allreduce", "grouped_allreduce", "broadcast",
+                                              "allreduce"], calls
+        assert [c["args"]["bytes"] for c in calls] == [16384, 16384, (100 + 300 + 50) * 8, 16384, 16384]
         assert calls[0]["args"]["dtype"] == "float32" and calls[0]["args"]["algorithm"]
+        assert calls[-1]["args"]["algorithm"] == "ring"
         phases = spans(trace, r, "collective phase")
         for c in calls:
-            inside = [p for p in phases if p["args"]["seq"] == c["args"]["seq"] and p["name"] != "queued"]
+            inside = [p for p in phases if p.get("args", {}).get("seq") == c["args"]["seq"] and p["name"] != "queued"]
             assert [p["name"] for p in inside] == ["waiting for peers", "transfer and reduce"], inside
             for p in inside:
                 assert c["ts"] - 1 <= p["ts"] and p["ts"] + p["dur"] <= c["ts"] + c["dur"] + 1
+        # the ring's own phases, inside its transfer (none on one rank: nothing to send)
+        ring = [p for p in phases if p["name"].startswith("ring ")]
+        assert [p["name"] for p in ring] == ([] if comm.size == 1 else
+                                             ["ring reduce-scatter (transfer, reduce)", "ring all-gather (transfer)"])
+        for p in ring:
+            assert calls[-1]["ts"] - 1 <= p["ts"] and p["ts"] + p["dur"] <= calls[-1]["ts"] + calls[-1]["dur"] + 1
         fused = spans(trace, r, "fusion")
         assert sum(f["args"]["tensors"] for f in fused) == 3 and {f["args"]["dtype"] for f in fused} == \
             {"float32", "float64"}
         tids = {e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name" and e["pid"] == r}
         assert {e["tid"] for e in spans(trace, r)} <= tids
     # Clocks aligned: no rank's wait for its peers ends before another rank has started that collective.
-    for i in range(4):
+    for i in range(5):
         starts = [per_rank[r][i]["ts"] for r in range(comm.size)]
         for r in range(comm.size):
             seq = per_rank[r][i]["args"]["seq"]
-            wait = [p for p in spans(trace, r, "collective phase") if p["args"]["seq"] == seq
+            wait = [p for p in spans(trace, r, "collective phase") if p.get("args", {}).get("seq") == seq
                     and p["name"] == "waiting for peers"][0]
             assert wait["ts"] + wait["dur"] >= max(starts) - 5000, (i, r, wait, starts)   # 5 ms: barrier spread
 
