@@ -8,7 +8,10 @@ op and algorithm) split into its phases
   asynchronous calls run first);
 * ``waiting for peers``: the call check, which ends when every rank has
   arrived (with small calls the data rides along);
-* ``transfer and reduce``: the algorithm's own work;
+* ``transfer and reduce``: the algorithm's own work (hpctrain's ring marks
+  its reduce-scatter and all-gather inside it; a shared-memory reduction
+  reads the peers' memory, so there transfer and reduction are one pass,
+  and a library call is opaque);
 
 each fusion buffer of a grouped all-reduce, gradient compression and
 decompression, and, through the adapters, forward (torch, with
