@@ -71,15 +71,20 @@ class _Span:
 
 
 class Timeline(Recorder):
-    """One rank's recorder (shared by the communicators of its world): spans in ``perf_counter`` seconds."""
+    """One rank's recorder (shared by the communicators of its world): spans in ``perf_counter`` seconds.
+
+    Recording appends one tuple (``list.append`` is atomic, so no lock is
+    taken on the way); names, rows and phases are worked out when the trace
+    is written.
+    """
 
     def __init__(self, on: bool = False):
         super().__init__(on)
         self._events: List[Tuple] = []
-        self._threads: Dict[int, Tuple[int, str]] = {}
+        self._names: Dict[int, str] = {}       # thread ident -> name, as first seen
 
     def _forget(self) -> None:
-        self._events.clear()
+        self._events = []
 
     def span(self, name: str, cat: str, **args):
         """A context manager that records ``name`` around its block (nothing while off)."""
@@ -88,37 +93,48 @@ class Timeline(Recorder):
     def add(self, name: str, cat: str, start: float, end: float, args: Optional[dict] = None) -> None:
         """Record a span of the calling thread from ``start`` to ``end`` (``time.perf_counter()`` values)."""
         ident = threading.get_ident()
-        with self._lock:
-            tid = self._threads.get(ident)
-            if tid is None:
-                tid = self._threads[ident] = (len(self._threads), threading.current_thread().name)
-            self._events.append((name, cat, start, end, tid[0], args))
+        if ident not in self._names:
+            self._names[ident] = threading.current_thread().name
+        self._events.append((name, cat, start, end, ident, args))
 
     def collective(self, call, comm_name: str, nbytes: int, issued: float, start: float, checked: float,
                    end: float) -> None:
-        """Record one collective and its phases (see the module docstring)."""
-        args = {"communicator": comm_name, "seq": call.seq, "bytes": nbytes, "dtype": call.dtype,
-                "shape": list(call.shape), "op": call.op, "algorithm": call.algorithm}
-        if start - issued > 20e-6:
-            self.add("queued", "collective phase", issued, start, {"seq": call.seq})
-        self.add(call.kind, "collective", start, end, args)
-        self.add("waiting for peers", "collective phase", start, checked, {"seq": call.seq})
-        self.add("transfer and reduce", "collective phase", checked, end, {"seq": call.seq})
+        """Record one collective and its phases (see the module docstring); they are expanded when written."""
+        ident = threading.get_ident()
+        if ident not in self._names:
+            self._names[ident] = threading.current_thread().name
+        self._events.append((call, comm_name, start, end, ident, (nbytes, issued, checked)))
 
     def trace_events(self, rank: int, zero: float, ts0_us: float) -> List[dict]:
         """This rank's events in trace-event form: ``ts = ts0_us + (t - zero)`` microseconds."""
         with self._lock:
-            events, threads = list(self._events), dict(self._threads)
+            events, names = list(self._events), dict(self._names)
+        tids = {ident: i for i, ident in enumerate(names)}
         out = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
                {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]
-        out += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
-                for tid, name in threads.values()]
-        for name, cat, start, end, tid, args in events:
+        out += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tids[ident], "args": {"name": name}}
+                for ident, name in names.items()]
+
+        def span(name, cat, start, end, tid, args):
             ev = {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": tid,
                   "ts": round(ts0_us + (start - zero) * 1e6, 3), "dur": round(max(end - start, 0.0) * 1e6, 3)}
             if args:
                 ev["args"] = args
             out.append(ev)
+
+        for first, second, start, end, ident, args in events:
+            tid = tids[ident]
+            if isinstance(first, str):
+                span(first, second, start, end, tid, args)
+                continue
+            call, (nbytes, issued, checked) = first, args
+            if start - issued > 20e-6:
+                span("queued", "collective phase", issued, start, tid, {"seq": call.seq})
+            span(call.kind, "collective", start, end, tid,
+                 {"communicator": second, "seq": call.seq, "bytes": nbytes, "dtype": call.dtype,
+                  "shape": list(call.shape), "op": call.op, "algorithm": call.algorithm})
+            span("waiting for peers", "collective phase", start, checked, tid, {"seq": call.seq})
+            span("transfer and reduce", "collective phase", checked, end, tid, {"seq": call.seq})
         return out
 
 

@@ -18,8 +18,9 @@ In synchronous training every rank's ``step_s`` is the same (the others
 wait for the slowest in the gradient all-reduce), so stragglers show in
 ``busy_s``: every ``interval`` steps the ranks all-gather their window of
 steps and resource samples, and a rank whose ``busy_s`` is at least
-``straggler_factor`` times the median over ranks for ``straggler_steps``
-steps in a row is named in a warning (logger ``hpctrain.observe``, rank 0).
+``straggler_factor`` times the median over ranks (and ``straggler_min_s``
+more) for ``straggler_steps`` steps in a row is named in a warning (logger
+``hpctrain.observe``, rank 0).
 Rank 0 writes one row per step over all ranks (median and maximum step and
 busy time, the slowest rank and the spread ``max/median`` of busy time,
 mean exposed fraction, samples per second of the whole job) and per-rank
@@ -28,7 +29,7 @@ rows of each window to ``log_dir`` (:mod:`hpctrain.observe.sinks`).
 Cost: two clock reads and a dictionary update per collective (the
 communication log is switched on), one all-gather of
 ``6 * interval + 8`` float64 values per rank every ``interval`` steps, and a
-few system calls for the resource sample.  Every rank must mark the same
+few system calls for a resource sample at most once a second.  Every rank must mark the same
 number of steps: the all-gather is a collective, and ranks that gather
 different windows get an error on every rank that names their steps.
 """
@@ -57,18 +58,21 @@ class StepMetrics:
         log_dir: run folder rank 0 writes to (None: keep the values in memory only).
         samples_per_step: samples one rank processes per step (for samples/s); ``mark(samples=)`` overrides it.
         interval: steps per all-gather of the ranks' windows (and per resource sample).
-        straggler_factor, straggler_steps: the straggler rule.
+        straggler_factor, straggler_steps, straggler_min_s: the straggler rule (a slow step is also at least
+            ``straggler_min_s`` over the median: scheduler noise in millisecond steps is not a straggler).
         tensorboard: also write TensorBoard event files under ``log_dir/tensorboard``.
         resources: sample CPU, memory, network and GPU use per rank every window.
         compression: a callable returning the gradient compressor's totals (``sent_bytes``, ``dense_bytes``),
             e.g. a DistributedOptimizer's ``compression_stats``.
         step: steps done before (a resumed run): the first ``mark()`` is step ``step + 1``.
+        resource_interval_s: at most one resource sample this often (a window in between repeats the last).
     """
 
     def __init__(self, comm=None, log_dir: Optional[str] = None, samples_per_step: Optional[int] = None,
                  interval: int = 10, straggler_factor: float = 1.5, straggler_steps: int = 3,
                  tensorboard: bool = True, resources: bool = True,
-                 compression: Optional[Callable[[], Dict]] = None, step: int = 0):
+                 compression: Optional[Callable[[], Dict]] = None, step: int = 0,
+                 resource_interval_s: float = 1.0, straggler_min_s: float = 0.005):
         from ..world import comm_or_world
 
         if interval < 1 or straggler_steps < 1 or straggler_factor <= 1:
@@ -77,11 +81,15 @@ class StepMetrics:
         self.comm = comm_or_world(comm)
         self.samples_per_step = samples_per_step
         self.interval, self.factor, self.patience = interval, straggler_factor, straggler_steps
+        self.straggler_min_s = straggler_min_s
         self._compression = compression
         self._log = self.comm.comm_log
         self._log_was_on = self._log.on
         self._log.start()
         self._sampler = ResourceSampler() if resources else None
+        self.resource_interval_s = resource_interval_s
+        self._sample: Optional[Dict[str, float]] = None
+        self._sampled_at = 0.0
         self._writer = None
         if log_dir is not None and self.comm.rank == 0:
             from .sinks import RunWriter
@@ -160,8 +168,7 @@ class StepMetrics:
         k, width = len(window), len(_LOCAL)
         local = np.full((self.interval, width), np.nan)
         local[:k] = [[r[f] for f in _LOCAL] for r in window]
-        sample = self._sampler.sample() if self._sampler is not None else {}
-        res = np.array([sample.get(f, np.nan) for f in FIELDS], dtype=np.float64)
+        res = np.array([self._resources().get(f, np.nan) for f in FIELDS], dtype=np.float64)
         every = np.asarray(self.comm.allgather(np.concatenate([[k, window[0]["step"]], local.ravel(), res])))
         every = every.reshape(self.comm.size, -1)
         if (every[:, :2] != every[0, :2]).any():
@@ -171,11 +178,12 @@ class StepMetrics:
         steps = every[:, 2:2 + self.interval * width].reshape(self.comm.size, self.interval, width)[:, :k]
         res_all = every[:, 2 + self.interval * width:]
         first = window[0]["step"]
-        for j in range(k):
-            self._check_straggler(first + j, steps[:, j, _LOCAL.index("busy_s")])
+        busy = steps[:, :, _LOCAL.index("busy_s")]                 # ranks x steps
+        median = np.median(busy, axis=0)
+        self._check_stragglers(first, busy, median)
         if self.comm.rank != 0:
             return
-        rows = [self._step_row(window[j], steps[:, j, :]) for j in range(k)]
+        rows = self._step_rows(window, steps, busy, median)
         self.rows.extend(rows)
         if self._writer is not None:
             for row in rows:
@@ -183,19 +191,35 @@ class StepMetrics:
             self._writer.ranks(self._rank_rows(first, first + k - 1, steps, res_all))
             self._writer.flush()
 
-    def _step_row(self, mine: Dict, s: np.ndarray) -> Dict:
-        """One step over all ranks (``s``: ranks x _LOCAL)."""
-        col = {f: s[:, i] for i, f in enumerate(_LOCAL)}
-        busy = col["busy_s"]
-        median = float(np.median(busy))
-        step_max = float(col["step_s"].max())
-        return {"step": mine["step"], "time": time.time(), "step_s": float(np.median(col["step_s"])),
-                "step_s_max": step_max, "busy_s_median": median, "busy_s_max": float(busy.max()),
-                "slowest_rank": int(np.argmax(busy)), "busy_spread": float(busy.max() / median) if median > 0 else 1.0,
-                "exposed_comm_fraction": float(np.mean(col["exposed_comm_s"] / np.maximum(col["step_s"], 1e-12))),
-                "comm_s": float(col["comm_s"].mean()), "bytes_per_rank": float(col["bytes"].mean()),
-                "compression_ratio": mine["compression_ratio"], "samples": int(col["samples"].sum()),
-                "samples_per_s": float(col["samples"].sum() / step_max) if step_max > 0 else 0.0}
+    def _resources(self) -> Dict[str, float]:
+        """This rank's resource sample: a new one when ``resource_interval_s`` has passed, else the last."""
+        if self._sampler is None:
+            return {}
+        now = time.monotonic()
+        if self._sample is None or now - self._sampled_at >= self.resource_interval_s:
+            self._sample, self._sampled_at = self._sampler.sample(), now
+        return self._sample
+
+    def _step_rows(self, window: List[Dict], steps: np.ndarray, busy: np.ndarray, median: np.ndarray) -> List[Dict]:
+        """One row per step over all ranks (``steps``: ranks x steps x _LOCAL), computed for the window at once."""
+        col = {f: steps[:, :, i] for i, f in enumerate(_LOCAL)}
+        step_max = col["step_s"].max(axis=0)
+        busy_max = busy.max(axis=0)
+        samples = col["samples"].sum(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            spread = np.where(median > 0, busy_max / median, 1.0)
+            throughput = np.where(step_max > 0, samples / step_max, 0.0)
+        values = zip(np.median(col["step_s"], axis=0).tolist(), step_max.tolist(), median.tolist(), busy_max.tolist(),
+                     np.argmax(busy, axis=0).tolist(), spread.tolist(),
+                     np.mean(col["exposed_comm_s"] / np.maximum(col["step_s"], 1e-12), axis=0).tolist(),
+                     col["comm_s"].mean(axis=0).tolist(), col["bytes"].mean(axis=0).tolist(), samples.tolist(),
+                     throughput.tolist())
+        now = time.time()
+        return [{"step": mine["step"], "time": now, "step_s": a, "step_s_max": b, "busy_s_median": c,
+                 "busy_s_max": d, "slowest_rank": e, "busy_spread": f, "exposed_comm_fraction": g, "comm_s": h,
+                 "bytes_per_rank": i, "compression_ratio": mine["compression_ratio"], "samples": int(j),
+                 "samples_per_s": t}
+                for mine, (a, b, c, d, e, f, g, h, i, j, t) in zip(window, values)]
 
     def _rank_rows(self, first: int, last: int, steps: np.ndarray, res: np.ndarray) -> List[Dict]:
         """Per rank over the window: mean step and busy time, exposed fraction, and its resource sample."""
@@ -209,22 +233,29 @@ class StepMetrics:
             rows.append(row)
         return rows
 
-    def _check_straggler(self, step: int, busy: np.ndarray) -> None:
+    def _check_stragglers(self, first: int, busy: np.ndarray, median: np.ndarray) -> None:
         """Count steps in a row at >= factor x the median busy time; warn when a rank's count reaches the limit."""
-        median = float(np.median(busy))
-        slow = (busy >= self.factor * median) if (median > 0 and busy.size > 1) else np.zeros(busy.size, bool)
-        self._streak = np.where(slow, self._streak + 1, 0)
-        for r in np.flatnonzero(self._streak == self.patience):
-            event = {"rank": int(r), "step_first": step - self.patience + 1, "step_last": step,
-                     "busy_s": float(busy[r]), "median_busy_s": median, "ratio": float(busy[r] / median)}
-            self.stragglers.append(event)
-            if self.comm.rank == 0:
-                log.warning("hpctrain: rank %d is a straggler: its own work took %.1fx the median of the %d ranks "
-                            "for %d steps in a row (steps %d-%d; at step %d %.3f s against %.3f s), and the other "
-                            "ranks wait for it", r, event["ratio"], busy.size, self.patience, event["step_first"],
-                            step, step, busy[r], median)
-                if self._writer is not None:
-                    self._writer.straggler(event)
+        if busy.shape[0] < 2:
+            return
+        slow = (busy >= self.factor * median) & (busy - median >= self.straggler_min_s) & (median > 0)
+        if not slow.any() and not self._streak.any():
+            return
+        for j in range(busy.shape[1]):
+            self._streak = np.where(slow[:, j], self._streak + 1, 0)
+            for r in np.flatnonzero(self._streak == self.patience):
+                self._straggler(int(r), first + j, float(busy[r, j]), float(median[j]), busy.shape[0])
+
+    def _straggler(self, r: int, step: int, busy: float, median: float, ranks: int) -> None:
+        event = {"rank": r, "step_first": step - self.patience + 1, "step_last": step,
+                 "busy_s": busy, "median_busy_s": median, "ratio": busy / median}
+        self.stragglers.append(event)
+        if self.comm.rank == 0:
+            log.warning("hpctrain: rank %d is a straggler: its own work took %.1fx the median of the %d ranks "
+                        "for %d steps in a row (steps %d-%d; at step %d %.3f s against %.3f s), and the other "
+                        "ranks wait for it", r, event["ratio"], ranks, self.patience, event["step_first"],
+                        step, step, busy, median)
+            if self._writer is not None:
+                self._writer.straggler(event)
 
     def close(self) -> None:
         """Gather the last, partial window (a collective: every rank calls it), close the files."""
