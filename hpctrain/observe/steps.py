@@ -61,7 +61,7 @@ class StepMetrics:
         straggler_factor, straggler_steps, straggler_min_s: the straggler rule (a slow step is also at least
             ``straggler_min_s`` over the median: scheduler noise in millisecond steps is not a straggler).
         tensorboard: also write TensorBoard event files under ``log_dir/tensorboard``.
-        resources: sample CPU, memory, network and GPU use per rank every window.
+        resources: sample CPU, memory, network and GPU use per rank (gathered every window).
         compression: a callable returning the gradient compressor's totals (``sent_bytes``, ``dense_bytes``),
             e.g. a DistributedOptimizer's ``compression_stats``.
         step: steps done before (a resumed run): the first ``mark()`` is step ``step + 1``.
