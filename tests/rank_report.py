@@ -8,6 +8,7 @@ tests that did not run yet:
     {"ev": "collected", "ids": [...], "pid": ...}           once, after collection
     {"ev": "start", "id": ..., "timeout": seconds}          before a test's set-up
     {"ev": "end", "id": ..., "outcome": ..., "text": ...}   after its tear-down
+    {"ev": "finished", "status": ...}                       once, when the session ends
 
 Tests whose ids are listed (one per line) in the file named by
 ``HPCTRAIN_TEST_DESELECT`` are deselected: they already ran in an earlier launch.
@@ -83,3 +84,5 @@ class RankReport:
         self.write(ev="end", id=report.nodeid, outcome=outcome, text=text, duration=duration, t=time.time())
         del self.phases[report.nodeid]
 
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.write(ev="finished", status=int(exitstatus), t=time.time())

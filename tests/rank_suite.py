@@ -33,6 +33,7 @@ from harness import REPO, base_env, kill_tree, mpirun_cmd
 MAX_LAUNCHES = 6
 START_RETRIES = 2   # launches that start no rank at all (mpirun's own start-up failed) are tried again
 POLL_S = 0.25
+EXIT_GRACE_S = 30   # a launcher still running this long after every rank's session finished is killed
 _PYTEST_FRAME = re.compile(r'File ".*(/_pytest/|/pluggy/|rank_main\.py)')
 
 
@@ -56,6 +57,7 @@ class _Watch:
         self.path, self.offset, self.buffer = path, 0, ""
         self.events: List[dict] = []
         self.current: Optional[dict] = None      # the start event of the test the rank is in, if any
+        self.finished = False                    # its pytest session has ended
 
     def read(self) -> None:
         if not self.path.exists():
@@ -71,6 +73,8 @@ class _Watch:
             self.events.append(ev)
             if ev["ev"] in ("start", "end"):
                 self.current = ev if ev["ev"] == "start" else None
+            elif ev["ev"] == "finished":
+                self.finished = True
 
 
 class RankSuite:
@@ -137,7 +141,7 @@ class RankSuite:
                                     start_new_session=True)
         watches = {r: _Watch(logdir / f"rank{r}.jsonl") for r in range(self.n)}
         deadline = time.monotonic() + max(limit_s, 60)
-        hung = None
+        hung, finished_at = None, None
         while proc.poll() is None:
             time.sleep(POLL_S)
             for w in watches.values():
@@ -145,6 +149,16 @@ class RankSuite:
             hung = self._overdue(watches)
             if hung or time.monotonic() > deadline:
                 time.sleep(2)   # the ranks' own stack dumps at the timeout (rank_report.py) reach their logs
+                kill_tree(proc)
+                break
+            if finished_at is None and all(w.finished for w in watches.values()):
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() - finished_at > EXIT_GRACE_S:
+                # Seen once in CI: after a rank exited with status 1, prterun began to end the job and hung,
+                # two ranks left unreaped.  The verdicts are in the ranks' files; a rank that passed everything
+                # and still does not exit (a hang at shutdown) fails below, as the launch's exit status says.
+                print(f"rank suite: the launcher had not exited {EXIT_GRACE_S} s after every rank finished its "
+                      f"tests; killed it", file=sys.stderr)
                 kill_tree(proc)
                 break
         for w in watches.values():

@@ -175,3 +175,9 @@ class _DistributedMixin:
         return self._hpctrain.stats()
 
 
+
+
+# torch wraps a class's ``step`` to run the optimizer's step hooks once it sees an instance's __init__ or
+# __setstate__ (a copy, an unpickling) unless the function says it is wrapped already.  The wrapped
+# optimizer's own step (reached through super()) is wrapped and runs them: marking this one stops a second run.
+_DistributedMixin.step.hooked = True

@@ -122,7 +122,7 @@ def test_ranks_that_mark_different_numbers_of_steps_get_an_error_naming_them_not
 
 
 @pytest.mark.timeout(120)
-def test_torch_track_steps_counts_optimizer_steps_bytes_and_the_compression_ratio(comm):
+def test_torch_track_steps_counts_each_optimizer_step_once_with_bytes_and_the_compression_ratio(comm):
     import torch
 
     import hpctrain.compression as hc
@@ -134,13 +134,17 @@ def test_torch_track_steps_counts_optimizer_steps_bytes_and_the_compression_rati
     opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                   named_parameters=model.named_parameters(), compression=hc.get("fp16"),
                                   compression_policy=hc.Policy(min_numel=0))
+    # what a copy or an unpickling does: torch then wraps the class's step to run the step hooks
+    opt.__setstate__(opt.__dict__.copy())
+    mine = []
+    opt.register_step_post_hook(lambda *args: mine.append(1))
     metrics = ht.track_steps(opt, samples_per_step=8, interval=3)
     for _ in range(5):
         opt.zero_grad()
         model(torch.randn(8, 64)).sum().backward()
         opt.step()
     metrics.close()
-    assert metrics.step == 5
+    assert metrics.step == 5 and len(mine) == 5      # one step, one mark and one run of the user's hook
     opt.step()                                   # the hook is gone after close()
     assert metrics.step == 5
     # fp16 sends 2 of float32's 4 bytes for every parameter the policy compresses (here all of them)
