@@ -46,6 +46,7 @@ from .resources import FIELDS, ResourceSampler
 
 __all__ = ["StepMetrics"]
 
+KEEP_ROWS = 10_000     # rank 0 keeps this many step rows in memory (the files have them all)
 _LOCAL = ("step_s", "busy_s", "exposed_comm_s", "comm_s", "bytes", "samples")
 log = logging.getLogger("hpctrain.observe")
 
@@ -96,7 +97,8 @@ class StepMetrics:
             self._writer = RunWriter(log_dir, tensorboard=tensorboard)
         self.step = int(step)
         self.latest: Optional[Dict] = None       # this rank's last step
-        self.rows: List[Dict] = []               # rank 0: every step over all ranks (others: empty)
+        self.rows: Deque[Dict] = collections.deque(maxlen=KEEP_ROWS)   # rank 0: the last steps over all ranks
+        self._run_sums = np.zeros(4)             # rank 0, whole run: steps, slowest step times, samples, exposed shares
         self.stragglers: List[Dict] = []         # every rank: the straggler warnings so far
         self._window: List[Dict] = []
         self._recent: Deque[Dict] = collections.deque(maxlen=interval)
@@ -185,6 +187,8 @@ class StepMetrics:
             return
         rows = self._step_rows(window, steps, busy, median)
         self.rows.extend(rows)
+        self._run_sums += [len(rows), sum(r["step_s_max"] for r in rows), sum(r["samples"] for r in rows),
+                           sum(r["exposed_comm_fraction"] for r in rows)]
         if self._writer is not None:
             for row in rows:
                 self._writer.step(row)
@@ -275,13 +279,14 @@ class StepMetrics:
             rt.before_close.remove(self.close)
 
     def summary(self) -> Dict:
-        """Rank 0: steps, mean step time, samples/s, exposed communication share and stragglers over the run."""
-        rows = self.rows
-        if not rows:
+        """Rank 0: steps, mean step time, samples/s and exposed communication share over the run; medians of
+        step time and spread over the last ``KEEP_ROWS`` steps; the stragglers."""
+        n, step_sum, samples, exposed = self._run_sums
+        if not n:
             return {"steps": self.step, "stragglers": list(self.stragglers)}
-        step_s = np.array([r["step_s_max"] for r in rows])
-        return {"steps": self.step, "step_s_mean": float(step_s.mean()), "step_s_median": float(np.median(step_s)),
-                "samples_per_s": float(sum(r["samples"] for r in rows) / step_s.sum()) if step_s.sum() > 0 else 0.0,
-                "exposed_comm_fraction": float(np.mean([r["exposed_comm_fraction"] for r in rows])),
-                "busy_spread_median": float(np.median([r["busy_spread"] for r in rows])),
+        return {"steps": self.step, "step_s_mean": float(step_sum / n),
+                "step_s_median": float(np.median([r["step_s_max"] for r in self.rows])),
+                "samples_per_s": float(samples / step_sum) if step_sum > 0 else 0.0,
+                "exposed_comm_fraction": float(exposed / n),
+                "busy_spread_median": float(np.median([r["busy_spread"] for r in self.rows])),
                 "stragglers": list(self.stragglers)}

@@ -1,10 +1,8 @@
 """Per-step metrics (:mod:`hpctrain.observe`) and forward spans on the timeline for a torch training loop."""
 from __future__ import annotations
 
-from typing import Optional
-
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -32,20 +30,7 @@ def track_steps(optimizer: torch.optim.Optimizer, log_dir: Optional[str] = None,
     stats = getattr(optimizer, "compression_stats", None)
     comm = comm if comm is not None else getattr(getattr(optimizer, "_hpctrain", None), "comm", None)
     metrics = StepMetrics(comm, log_dir, samples_per_step, compression=stats, **options)
-    # torch runs an optimizer's step hooks in every hook-wrapped ``step`` of its class chain: after a
-    # copy or unpickling of a DistributedOptimizer both its class's step and the base class's are
-    # wrapped, and the hooks run twice per step.  Only the outermost step marks.
-    depth = [0]
-
-    def enter(opt, args, kwargs):
-        depth[0] += 1
-
-    def leave(opt, args, kwargs):
-        depth[0] -= 1
-        if depth[0] == 0:
-            metrics.mark()
-    metrics.on_close.append(optimizer.register_step_pre_hook(enter).remove)
-    metrics.on_close.append(optimizer.register_step_post_hook(leave).remove)
+    metrics.on_close.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: metrics.mark()).remove)
     return metrics
 
 
