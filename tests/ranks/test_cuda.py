@@ -190,3 +190,52 @@ def test_pipeline_stages_on_cuda_train_as_one_cpu_process(comm, dev):
     got = on_device(out, dev, torch.float32)
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
     layout.free()
+
+
+def test_step_metrics_and_timeline_of_a_cuda_model_record_gpu_use_and_every_span(comm, dev):
+    """track_steps + trace_forward + the timeline on a CUDA model: per-rank GPU memory, the torch spans."""
+    import json
+    import os
+
+    from hpctrain.observe import write_trace
+
+    folder = comm.broadcast_object(tempfile.mkdtemp(prefix="hpctrain-cuda-obs-") if comm.rank == 0 else None)
+    try:
+        model = make_model().to(dev)
+        opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters())
+        metrics = ht.track_steps(opt, log_dir=folder, samples_per_step=B, interval=2, resource_interval_s=0.0)
+        hooks = ht.trace_forward(model)
+        comm.timeline.start()
+        for step in range(4):
+            x, y = batches(step, comm.size)[comm.rank]
+            opt.zero_grad()
+            F.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
+            opt.step()
+        comm.timeline.stop()
+        metrics.close()
+        for h in hooks:
+            h.remove()
+        assert metrics.step == 4
+        written = write_trace(comm, os.path.join(folder, "trace.json"))
+        comm.timeline.clear()
+        if comm.rank != 0:
+            return
+        with open(os.path.join(folder, "ranks.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        assert sorted({r["rank"] for r in rows}) == list(range(comm.size)) and len(rows) == 2 * comm.size
+        for row in rows:
+            # the model and its gradients live on the GPU (NaN, written as null, would mean not sampled)
+            mem, util = row["gpu_memory_bytes"], row["gpu_util_percent"]
+            assert mem is not None and mem >= 2 * sum(p.numel() * 4 for p in model.parameters()), row
+            assert util is None or 0.0 <= util <= 100.0, row    # None: no NVML on this machine
+        with open(written) as f:
+            events = json.load(f)["traceEvents"]
+        for r in range(comm.size):
+            names = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == r and e["cat"] == "torch"]
+            for name in ("forward", "backward", "synchronize gradients", "optimizer step"):
+                assert names.count(name) == 4, (r, name, names)
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
