@@ -44,7 +44,8 @@ synchronised) and ``max_elems(itemsize)`` (the largest piece it takes).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import Callable, ContextManager, Optional, Sequence
 
 import numpy as np
 
@@ -58,6 +59,18 @@ __all__ = ["shm_allreduce", "shm_allreduce_direct", "shm_allreduce_small", "shm_
            "shm_reduce_scatter", "shm_allgather"]
 
 _BLOCK_BYTES = 1 << 18   # reduce in cache-sized blocks: the output block stays in cache across the inputs
+_OFF = contextlib.nullcontext()
+
+# ``phase(name)``: a context manager around one phase of the algorithm (the communicator's
+# ``timeline.phase``, which records it while the timeline is on); the default records nothing.
+Phase = Callable[[str], ContextManager]
+COPY_IN, FENCE, REDUCE = "shm copy in", "shm fence (waiting for peers)", "shm reduce (reading the peers' memory)"
+CROSS, COPY_OUT = "ring across nodes (transfer, reduce)", "shm copy out"
+
+
+def no_phase(name: str) -> ContextManager:
+    """The ``phase`` that records nothing."""
+    return _OFF
 
 
 def _reduce_segment(inputs, own: int, own_block, lo: int, hi: int, out: np.ndarray, op: str,
@@ -88,7 +101,8 @@ def _divide(a: np.ndarray, divisor: int) -> None:
     np.divide(a, a.dtype.type(divisor), out=a)
 
 
-def _reduce_own(x: Flat, base: int, N: int, bounds, views, res: np.ndarray, op: str, sh, divisor: int = 1) -> None:
+def _reduce_own(x: Flat, base: int, N: int, bounds, views, res: np.ndarray, op: str, sh, divisor: int = 1,
+                phase: Phase = no_phase) -> None:
     """Run steps 1-2 on elements ``[base, base + N)`` of ``x``: publish all but the own segment, fence, reduce it.
 
     The own segment's reduction, divided by ``divisor``, goes into ``res``; a
@@ -98,35 +112,41 @@ def _reduce_own(x: Flat, base: int, N: int, bounds, views, res: np.ndarray, op: 
     reducing = r < len(bounds) - 1
     lo, hi = (int(bounds[r]), int(bounds[r + 1])) if reducing else (0, 0)
     own_in = views[r][0]
-    x.read(base, base + lo, own_in[:lo])
-    x.read(base + hi, base + N, own_in[hi:N])
-    sh.fence()
+    with phase(COPY_IN):
+        x.read(base, base + lo, own_in[:lo])
+        x.read(base + hi, base + N, own_in[hi:N])
+    with phase(FENCE):
+        sh.fence()
     if reducing and hi > lo:
         scratch = np.empty(min(hi - lo, _BLOCK_BYTES // res.itemsize), dtype=x.arrays[0].dtype)
-        _reduce_segment([v[0][:N] for v in views], r, lambda a, b: x.block(base + a, base + b, scratch),
-                        lo, hi, res, op, divisor)
+        with phase(REDUCE):
+            _reduce_segment([v[0][:N] for v in views], r, lambda a, b: x.block(base + a, base + b, scratch),
+                            lo, hi, res, op, divisor)
 
 
 def _piece(x: Flat, out: Flat, base: int, N: int, dtype, op: str, sh, parts: int, cross, chunk_elems: int,
-           divisor: int) -> None:
+           divisor: int, phase: Phase) -> None:
     """All-reduce elements ``[base, base + N)`` of ``x`` into the same elements of ``out``."""
     r = sh.rank
     bounds = segment_bounds(N, parts)
     views = sh.views(N, int(np.max(np.diff(bounds))), dtype)
     res = views[r][1][:int(bounds[r + 1] - bounds[r])] if r < parts else None
-    _reduce_own(x, base, N, bounds, views, res, op, sh, 1 if cross is not None else divisor)   # over the node
+    _reduce_own(x, base, N, bounds, views, res, op, sh, 1 if cross is not None else divisor, phase)  # the node
     if cross is not None and res is not None and res.size:
-        ring_allreduce(res, op, cross, chunk_elems)              # across nodes
-        if divisor > 1:
-            _divide(res, divisor)
-    sh.fence()
-    for p in range(parts):                                       # 3. collect every segment
-        a, b = int(bounds[p]), int(bounds[p + 1])
-        out.write(base + a, base + b, views[p][1][:b - a])
+        with phase(CROSS):
+            ring_allreduce(res, op, cross, chunk_elems)          # across nodes
+            if divisor > 1:
+                _divide(res, divisor)
+    with phase(FENCE):
+        sh.fence()
+    with phase(COPY_OUT):
+        for p in range(parts):                                   # 3. collect every segment
+            a, b = int(bounds[p]), int(bounds[p + 1])
+            out.write(base + a, base + b, views[p][1][:b - a])
 
 
 def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, cross=None,
-                  chunk_elems: int = 1 << 18, divisor: int = 1) -> None:
+                  chunk_elems: int = 1 << 18, divisor: int = 1, phase: Phase = no_phase) -> None:
     """All-reduce the flat buffer ``x`` into ``out`` (same length, the accumulation dtype); see module docstring.
 
     Formula: ``out = (x_0 (op) ... (op) x_{n-1}) / divisor`` (``divisor`` is
@@ -137,8 +157,9 @@ def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, 
     hierarchical form uses the smallest local size of any node so that
     every node has the same segments); ``cross`` the ring
     transport among the ranks of equal local rank on the other nodes, or None
-    on one node.  Cost: see the module docstring; the inter-node ring moves
-    ``2 (m-1)/m`` of one segment per rank for ``m`` nodes.
+    on one node; ``phase`` marks each piece's copy in, fences, reduction,
+    ring and copy out (see ``Phase``).  Cost: see the module docstring; the
+    inter-node ring moves ``2 (m-1)/m`` of one segment per rank for ``m`` nodes.
     """
     if not x.size:
         return
@@ -146,7 +167,7 @@ def shm_allreduce(x: Flat, out: Flat, op: str, sh, parts: Optional[int] = None, 
     dtype = out.arrays[0].dtype
     step = max(parts, sh.max_elems(dtype.itemsize))
     for a in range(0, x.size, step):
-        _piece(x, out, a, min(step, x.size - a), dtype, op, sh, parts, cross, chunk_elems, divisor)
+        _piece(x, out, a, min(step, x.size - a), dtype, op, sh, parts, cross, chunk_elems, divisor, phase)
 
 
 def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, block_bytes: int = 1 << 20,
@@ -234,7 +255,7 @@ def shm_allreduce_small(inputs: Sequence[np.ndarray], out: np.ndarray, op: str) 
 
 
 def shm_allreduce_shared_buffer(buf, op: str, parts: Optional[int] = None, cross=None,
-                                chunk_elems: int = 1 << 18, divisor: int = 1) -> None:
+                                chunk_elems: int = 1 << 18, divisor: int = 1, phase: Phase = no_phase) -> None:
     """All-reduce, in place, a buffer that already lives in shared memory (a ``SharedBuffer``).
 
     Every local rank's buffer is visible to its peers, so nothing is copied in
@@ -252,7 +273,8 @@ def shm_allreduce_shared_buffer(buf, op: str, parts: Optional[int] = None, cross
     arrays, r = buf.arrays, buf.rank
     parts = len(arrays) if parts is None else parts
     n = buf.count
-    buf.fence()                                                  # every input is complete
+    with phase(FENCE):
+        buf.fence()                                              # every input is complete
     if r < parts:
         bounds = segment_bounds(n, parts)
         lo, hi = int(bounds[r]), int(bounds[r + 1])
@@ -264,18 +286,23 @@ def shm_allreduce_shared_buffer(buf, op: str, parts: Optional[int] = None, cross
                 np.copyto(scratch[:b - a], own[a:b])
                 return scratch[:b - a]
 
-            _reduce_segment(arrays, r, own_block, lo, hi, own[lo:hi], op, 1 if cross is not None else divisor)
+            with phase(REDUCE):
+                _reduce_segment(arrays, r, own_block, lo, hi, own[lo:hi], op, 1 if cross is not None else divisor)
             if cross is not None:
-                ring_allreduce(own[lo:hi], op, cross, chunk_elems)
-                if divisor > 1:
-                    _divide(own[lo:hi], divisor)
-            for k, peer in enumerate(arrays):
-                if k != r:
-                    peer[lo:hi] = own[lo:hi]
-    buf.fence()                                                  # every segment is everywhere
+                with phase(CROSS):
+                    ring_allreduce(own[lo:hi], op, cross, chunk_elems)
+                    if divisor > 1:
+                        _divide(own[lo:hi], divisor)
+            with phase("shm copy to the peers"):
+                for k, peer in enumerate(arrays):
+                    if k != r:
+                        peer[lo:hi] = own[lo:hi]
+    with phase(FENCE):
+        buf.fence()                                              # every segment is everywhere
 
 
-def shm_reduce_scatter(x: np.ndarray, bounds: np.ndarray, acc_dtype, op: str, sh) -> np.ndarray:
+def shm_reduce_scatter(x: np.ndarray, bounds: np.ndarray, acc_dtype, op: str, sh,
+                       phase: Phase = no_phase) -> np.ndarray:
     """Return segment ``bounds[rank]:bounds[rank+1]`` of the reduction of flat ``x`` over the node's ranks.
 
     Formula: ``out = (x_0 (op) ... (op) x_{n-1})[own segment]``.  Cost: writes
@@ -286,12 +313,13 @@ def shm_reduce_scatter(x: np.ndarray, bounds: np.ndarray, acc_dtype, op: str, sh
     r = sh.rank
     out = np.empty(int(bounds[r + 1] - bounds[r]), dtype=acc_dtype)
     views = sh.views(x.size, 0, out.dtype)
-    _reduce_own(Flat([x]), 0, x.size, bounds, views, out, op, sh)
-    sh.fence()
+    _reduce_own(Flat([x]), 0, x.size, bounds, views, out, op, sh, phase=phase)
+    with phase(FENCE):
+        sh.fence()
     return out
 
 
-def shm_allgather(raw: np.ndarray, counts, sh) -> np.ndarray:
+def shm_allgather(raw: np.ndarray, counts, sh, phase: Phase = no_phase) -> np.ndarray:
     """Return the concatenation of every local rank's bytes ``raw`` (rank i has ``counts[i]`` bytes).
 
     Each rank writes its bytes into its input area once; every rank copies all
@@ -300,14 +328,18 @@ def shm_allgather(raw: np.ndarray, counts, sh) -> np.ndarray:
     """
     widest = max(counts) if counts else 0
     views = sh.views(widest, 0, np.uint8)
-    views[sh.rank][0][:raw.size] = raw
-    sh.fence()
+    with phase(COPY_IN):
+        views[sh.rank][0][:raw.size] = raw
+    with phase(FENCE):
+        sh.fence()
     out = np.empty(sum(counts), dtype=np.uint8)
     offset = 0
-    for k, c in enumerate(counts):
-        out[offset:offset + c] = views[k][0][:c]
-        offset += c
-    sh.fence()
+    with phase(COPY_OUT):
+        for k, c in enumerate(counts):
+            out[offset:offset + c] = views[k][0][:c]
+            offset += c
+    with phase(FENCE):
+        sh.fence()
     return out
 
 

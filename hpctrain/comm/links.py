@@ -49,7 +49,7 @@ class Links:
 
     def phase(self, name: str, **args):
         """A context manager that puts the algorithm's phase ``name`` on the timeline (nothing while it is off)."""
-        return self._comm._rt.timeline.span(name, "collective phase", **args)
+        return self._comm._rt.timeline.phase(name, **args)
 
     def chunk_elems(self, itemsize: int) -> int:
         """Return the elements per message of a pipelined algorithm (``HPCTRAIN_RING_CHUNK_BYTES``)."""

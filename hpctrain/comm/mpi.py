@@ -223,15 +223,15 @@ No call object, plan or closure per call beyond the lane's; the call's
                 self._direct.allreduce(x, out, op, f"rank {self._rank} of {self.name}", divisor)
                 return
         shm_allreduce(x, out, op, self._shared(), parts=self._nodes.parts, cross=self._cross,
-                      chunk_elems=self._chunk_elems(itemsize), divisor=divisor)
+                      chunk_elems=self._chunk_elems(itemsize), divisor=divisor, phase=self._rt.timeline.phase)
 
     def _reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
-        return shm_reduce_scatter(x, bounds, acc_dtype, op, self._shared())
+        return shm_reduce_scatter(x, bounds, acc_dtype, op, self._shared(), phase=self._rt.timeline.phase)
 
     def _allgather_shared(self, raw: np.ndarray, counts: List[int]) -> Optional[np.ndarray]:
         if self._nodes.num_nodes > 1 or self._no_windows:
             return None
-        return shm_allgather(raw, counts, self._shared())
+        return shm_allgather(raw, counts, self._shared(), phase=self._rt.timeline.phase)
 
     def _shared_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
         if self._size == 1 or count == 0 or self._no_windows:   # (a node of one rank still needs one)
@@ -248,7 +248,8 @@ No call object, plan or closure per call beyond the lane's; the call's
 
     def _reduce_shared_buffer(self, buf, op: str, divisor: int = 1) -> None:
         shm_allreduce_shared_buffer(buf, op, parts=self._nodes.parts, cross=self._cross,
-                                    chunk_elems=self._chunk_elems(buf.dtype.itemsize), divisor=divisor)
+                                    chunk_elems=self._chunk_elems(buf.dtype.itemsize), divisor=divisor,
+                                    phase=self._rt.timeline.phase)
 
     def _release_shared(self) -> None:
         if self._arena is not None:

@@ -91,13 +91,16 @@ class DirectCopies:
         writing into this rank's memory.  ``who`` names this rank in that message.
         """
         xm, pids, _ = self._probed
-        node, m = self._nodes.node, len(x.arrays)
+        node, m, phase = self._nodes.node, len(x.arrays), self._rt.timeline.phase
         table = np.empty((len(pids), 2 * m), dtype=np.int64)
-        node.Allgather(np.concatenate((x.addresses(), out.addresses())), table)   # every input is ready
+        with phase("direct address exchange (waiting for peers)"):
+            node.Allgather(np.concatenate((x.addresses(), out.addresses())), table)   # every input is ready
         peers = [(pid, row[:m], row[m:]) for pid, row in zip(pids, table)]
         try:
-            shm_allreduce_direct(x, out, op, self._nodes.local_rank, peers, xm, divisor=divisor)
+            with phase("direct reduce (copies from and to the peers' memory)"):
+                shm_allreduce_direct(x, out, op, self._nodes.local_rank, peers, xm, divisor=divisor)
         except OSError as exc:
             self._rt.abort(f"hpctrain: {who}: a direct copy between the ranks of this node failed during an "
                            f"all-reduce ({exc}); ending the job")
-        node.Barrier()          # every output is complete, and no peer reads this rank's input any more
+        with phase("direct barrier (waiting for peers)"):
+            node.Barrier()      # every output is complete, and no peer reads this rank's input any more

@@ -8,10 +8,14 @@ op and algorithm) split into its phases
   asynchronous calls run first);
 * ``waiting for peers``: the call check, which ends when every rank has
   arrived (with small calls the data rides along);
-* ``transfer and reduce``: the algorithm's own work (hpctrain's ring marks
-  its reduce-scatter and all-gather inside it; a shared-memory reduction
-  reads the peers' memory, so there transfer and reduction are one pass,
-  and a library call is opaque);
+* ``transfer and reduce``: the algorithm's own work, which hpctrain's own
+  algorithms split further with :meth:`Timeline.phase`: the ring its
+  reduce-scatter and all-gather; the shared-memory all-reduce its copy in,
+  its waits at the fences (for the peers), its reduction (which reads the
+  peers' memory, so there transfer and reduction are one pass), the ring
+  across nodes of the hierarchical form, and its copy out; the direct form
+  its address exchange, its copies and its final barrier (a library call
+  stays opaque);
 
 each fusion buffer of a grouped all-reduce, gradient compression and
 decompression, and, through the adapters, forward (torch, with
@@ -89,6 +93,10 @@ class Timeline(Recorder):
     def span(self, name: str, cat: str, **args):
         """A context manager that records ``name`` around its block (nothing while off)."""
         return _Span(self, name, cat, args) if self.on else _OFF
+
+    def phase(self, name: str, **args):
+        """A context manager that records an algorithm's phase ``name`` inside its collective (nothing while off)."""
+        return _Span(self, name, "collective phase", args) if self.on else _OFF
 
     def add(self, name: str, cat: str, start: float, end: float, args: Optional[dict] = None) -> None:
         """Record a span of the calling thread from ``start`` to ``end`` (``time.perf_counter()`` values)."""

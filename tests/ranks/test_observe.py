@@ -253,6 +253,42 @@ def test_timeline_has_every_ranks_collectives_with_their_phases_and_fusion_buffe
             assert wait["ts"] + wait["dur"] >= max(starts) - 5000, (i, r, wait, starts)   # 5 ms: barrier spread
 
 
+@pytest.mark.timeout(60)
+def test_timeline_splits_the_shared_memory_allreduce_into_copies_fences_and_its_reduction(comm):
+    from hpctrain.comm.mpi_direct import DIRECT_MIN_BYTES_OVERSUBSCRIBED
+
+    folder = shared_dir(comm)
+    small = np.arange(1 << 18, dtype=np.float32) % 7 + comm.rank          # 1 MiB: through the arena
+    large = np.ones(DIRECT_MIN_BYTES_OVERSUBSCRIBED // 4, dtype=np.float32) * (comm.rank + 1)
+    comm.timeline.clear()
+    comm.timeline.start()
+    got_small = comm.allreduce(small, op="sum", algorithm="shm")
+    got_large = comm.allreduce(large, op="sum", algorithm="shm")
+    n = comm.size
+    np.testing.assert_array_equal(got_small, sum(np.arange(1 << 18, dtype=np.float32) % 7 + r for r in range(n)))
+    assert (got_large == n * (n + 1) / 2).all()
+    trace = merged_trace(comm, folder)
+    if trace is None:
+        return
+    arena = ["shm copy in", "shm fence (waiting for peers)", "shm reduce (reading the peers' memory)",
+             "shm fence (waiting for peers)", "shm copy out"]
+    direct = ["direct address exchange (waiting for peers)", "direct reduce (copies from and to the peers' memory)",
+              "direct barrier (waiting for peers)"]
+    for r in range(n):
+        calls = spans(trace, r, "collective")
+        assert [(c["name"], c["args"]["algorithm"]) for c in calls] == [("allreduce", "shm")] * 2, calls
+        phases = [p for p in spans(trace, r, "collective phase") if p["name"].startswith(("shm ", "direct "))]
+        inside = [[p["name"] for p in sorted(phases, key=lambda p: p["ts"])
+                   if c["ts"] - 1 <= p["ts"] and p["ts"] + p["dur"] <= c["ts"] + c["dur"] + 1] for c in calls]
+        if n == 1:              # one rank: nothing to share, no phases
+            assert inside == [[], []], inside
+            continue
+        assert inside[0] == arena, inside[0]
+        # the direct copies where this node allows cross-memory attach, else the arena
+        assert inside[1] in (arena, direct), inside[1]
+        assert len(phases) == len(inside[0]) + len(inside[1])
+
+
 @pytest.mark.timeout(120)
 def test_timeline_marks_forward_backward_step_compression_and_checkpoint_saves_of_torch(comm):
     import torch
