@@ -20,9 +20,10 @@ op and algorithm) split into its phases
 each fusion buffer of a grouped all-reduce, gradient compression and
 decompression, and, through the adapters, forward (torch, with
 :func:`hpctrain.torch.trace_forward`), backward and optimizer step (torch's
-DistributedOptimizer), train steps (Keras, ``StepMetricsCallback``) and
-checkpoint saves.  Rows: one process per rank (``rank <r>``), one thread row
-per Python thread (the caller's, the collective lane).
+DistributedOptimizer), train steps and their forward, backward, gradient
+synchronisation and update (Keras, ``TimelineCallback``) and checkpoint
+saves.  Rows: one process per rank (``rank <r>``), one thread row per
+Python thread (the caller's, the collective lane).
 
 :func:`write_trace` (a collective: every rank calls it; ``hpctrain.shutdown()``
 does it when ``HPCTRAIN_TIMELINE=path`` is set) sends every rank's events to

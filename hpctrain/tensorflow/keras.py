@@ -17,9 +17,11 @@ compiles with XLA by default on GPUs, which cannot run that op: pass
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 from ..gradients import GradientAverager
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin
@@ -36,6 +38,15 @@ _CLASSES: Dict[type, type] = {}
 class _DistributedMixin:
     """Reduces the gradients over ranks in ``apply`` (which ``apply_gradients`` and ``model.fit`` call)."""
 
+    _hpctrain_marks = None     # a TimelineCallback's _StepMarks while one is in use
+
+    def scale_loss(self, loss):
+        """The optimizer's own ``scale_loss`` (called by ``fit`` once the loss is computed), marking the end of forward."""
+        loss = super().scale_loss(loss)
+        if self._hpctrain_marks is None:
+            return loss
+        return _after(self._mark("forward"), [loss])[0]
+
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         averager = self._hpctrain
@@ -43,7 +54,35 @@ class _DistributedMixin:
         if averager.compressor is not None:
             variables = trainable_variables if trainable_variables is not None else self._trainable_variables
             names = [_name(v, i) for i, v in enumerate(variables)]
-        return super().apply(average_gradients(averager, grads, names), trainable_variables)
+        if self._hpctrain_marks is None:
+            return super().apply(average_gradients(averager, grads, names), trainable_variables)
+        grads = _after(self._mark("backward", grads), grads)
+        grads = average_gradients(averager, grads, names)
+        return super().apply(_after(self._mark("synchronize gradients", grads), grads), trainable_variables)
+
+    def _mark(self, phase: str, after=()):
+        """Note the time ``phase`` ends (now eagerly; in a graph, an op that runs once ``after``'s tensors exist)."""
+        def note():
+            marks = self._hpctrain_marks           # read when the op runs: None once the callback is gone
+            if marks is not None:
+                marks.note(phase)
+            return np.zeros((), np.int8)
+
+        if tf.executing_eagerly():
+            return note()
+        with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
+                                      for g in after if g is not None]):
+            return tf.numpy_function(note, [], Tout=tf.int8, stateful=True, name=f"hpctrain_mark_{phase[:8]}")
+
+
+def _after(op, tensors):
+    """``tensors`` (identities of them), each available only after ``op`` ran (no-op eagerly)."""
+    if tf.executing_eagerly():
+        return list(tensors)
+    with tf.control_dependencies([op]):
+        return [None if t is None else
+                tf.IndexedSlices(tf.identity(t.values), t.indices, t.dense_shape) if isinstance(t, tf.IndexedSlices)
+                else tf.identity(t) for t in tensors]
 
     def compression_stats(self) -> dict:
         """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
@@ -174,26 +213,64 @@ class StepMetricsCallback(keras.callbacks.Callback):
         self.metrics.close()
 
 
-class TimelineCallback(keras.callbacks.Callback):
-    """Put every ``model.fit`` batch on the timeline as a "train step" span (while it records).
+class _StepMarks:
+    """The times at which the phases of one compiled train step ended, noted by the DistributedOptimizer's marks."""
 
-    Keras runs forward, backward and the update inside one compiled step, so
-    the step is the finest span it has; the gradient all-reduce inside it
-    (and checkpoint saves) are recorded by the core.  Turn the timeline on
-    with HPCTRAIN_TIMELINE=path or ``comm.timeline.start()``.
+    PHASES = ("forward", "backward", "synchronize gradients")
+
+    def __init__(self):
+        self.times: List[Tuple[str, float]] = []
+
+    def note(self, phase: str) -> None:
+        self.times.append((phase, time.perf_counter()))
+
+
+class TimelineCallback(keras.callbacks.Callback):
+    """Put every ``model.fit`` batch on the timeline as a "train step" span, split into its phases (while it records).
+
+    With hpctrain's :func:`DistributedOptimizer` the step is split into
+    "forward" (from the batch's start until the loss exists: the optimizer's
+    ``scale_loss``), "backward" (until every gradient exists),
+    "synchronize gradients" (the all-reduce, whose collectives the core
+    records too) and "optimizer step" (the update, until the batch ends).
+    The split needs marks inside the compiled step: the callback adds them
+    (``fit`` then retraces its step once); each costs one Python call per
+    step while the callback is in use, nothing after.  With another
+    optimizer, or ``steps_per_execution`` > 1, the batch is one span.  Turn
+    the timeline on with HPCTRAIN_TIMELINE=path or ``comm.timeline.start()``.
     """
 
     def __init__(self, comm=None):
         super().__init__()
         self.comm = comm
         self._started = None
+        self._marks: Optional[_StepMarks] = None
+
+    def on_train_begin(self, logs=None):
+        opt = getattr(self.model, "optimizer", None)
+        if isinstance(opt, _DistributedMixin) and opt._hpctrain_marks is None:
+            self._marks = opt._hpctrain_marks = _StepMarks()
+            self.model.make_train_function(force=True)        # trace the step again, with the marks
+
+    def on_train_end(self, logs=None):
+        if self._marks is not None:
+            self.model.optimizer._hpctrain_marks = self._marks = None
 
     def on_train_batch_begin(self, batch, logs=None):
         from ..world import comm_or_world
 
         self._timeline = comm_or_world(self.comm).timeline
         self._started = time.perf_counter() if self._timeline.on else None
+        if self._marks is not None:
+            self._marks.times.clear()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._started is not None:
-            self._timeline.add("train step", "keras", self._started, time.perf_counter(), {"batch": int(batch)})
+        if self._started is None:
+            return
+        end, tl = time.perf_counter(), self._timeline
+        tl.add("train step", "keras", self._started, end, {"batch": int(batch)})
+        times = self._marks.times if self._marks is not None else []
+        if [name for name, _ in times] == list(_StepMarks.PHASES):
+            starts = [self._started] + [t for _, t in times]
+            for name, a, b in zip(_StepMarks.PHASES + ("optimizer step",), starts, starts[1:] + [end]):
+                tl.add(name, "keras", a, b)

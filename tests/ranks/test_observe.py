@@ -329,25 +329,47 @@ def test_timeline_marks_forward_backward_step_compression_and_checkpoint_saves_o
 
 
 @pytest.mark.timeout(120)
-def test_keras_timeline_callback_marks_every_train_step(comm):
+def test_keras_timeline_callback_splits_every_train_step_into_its_phases(comm):
     import keras
 
     import hpctrain.tensorflow.keras as hk
 
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
-    x, y = np.random.default_rng(0).normal(size=(30, 8)), np.zeros((30, 4))
-    comm.timeline.clear()
-    comm.timeline.start()
-    model.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=[hk.TimelineCallback()])
-    comm.timeline.stop()
-    events = comm.timeline.trace_events(comm.rank, 0.0, 0.0)
-    comm.timeline.clear()
-    steps = [e for e in events if e.get("cat") == "keras"]
+    def trained(callbacks):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+        x = np.random.default_rng(comm.rank).normal(size=(30, 8))
+        y = np.zeros((30, 4))
+        model.fit(x, y, batch_size=10, epochs=1, verbose=0)      # its step traced without the marks
+        comm.timeline.clear()
+        comm.timeline.start()
+        model.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=callbacks)
+        comm.timeline.stop()
+        events = comm.timeline.trace_events(comm.rank, 0.0, 0.0)
+        comm.timeline.clear()
+        assert model.optimizer._hpctrain_marks is None
+        model.fit(x, y, batch_size=10, epochs=1, verbose=0)      # the marks stay in the graph, inert
+        return model, events
+
+    model, events = trained([hk.TimelineCallback()])
+    reference, _ = trained([])
+    for got, want in zip(model.get_weights(), reference.get_weights()):     # the marks change nothing
+        np.testing.assert_array_equal(got, want)
+    keras_spans = [e for e in events if e.get("cat") == "keras"]
+    steps = [e for e in keras_spans if e["name"] == "train step"]
     assert [e["args"]["batch"] for e in steps] == [0, 1, 2] * 2
+    phases = ["forward", "backward", "synchronize gradients", "optimizer step"]
+    for step in steps:
+        inside = sorted((e for e in keras_spans if e["name"] != "train step" and step["ts"] <= e["ts"] and
+                         e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 0.01), key=lambda e: e["ts"])
+        assert [e["name"] for e in inside] == phases, inside
+        ends = [step["ts"]] + [e["ts"] + e["dur"] for e in inside]          # one after the other, no gap
+        assert [e["ts"] for e in inside] == pytest.approx(ends[:-1], abs=0.01)
+        assert ends[-1] == pytest.approx(step["ts"] + step["dur"], abs=0.01)
+    assert len([e for e in keras_spans if e["name"] in phases]) == 4 * len(steps)
     reductions = [e for e in events if e.get("cat") == "collective" and e["name"] == "grouped_allreduce"]
-    if comm.size > 1:   # the gradient all-reduce of each step lies inside that step's span
+    syncs = [e for e in keras_spans if e["name"] == "synchronize gradients"]
+    if comm.size > 1:   # the gradient all-reduce of each step lies inside that step's synchronize span
         assert len(reductions) == 6
-        for step, red in zip(steps, reductions):
-            assert step["ts"] <= red["ts"] and red["ts"] + red["dur"] <= step["ts"] + step["dur"]
+        for sync, red in zip(syncs, reductions):
+            assert sync["ts"] <= red["ts"] and red["ts"] + red["dur"] <= sync["ts"] + sync["dur"] + 0.01
