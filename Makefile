@@ -16,7 +16,7 @@ allreduce-demo: setup
 
 # Every test; ends with the launches' times, the slowest tests and the total wall time (set-up included).
 test:
-	@start=$$(date +%s); bash scripts/setup.sh && $(PY) -m pytest tests --durations=10; rc=$$?; \
+	@start=$$(date +%s); bash scripts/setup.sh && $(PY) -m pytest tests --durations=25; rc=$$?; \
 	echo "make test: total wall time $$(( $$(date +%s) - start )) s (set-up included), exit status $$rc"; exit $$rc
 
 # The edit-test loop (a few minutes): single-process tests, the collectives at 2 ranks, one 2-rank training.
