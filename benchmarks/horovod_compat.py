@@ -18,6 +18,18 @@ horovod (same semantics, both averaging float32 gradients during backward;
 Horovod's faster allocator mode counts) and hpctrain.horovod / hpctrain (the
 cost of Horovod's API on hpctrain).
 
+The cost of Horovod's API on hpctrain is also measured inside one launch per
+batch and image size (``--paired-rounds``, the headline for it), where the
+two differ in nothing but the API: copies of the model, one with hpctrain's
+DistributedOptimizer, one with hpctrain.horovod's (its negotiation thread
+started for its windows and stopped after them), train in alternating
+windows of ``--paired-steps`` steps; the figure is the median over rounds of
+native step time / hpctrain.horovod step time (the slowest rank's).  A third
+copy, native too, is the control: its ratio to the first shows what two
+copies of one model differ by (where their memory lies).  Separate launches
+differ by a few percent each (where the processes land, their memory),
+which hides a 2% difference.
+
 Allocator: ``hpctrain.init`` sets glibc's malloc so that memory freed in one
 step is reused by the next without page faults (:mod:`hpctrain.memory`).  So
 that this compares communication and not allocators, every peer runs with
@@ -67,7 +79,81 @@ def launch(peer: str, n: int, batch: int, image: int, iters: int) -> float:
             return json.load(f)["total_img_per_s"]
 
 
+def paired_worker(batch: int, image: int, rounds: int, steps: int) -> None:
+    """In one launch: native vs hpctrain.horovod training windows, alternating; rank 0 prints RESULT {...}."""
+    import copy
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import hpctrain
+    import hpctrain.horovod.torch as hvd
+    import hpctrain.torch as ht
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import resnets
+
+    comm = hpctrain.init()
+    torch.manual_seed(0)
+    models = {"hpctrain": resnets.resnet18()}
+    models["hpctrain.horovod"] = copy.deepcopy(models["hpctrain"])
+    models["hpctrain, second copy"] = copy.deepcopy(models["hpctrain"])
+    opts = {api: ht.DistributedOptimizer(torch.optim.SGD(models[api].parameters(), lr=0.01),
+                                         named_parameters=models[api].named_parameters())
+            for api in ("hpctrain", "hpctrain, second copy")}
+    hvd.init()
+    opts["hpctrain.horovod"] = hvd.DistributedOptimizer(torch.optim.SGD(models["hpctrain.horovod"].parameters(),
+                                                                        lr=0.01),
+                                                        named_parameters=models["hpctrain.horovod"].named_parameters())
+    hvd.shutdown()
+    data, target = torch.randn(batch, 3, image, image), torch.randint(0, 1000, (batch,))
+
+    def window(api: str, n: int) -> float:
+        model, opt = models[api], opts[api]
+        if api == "hpctrain.horovod":
+            hvd.init()
+            hvd.allreduce(torch.zeros(1), name="window.start")     # every rank starts together
+        else:
+            comm.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            opt.zero_grad()
+            F.cross_entropy(model(data), target).backward()
+            opt.step()
+        elapsed = time.perf_counter() - start
+        if api == "hpctrain.horovod":
+            hvd.shutdown()
+        return max(comm.allgather_object(elapsed)) / n
+
+    apis = ("hpctrain", "hpctrain.horovod", "hpctrain, second copy")
+    for api in apis:
+        window(api, 3)
+    out = {api: [] for api in apis}
+    for r in range(rounds):
+        for api in (apis if r % 2 == 0 else apis[::-1]):
+            out[api].append(window(api, steps))
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    hpctrain.shutdown()
+
+
+def paired(args, batch: int, image: int) -> dict:
+    """Launch :func:`paired_worker`; return its step times and the per-round ratios."""
+    from common import launch_worker
+
+    res = launch_worker(args.ranks, [__file__, "--paired-worker", str(batch), str(image), str(args.paired_rounds),
+                                     str(args.paired_steps)])
+    ratios = [a / b for a, b in zip(res["hpctrain"], res["hpctrain.horovod"])]
+    control = [a / b for a, b in zip(res["hpctrain"], res["hpctrain, second copy"])]
+    return {"step_s": res, "ratios": ratios, "median": statistics.median(ratios), "control_ratios": control,
+            "control_median": statistics.median(control)}
+
+
 def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--paired-worker":
+        paired_worker(*(int(a) for a in sys.argv[2:]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
@@ -76,8 +162,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5,
                     help="timed iterations (of 3 steps, after 5 warm-up steps) per launch")
     ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    ap.add_argument("--paired-rounds", type=int, default=9,
+                    help="rounds of the one-launch native vs hpctrain.horovod comparison (0: skip it)")
+    ap.add_argument("--paired-steps", type=int, default=10, help="steps per window of that comparison")
     ap.add_argument("--out", default=str(ROOT / "results" / "horovod-compat"))
     args = ap.parse_args()
+    if args.rounds == 0:            # only the one-launch comparison
+        args.peers = []
     rows = []
     for batch in args.batch_sizes:
         for image in args.image_sizes:
@@ -97,35 +188,61 @@ def main() -> None:
                 row["vs_horovod"] = med["hpctrain.horovod"] / row["horovod_best"]
             if "hpctrain" in med and "hpctrain.horovod" in med:
                 row["vs_native"] = med["hpctrain.horovod"] / med["hpctrain"]
+            if args.paired_rounds:
+                row["paired"] = paired(args, batch, image)
+                row["vs_native_paired"] = row["paired"]["median"]
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
     write_outputs(rows, Path(args.out), args)
 
 
+def paired_cell(row) -> str:
+    """The one-launch ratio of a row: median (min..max over rounds), or n/a."""
+    if "paired" not in row:
+        return "n/a"
+    ratios = row["paired"]["ratios"]
+    return (f"{row['paired']['median']:.3f} ({min(ratios):.3f}..{max(ratios):.3f}); control "
+            f"{row['paired']['control_median']:.3f}")
+
+
 def write_outputs(rows, out: Path, args) -> None:
+    head = ["batch", "image"] + [f"{p} img/s" for p in args.peers] + [
+        "hpctrain.horovod / best horovod", "hpctrain.horovod / hpctrain",
+        "hpctrain.horovod / hpctrain, one launch (min..max); native / native control", "comm share best horovod",
+        "comm share hpctrain.horovod"]
     lines = [f"ResNet-18, synthetic images, {args.ranks} ranks, median img/s (all ranks) over {args.rounds} "
-             f"alternating rounds; comm share = 1 - img/s / img/s of `none`", "",
-             "| batch | image | " + " | ".join(f"{p} img/s" for p in args.peers)
-             + " | hpctrain.horovod / best horovod | hpctrain.horovod / hpctrain | comm share best horovod | "
-             "comm share hpctrain.horovod |", "|" + "---|" * (len(args.peers) + 6)]
+             f"alternating rounds of launches; comm share = 1 - img/s / img/s of `none`; one launch: median over "
+             f"{args.paired_rounds} rounds of {args.paired_steps}-step windows, alternating in one launch", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         share = r.get("comm_share", {})
-        cells = [f"{r['img_per_s'][p]:.1f}" for p in args.peers]
-        lines.append(f"| {r['batch']} | {r['image']} | " + " | ".join(cells)
-                     + f" | {r.get('vs_horovod', float('nan')):.2f} | {r.get('vs_native', float('nan')):.3f} | "
-                     f"{share.get('horovod_best', float('nan')):.0%} | "
-                     f"{share.get('hpctrain.horovod', float('nan')):.0%} |")
+        cells = [str(r["batch"]), str(r["image"])] + [f"{r['img_per_s'][p]:.1f}" for p in args.peers] + [
+            f"{r.get('vs_horovod', float('nan')):.2f}", f"{r.get('vs_native', float('nan')):.3f}", paired_cell(r),
+            f"{share.get('horovod_best', float('nan')):.0%}", f"{share.get('hpctrain.horovod', float('nan')):.0%}"]
+        lines.append("| " + " | ".join(cells) + " |")
 
     def draw(plt):
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
         labels = [f"b{r['batch']}/{r['image']}px" for r in rows]
-        width = 0.8 / len(args.peers)
+        width = 0.8 / max(len(args.peers), 1)
         for i, p in enumerate(args.peers):
             ax.bar([x + i * width for x in range(len(rows))], [r["img_per_s"][p] for r in rows], width, label=p)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels)
         ax.set_ylabel("img/s, all ranks")
-        ax.set_title(f"Horovod-style ResNet-18 training, {args.ranks} ranks")
-        ax.legend()
+        ax.set_title(f"Horovod-style ResNet-18 training, {args.ranks} ranks", fontsize=10)
+        if args.peers:
+            ax.legend(fontsize=8)
+        done = [r for r in rows if "paired" in r]
+        med = [r["paired"]["median"] for r in done]
+        low = [m - min(r["paired"]["ratios"]) for m, r in zip(med, done)]
+        high = [max(r["paired"]["ratios"]) - m for m, r in zip(med, done)]
+        bx.errorbar(range(len(done)), med, yerr=[low, high], fmt="o", capsize=4)
+        bx.axhline(1.0, color="grey", linewidth=1)
+        bx.axhline(0.98, color="red", linestyle="--", linewidth=1, label="0.98 (2% slower)")
+        bx.set_xticks(range(len(done)), [f"b{r['batch']}/{r['image']}px" for r in done])
+        bx.set_ylabel("img/s hpctrain.horovod / hpctrain")
+        bx.set_title("Horovod's API against the native API, one launch", fontsize=10)
+        bx.legend(fontsize=8)
         return fig
 
     write_results(out, "horovod_compat", {"rows": rows, "args": vars(args)}, "\n".join(lines), draw)
