@@ -74,6 +74,10 @@ class _DistributedMixin:
                                       for g in after if g is not None]):
             return tf.numpy_function(note, [], Tout=tf.int8, stateful=True, name=f"hpctrain_mark_{phase[:8]}")
 
+    def compression_stats(self) -> dict:
+        """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
+        return self._hpctrain.stats()
+
 
 def _after(op, tensors):
     """``tensors`` (identities of them), each available only after ``op`` ran (no-op eagerly)."""
@@ -83,10 +87,6 @@ def _after(op, tensors):
         return [None if t is None else
                 tf.IndexedSlices(tf.identity(t.values), t.indices, t.dense_shape) if isinstance(t, tf.IndexedSlices)
                 else tf.identity(t) for t in tensors]
-
-    def compression_stats(self) -> dict:
-        """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
-        return self._hpctrain.stats()
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None, op: str = "avg",

@@ -160,9 +160,12 @@ def test_keras_step_metrics_callback_marks_every_batch_and_logs_the_comm_share(c
 
     import hpctrain.tensorflow.keras as hk
 
+    import hpctrain.compression as hc
+
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01), compression="fp16",
+                                                    compression_policy=hc.Policy(min_numel=0)), loss="mse")
     seen = []
 
     class Logs(keras.callbacks.Callback):
@@ -174,8 +177,10 @@ def test_keras_step_metrics_callback_marks_every_batch_and_logs_the_comm_share(c
     model.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=[cb, Logs()])
     assert cb.metrics.step == 8
     assert len(seen) == 8 and all(0 <= s["comm_share"] <= 1 and s["samples_per_s"] > 0 for s in seen)
+    # fp16 sends 2 of float32's 4 bytes (read from the optimizer's compression_stats)
+    assert cb.metrics.latest["compression_ratio"] == pytest.approx(2.0)
     if comm.size > 1:
-        assert cb.metrics.latest["bytes"] >= (8 * 4 + 4) * 4    # the gradients all-reduced every step
+        assert cb.metrics.latest["bytes"] >= (8 * 4 + 4) * 2    # the gradients all-reduced every step
 
 
 def merged_trace(comm, folder):
