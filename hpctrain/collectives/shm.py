@@ -65,7 +65,7 @@ _OFF = contextlib.nullcontext()
 # ``timeline.phase``, which records it while the timeline is on); the default records nothing.
 Phase = Callable[[str], ContextManager]
 COPY_IN, FENCE, REDUCE = "shm copy in", "shm fence (waiting for peers)", "shm reduce (reading the peers' memory)"
-CROSS, COPY_OUT = "ring across nodes (transfer, reduce)", "shm copy out"
+CROSS, COPY_OUT, TO_PEERS = "ring across nodes (transfer, reduce)", "shm copy out", "shm copy to the peers"
 
 
 def no_phase(name: str) -> ContextManager:
@@ -293,7 +293,7 @@ def shm_allreduce_shared_buffer(buf, op: str, parts: Optional[int] = None, cross
                     ring_allreduce(own[lo:hi], op, cross, chunk_elems)
                     if divisor > 1:
                         _divide(own[lo:hi], divisor)
-            with phase("shm copy to the peers"):
+            with phase(TO_PEERS):
                 for k, peer in enumerate(arrays):
                     if k != r:
                         peer[lo:hi] = own[lo:hi]

@@ -265,13 +265,17 @@ def test_timeline_splits_the_shared_memory_allreduce_into_copies_fences_and_its_
     folder = shared_dir(comm)
     small = np.arange(1 << 18, dtype=np.float32) % 7 + comm.rank          # 1 MiB: through the arena
     large = np.ones(DIRECT_MIN_BYTES_OVERSUBSCRIBED // 4, dtype=np.float32) * (comm.rank + 1)
+    shared = comm.shared_empty(small.size, np.float32)      # reduced where it lies, without the arena
+    shared[...] = small
     comm.timeline.clear()
     comm.timeline.start()
     got_small = comm.allreduce(small, op="sum", algorithm="shm")
     got_large = comm.allreduce(large, op="sum", algorithm="shm")
+    comm.allreduce(shared, op="sum", algorithm="shm", inplace=True)
     n = comm.size
     np.testing.assert_array_equal(got_small, sum(np.arange(1 << 18, dtype=np.float32) % 7 + r for r in range(n)))
     assert (got_large == n * (n + 1) / 2).all()
+    np.testing.assert_array_equal(shared, got_small)
     trace = merged_trace(comm, folder)
     if trace is None:
         return
@@ -281,17 +285,19 @@ def test_timeline_splits_the_shared_memory_allreduce_into_copies_fences_and_its_
               "direct barrier (waiting for peers)"]
     for r in range(n):
         calls = spans(trace, r, "collective")
-        assert [(c["name"], c["args"]["algorithm"]) for c in calls] == [("allreduce", "shm")] * 2, calls
+        assert [(c["name"], c["args"]["algorithm"]) for c in calls] == [("allreduce", "shm")] * 3, calls
         phases = [p for p in spans(trace, r, "collective phase") if p["name"].startswith(("shm ", "direct "))]
         inside = [[p["name"] for p in sorted(phases, key=lambda p: p["ts"])
                    if c["ts"] - 1 <= p["ts"] and p["ts"] + p["dur"] <= c["ts"] + c["dur"] + 1] for c in calls]
         if n == 1:              # one rank: nothing to share, no phases
-            assert inside == [[], []], inside
+            assert inside == [[], [], []], inside
             continue
         assert inside[0] == arena, inside[0]
         # the direct copies where this node allows cross-memory attach, else the arena
         assert inside[1] in (arena, direct), inside[1]
-        assert len(phases) == len(inside[0]) + len(inside[1])
+        assert inside[2] == ["shm fence (waiting for peers)", "shm reduce (reading the peers' memory)",
+                             "shm copy to the peers", "shm fence (waiting for peers)"], inside[2]
+        assert len(phases) == sum(len(i) for i in inside)
 
 
 @pytest.mark.timeout(120)
