@@ -14,11 +14,18 @@ between rounds:
   samples; its creation and close, once per run, are not timed);
 * ``both``.
 
+``--framework keras``: the same CNN in Keras 3 ``fit`` with hpctrain's
+DistributedOptimizer; ``timeline`` adds ``hk.TimelineCallback`` (whose marks
+in the compiled step split it into forward, backward, synchronisation and
+update), ``metrics`` ``hk.StepMetricsCallback``; each window is one ``fit``
+whose step is traced afresh, its first batch (the tracing) untimed.
+
 The overhead of a mode is the median over rounds of its per-step time
 divided by ``off``'s in the same round (target: <= 1.03).  Writes JSON, a
 markdown table and a PNG.
 
     python benchmarks/observe_overhead.py --ranks 2 4 --out results/observe
+    python benchmarks/observe_overhead.py --framework keras --ranks 2 4 --out results/observe-keras
 """
 from __future__ import annotations
 
@@ -76,6 +83,13 @@ def worker(rounds: int, steps: int) -> None:
         # the slowest rank's time is the step time of the job
         return float(max(comm.allgather_object(elapsed))) / n
 
+    alternate(comm, window, rounds, steps)
+
+
+def alternate(comm, window, rounds: int, steps: int) -> None:
+    """Run ``window(mode, steps)`` for every mode, ``rounds`` times in alternating order; rank 0 prints RESULT."""
+    import hpctrain
+
     for mode in MODES:
         window(mode, 5)
     out = {m: [] for m in MODES}
@@ -87,23 +101,74 @@ def worker(rounds: int, steps: int) -> None:
     hpctrain.shutdown()
 
 
+def keras_worker(rounds: int, steps: int) -> None:
+    """The same modes for Keras ``fit``: TimelineCallback (with its marks in the step) and StepMetricsCallback.
+
+    Each window is one ``fit`` of ``steps + 1`` batches whose step is traced afresh (with the marks when the
+    timeline callback is in); the first batch (the tracing) is not timed.
+    """
+    import keras
+    import numpy as np
+
+    import hpctrain
+    import hpctrain.tensorflow.keras as hk
+
+    comm = hpctrain.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"), keras.layers.MaxPooling2D(2),
+        keras.layers.Flatten(), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 1:
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.end = time.perf_counter()
+
+    def window(mode: str, n: int) -> float:
+        x = rng.normal(size=((n + 1) * 64, 8, 8, 1)).astype("float32")
+        y = rng.integers(0, 10, (n + 1) * 64)
+        tl, timer = comm.timeline, Timer()
+        callbacks = [timer]
+        if mode in ("timeline", "both"):
+            tl.start()
+            callbacks.append(hk.TimelineCallback())
+        if mode in ("metrics", "both"):
+            callbacks.append(hk.StepMetricsCallback(samples_per_step=64))
+        model.train_function = None                  # traced afresh: with the marks only under the callback
+        comm.barrier()
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+        tl.stop()
+        tl.clear()
+        return float(max(comm.allgather_object(timer.end - timer.start))) / n
+
+    alternate(comm, window, rounds, steps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", default="results/observe")
+    ap.add_argument("--framework", choices=("torch", "keras"), default="torch")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.rounds, args.steps)
+        (keras_worker if args.framework == "keras" else worker)(args.rounds, args.steps)
         return
     data = {"rounds": args.rounds, "steps": args.steps, "runs": {}}
     lines = ["| ranks | mode | median step (ms) | overhead vs off (median of per-round ratios) | min..max ratio |",
              "|---|---|---|---|---|"]
     for n in args.ranks:
-        res = launch_worker(n, [os.path.abspath(__file__), "--worker", "--rounds", str(args.rounds),
-                                "--steps", str(args.steps)])
+        res = launch_worker(n, [os.path.abspath(__file__), "--worker", "--framework", args.framework,
+                                "--rounds", str(args.rounds), "--steps", str(args.steps)])
         ratios = {m: [a / b for a, b in zip(res[m], res["off"])] for m in MODES}
         data["runs"][str(n)] = {"step_s": res, "ratio_to_off": ratios}
         for m in MODES:
@@ -120,7 +185,7 @@ def main() -> None:
         ax.set_xticks(range(len(MODES)), MODES)
         ax.set_ylim(0.9, 1.1)
         ax.set_ylabel("step time / step time with nothing on")
-        ax.set_title("Cost of the timeline and the per-step metrics")
+        ax.set_title(f"Cost of the timeline and the per-step metrics ({args.framework})")
         ax.legend(fontsize=8)
         return fig
 
