@@ -52,7 +52,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_results  # noqa: E402
+from common import paired_windows, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "horovod" / "pytorch_synthetic_benchmark.py"
@@ -126,13 +126,7 @@ def paired_worker(batch: int, image: int, rounds: int, steps: int) -> None:
             hvd.shutdown()
         return max(comm.allgather_object(elapsed)) / n
 
-    apis = ("hpctrain", "hpctrain.horovod", "hpctrain, second copy")
-    for api in apis:
-        window(api, 3)
-    out = {api: [] for api in apis}
-    for r in range(rounds):
-        for api in (apis if r % 2 == 0 else apis[::-1]):
-            out[api].append(window(api, steps))
+    out = paired_windows(window, ["hpctrain", "hpctrain.horovod", "hpctrain, second copy"], rounds, steps)
     if comm.rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     hpctrain.shutdown()

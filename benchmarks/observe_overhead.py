@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import launch_worker, oversubscribed, write_results  # noqa: E402
+from common import launch_worker, oversubscribed, paired_windows, write_results  # noqa: E402
 
 MODES = ("off", "timeline", "metrics", "both")
 
@@ -90,12 +90,7 @@ def alternate(comm, window, rounds: int, steps: int) -> None:
     """Run ``window(mode, steps)`` for every mode, ``rounds`` times in alternating order; rank 0 prints RESULT."""
     import hpctrain
 
-    for mode in MODES:
-        window(mode, 5)
-    out = {m: [] for m in MODES}
-    for r in range(rounds):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            out[mode].append(window(mode, steps))
+    out = paired_windows(window, MODES, rounds, steps)
     if comm.rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     hpctrain.shutdown()
