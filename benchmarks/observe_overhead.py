@@ -15,10 +15,11 @@ between rounds:
 * ``both``.
 
 ``--framework keras``: the same CNN in Keras 3 ``fit`` with hpctrain's
-DistributedOptimizer; ``timeline`` adds ``hk.TimelineCallback`` (whose marks
-in the compiled step split it into forward, backward, synchronisation and
-update), ``metrics`` ``hk.StepMetricsCallback``; each window is one ``fit``
-whose step is traced afresh, its first batch (the tracing) untimed.
+DistributedOptimizer; ``timeline`` adds ``hk.TimelineCallback`` (a span per
+batch), ``timeline split`` the same with ``split_steps=True`` (marks in the
+compiled step split it into forward, backward, synchronisation and update),
+``metrics`` ``hk.StepMetricsCallback``; each window is one ``fit`` whose
+step is traced afresh, its first batch (the tracing) untimed.
 
 The overhead of a mode is the median over rounds of its per-step time
 divided by ``off``'s in the same round (target: <= 1.03).  Writes JSON, a
@@ -41,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import launch_worker, oversubscribed, paired_windows, write_results  # noqa: E402
 
 MODES = ("off", "timeline", "metrics", "both")
+KERAS_MODES = MODES + ("timeline split",)     # TimelineCallback(split_steps=True): marks in the compiled step
 
 
 def worker(rounds: int, steps: int) -> None:
@@ -86,11 +88,11 @@ def worker(rounds: int, steps: int) -> None:
     alternate(comm, window, rounds, steps)
 
 
-def alternate(comm, window, rounds: int, steps: int) -> None:
+def alternate(comm, window, rounds: int, steps: int, modes=MODES) -> None:
     """Run ``window(mode, steps)`` for every mode, ``rounds`` times in alternating order; rank 0 prints RESULT."""
     import hpctrain
 
-    out = paired_windows(window, MODES, rounds, steps)
+    out = paired_windows(window, modes, rounds, steps)
     if comm.rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     hpctrain.shutdown()
@@ -131,9 +133,9 @@ def keras_worker(rounds: int, steps: int) -> None:
         y = rng.integers(0, 10, (n + 1) * 64)
         tl, timer = comm.timeline, Timer()
         callbacks = [timer]
-        if mode in ("timeline", "both"):
+        if mode in ("timeline", "both", "timeline split"):
             tl.start()
-            callbacks.append(hk.TimelineCallback())
+            callbacks.append(hk.TimelineCallback(split_steps=mode == "timeline split"))
         if mode in ("metrics", "both"):
             callbacks.append(hk.StepMetricsCallback(samples_per_step=64))
         model.train_function = None                  # traced afresh: with the marks only under the callback
@@ -143,7 +145,7 @@ def keras_worker(rounds: int, steps: int) -> None:
         tl.clear()
         return float(max(comm.allgather_object(timer.end - timer.start))) / n
 
-    alternate(comm, window, rounds, steps)
+    alternate(comm, window, rounds, steps, KERAS_MODES)
 
 
 def main() -> None:
@@ -164,9 +166,10 @@ def main() -> None:
     for n in args.ranks:
         res = launch_worker(n, [os.path.abspath(__file__), "--worker", "--framework", args.framework,
                                 "--rounds", str(args.rounds), "--steps", str(args.steps)])
-        ratios = {m: [a / b for a, b in zip(res[m], res["off"])] for m in MODES}
+        modes = KERAS_MODES if args.framework == "keras" else MODES
+        ratios = {m: [a / b for a, b in zip(res[m], res["off"])] for m in modes}
         data["runs"][str(n)] = {"step_s": res, "ratio_to_off": ratios}
-        for m in MODES:
+        for m in modes:
             lines.append(f"| {n}{oversubscribed(n)} | {m} | {statistics.median(res[m]) * 1e3:.3f} | "
                          f"{statistics.median(ratios[m]):.4f} | {min(ratios[m]):.3f}..{max(ratios[m]):.3f} |")
 
@@ -174,10 +177,10 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
         for i, n in enumerate(args.ranks):
             r = data["runs"][str(n)]["ratio_to_off"]
-            ax.bar([j + i * 0.35 for j in range(len(MODES))], [statistics.median(r[m]) for m in MODES], 0.35,
+            ax.bar([j + i * 0.35 for j in range(len(r))], [statistics.median(v) for v in r.values()], 0.35,
                    label=f"{n} ranks")
         ax.axhline(1.03, color="red", linestyle="--", linewidth=1, label="target 1.03")
-        ax.set_xticks(range(len(MODES)), MODES)
+        ax.set_xticks(range(len(r)), list(r))
         ax.set_ylim(0.9, 1.1)
         ax.set_ylabel("step time / step time with nothing on")
         ax.set_title(f"Cost of the timeline and the per-step metrics ({args.framework})")

@@ -226,29 +226,33 @@ class _StepMarks:
 
 
 class TimelineCallback(keras.callbacks.Callback):
-    """Put every ``model.fit`` batch on the timeline as a "train step" span, split into its phases (while it records).
+    """Put every ``model.fit`` batch on the timeline as a "train step" span, split into its phases if asked (while it records).
 
-    With hpctrain's :func:`DistributedOptimizer` the step is split into
-    "forward" (from the batch's start until the loss exists: the optimizer's
-    ``scale_loss``), "backward" (until every gradient exists),
-    "synchronize gradients" (the all-reduce, whose collectives the core
-    records too) and "optimizer step" (the update, until the batch ends).
-    The split needs marks inside the compiled step: the callback adds them
-    (``fit`` then retraces its step once); each costs one Python call per
-    step while the callback is in use, nothing after.  With another
-    optimizer, or ``steps_per_execution`` > 1, the batch is one span.  Turn
-    the timeline on with HPCTRAIN_TIMELINE=path or ``comm.timeline.start()``.
+    With ``split_steps=True`` and hpctrain's :func:`DistributedOptimizer`
+    the step is split into "forward" (from the batch's start until the loss
+    exists: the optimizer's ``scale_loss``), "backward" (until every
+    gradient exists), "synchronize gradients" (the all-reduce, whose
+    collectives the core records too) and "optimizer step" (the update,
+    until the batch ends).  The split needs marks inside the compiled step:
+    the callback adds them (``fit`` then retraces its step once); they are
+    three Python calls from the step, which cost a few percent of a step of
+    a few milliseconds (``benchmarks/observe_overhead.py --framework
+    keras``), so they are asked for, as torch's forward spans are
+    (:func:`hpctrain.torch.trace_forward`).  A step traced with them keeps
+    them, inert, after the callback is gone.  With another optimizer, or
+    ``steps_per_execution`` > 1, the batch is one span.  Turn the timeline on
+    with HPCTRAIN_TIMELINE=path or ``comm.timeline.start()``.
     """
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, split_steps: bool = False):
         super().__init__()
-        self.comm = comm
+        self.comm, self.split_steps = comm, split_steps
         self._started = None
         self._marks: Optional[_StepMarks] = None
 
     def on_train_begin(self, logs=None):
         opt = getattr(self.model, "optimizer", None)
-        if isinstance(opt, _DistributedMixin) and opt._hpctrain_marks is None:
+        if self.split_steps and isinstance(opt, _DistributedMixin) and opt._hpctrain_marks is None:
             self._marks = opt._hpctrain_marks = _StepMarks()
             self.model.make_train_function(force=True)        # trace the step again, with the marks
 

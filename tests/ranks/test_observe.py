@@ -362,7 +362,9 @@ def test_keras_timeline_callback_splits_every_train_step_into_its_phases(comm):
         model.fit(x, y, batch_size=10, epochs=1, verbose=0)      # the marks stay in the graph, inert
         return model, events
 
-    model, events = trained([hk.TimelineCallback()])
+    plain, plain_events = trained([hk.TimelineCallback()])              # one span a batch, no marks
+    assert [e["name"] for e in plain_events if e.get("cat") == "keras"] == ["train step"] * 6
+    model, events = trained([hk.TimelineCallback(split_steps=True)])
     reference, _ = trained([])
     for got, want in zip(model.get_weights(), reference.get_weights()):     # the marks change nothing
         np.testing.assert_array_equal(got, want)
