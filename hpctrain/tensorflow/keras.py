@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from ..gradients import GradientAverager
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin
-from .ops import average_gradients
+from .ops import average_gradients, host_call
 from .tape import _name
 
 __all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
@@ -41,7 +41,7 @@ class _DistributedMixin:
     _hpctrain_marks = None     # a TimelineCallback's _StepMarks while one is in use
 
     def scale_loss(self, loss):
-        """The optimizer's own ``scale_loss`` (called by ``fit`` once the loss is computed), marking the end of forward."""
+        """The optimizer's ``scale_loss`` (``fit`` calls it once the loss exists), marking the end of forward."""
         loss = super().scale_loss(loss)
         if self._hpctrain_marks is None:
             return loss
@@ -66,13 +66,13 @@ class _DistributedMixin:
             marks = self._hpctrain_marks           # read when the op runs: None once the callback is gone
             if marks is not None:
                 marks.note(phase)
-            return np.zeros((), np.int8)
+            return [np.zeros((), np.int8)]
 
-        if tf.executing_eagerly():
-            return note()
-        with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
-                                      for g in after if g is not None]):
-            return tf.numpy_function(note, [], Tout=tf.int8, stateful=True, name=f"hpctrain_mark_{phase[:8]}")
+        # host_call: a stateful op in a graph (with XLA's error where it cannot run), a plain call eagerly
+        waits = [] if tf.executing_eagerly() else [g.values if isinstance(g, tf.IndexedSlices) else g
+                                                   for g in after if g is not None]
+        with tf.control_dependencies(waits):
+            return host_call(note, [], [tf.int8], f"mark_{phase[:8]}")[0]
 
     def compression_stats(self) -> dict:
         """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
@@ -226,7 +226,7 @@ class _StepMarks:
 
 
 class TimelineCallback(keras.callbacks.Callback):
-    """Put every ``model.fit`` batch on the timeline as a "train step" span, split into its phases if asked (while it records).
+    """Put every ``model.fit`` batch on the timeline as a "train step" span, split into its phases if asked.
 
     With ``split_steps=True`` and hpctrain's :func:`DistributedOptimizer`
     the step is split into "forward" (from the batch's start until the loss
