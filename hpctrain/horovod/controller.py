@@ -37,10 +37,15 @@ soon as its last rank starts it, not up to a pause later.  When the last
 cycle left nothing open (the table is empty, the same on every rank), no
 rank cycles: each waits for a request of its own or for a doorbell
 (:meth:`CycleExchange.ring`), checked at the same growing pause, and the
-rank that starts the next request rings the others.
+rank that starts the next request rings the others; a rank that will
+start that request itself waits up to 50 ms for it before answering, so
+ranks a few milliseconds apart in a training step run one cycle per
+request instead of idle cycles until the last one starts it.
 So a training step's forward pass runs without cycles, and a rank that
 starts nothing (joined, or outside the request's process set) still enters
-the next cycle within ``HOROVOD_CYCLE_TIME``.  Backends without doorbells
+the next cycle within ``HOROVOD_CYCLE_TIME`` (within 40 ms when the waits
+before ended with requests of its own, as in a training loop: it then
+checks for bells less often).  Backends without doorbells
 cycle on the pause alone.
 """
 from __future__ import annotations
@@ -60,6 +65,9 @@ from .pending import Entry, HorovodInternalError, OpHandle, Request
 __all__ = ["Controller"]
 
 log = logging.getLogger("hpctrain")
+
+_LAZY_BELL_S = 0.05       # the longest a rank rung for a request it starts itself waits for it before cycling
+_QUIET_PAUSE_S = 0.04     # the longest pause between checks for bells once none needed an answer for a while
 
 
 class Controller:
@@ -92,6 +100,7 @@ class Controller:
         self._quiet = False                          # nothing open anywhere: wait for news or a doorbell
         self._waiting = False                        # started all it belongs to; only waits for others
         self._max_pause = float(settings.get("HOROVOD_CYCLE_TIME")) / 1000.0
+        self._quiet_pause = self._max_pause         # the longest pause of the next wait for a doorbell
         self._warn_s = world.config.stall_warning_s
         self._timeout_s = world.config.stall_timeout_s
         self.error: Optional[BaseException] = None
@@ -176,19 +185,51 @@ class Controller:
         return bool(self._new) or self._stop or (self._join_handle is not None and not self._join_sent)
 
     def _wait_for_doorbell(self) -> None:
-        """Wait, while nothing is open anywhere, for news of this rank (then ring the others) or a doorbell."""
-        pause = 0.001
+        """Wait, while nothing is open anywhere, for news of this rank (then ring the others) or a doorbell.
+
+        A bell is urgent for a rank that will not start the news itself (a
+        process set without it, a join, a shutdown, or it has joined): it comes
+        at once.  Otherwise (every rank starts the same requests, as in a
+        training step) it waits up to ``_LAZY_BELL_S`` for its own request:
+        answering at once would run a cycle without it, then idle cycles until
+        it comes, each taking the training thread's core for a moment.  The
+        checks for bells come at pauses doubling from 1 ms to ``HOROVOD_CYCLE_TIME``,
+        or to ``_QUIET_PAUSE_S`` (fewer wake-ups in a forward pass) once the
+        last few waits ended with a request of this rank's own; an urgent bell
+        brings the shorter pauses back.
+        """
+        pause, lazy_since = 0.001, None
+        longest = self._quiet_pause
         while True:
             with self._cv:
                 if not self._has_news():
                     self._cv.wait(pause)
                 news = self._has_news()
+                urgent = self._urgent_ranks() if news else ()
             if news:
-                self._exchange.ring(self._cycle)
+                self._exchange.ring(self._cycle, urgent)
+                self._quiet_pause = min(2 * self._quiet_pause, max(_QUIET_PAUSE_S, self._max_pause))
                 return
-            if self._exchange.rung() >= self._cycle:
+            highest, now = self._exchange.rung()
+            if now >= self._cycle or (highest >= self._cycle and self.rank in self._joined):
+                self._quiet_pause = self._max_pause          # bells that need an answer: check often
                 return
-            pause = min(2 * pause, self._max_pause)
+            if highest >= self._cycle and lazy_since is None:
+                lazy_since = time.monotonic()
+            if lazy_since is not None and time.monotonic() - lazy_since >= max(_LAZY_BELL_S, self._max_pause):
+                return
+            pause = min(2 * pause, longest)
+
+    def _urgent_ranks(self) -> set:
+        """The ranks that will not start this rank's news themselves (call with ``_cv`` held)."""
+        if self._stop or (self._join_handle is not None and not self._join_sent):
+            return set(range(self.size))
+        urgent: set = set()
+        for req in self._new:
+            if req.ps != 0:
+                members = set(self.sets[req.ps][0]) if req.ps in self.sets else set()
+                urgent.update(r for r in range(self.size) if r not in members)
+        return urgent
 
     def _one_cycle(self) -> bool:
         rung = self._quiet

@@ -18,7 +18,8 @@ the world's ``allgather_object``.
 
 Doorbells let ranks skip cycles while nothing is open: a rank that has
 something to negotiate :meth:`ring` s the others with the number of the
-cycle it is about to enter (one 8-byte message to each, on the same
+cycle it is about to enter and whether they must come at once or may wait
+for a request of their own (one 8-byte message to each, on the same
 communicator), and a waiting rank checks :meth:`rung` with a ``Test``
 instead of running a whole cycle.  Only the MPI backend has them.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -68,21 +69,30 @@ class CycleExchange:
         """Whether :meth:`ring` and :meth:`rung` work (the MPI backend); else every rank runs every cycle."""
         return self.comm is not None
 
-    def ring(self, cycle: int) -> None:
-        """Tell every other rank to enter cycle ``cycle`` (non-blocking sends of one int64 each)."""
+    def ring(self, cycle: int, urgent=()) -> None:
+        """Tell every other rank to enter cycle ``cycle`` (non-blocking sends of one int64 each).
+
+        Ranks in ``urgent`` are told to come at once; the others that they may
+        wait for a request of their own (see :meth:`rung`).
+        """
         self._rings = [(req, buf) for req, buf in self._rings if not req.Test()]
-        buf = np.array([cycle], np.int64)
         for r in range(self.world.size):
             if r != self.world.rank:
+                buf = np.array([2 * cycle + (r in urgent)], np.int64)
                 self._rings.append((self.comm.Isend(buf, dest=r, tag=_DOORBELL_TAG), buf))
 
-    def rung(self) -> int:
-        """Return the highest cycle number rung since the last call (-1 if none); never blocks."""
-        highest = -1
+    def rung(self) -> Tuple[int, int]:
+        """Return the highest cycle numbers rung since the last call, of all bells and of urgent ones (-1: none).
+
+        Never blocks.
+        """
+        highest = urgent = -1
         while self._bell_req.Test():
-            highest = max(highest, int(self._bell[0]))
+            cycle, now = divmod(int(self._bell[0]), 2)
+            highest = max(highest, cycle)
+            urgent = max(urgent, cycle) if now else urgent
             self._bell_req = self.comm.Irecv(self._bell, source=self._MPI.ANY_SOURCE, tag=_DOORBELL_TAG)
-        return highest
+        return highest, urgent
 
     def allgather(self, obj: Any, poll: bool = True) -> List[Any]:
         """Return every rank's ``obj``, in rank order.

@@ -99,6 +99,25 @@ def test_no_cycles_while_nothing_is_open_and_a_rank_with_nothing_to_start_still_
         assert hvd.remove_process_set(mine)
 
 
+def test_ranks_a_few_ms_apart_run_one_cycle_per_request_not_idle_cycles_until_the_last_starts_it():
+    """A doorbell for a request every rank starts itself (a training step's gradients, ranks some
+    milliseconds apart) lets the later ranks come with their own request: one cycle per request, not a
+    cycle without them and idle cycles until they start it (each takes the training thread's core)."""
+    import time
+    from hpctrain.horovod.basics import controller
+    ctl = controller()
+    hvd.barrier()
+    time.sleep(0.05)                       # nothing open anywhere: every rank waits for a doorbell
+    requests, before = 6, ctl._cycle
+    for i in range(requests):
+        time.sleep(0.01 * hvd.rank())      # rank r starts each request r x 10 ms after rank 0
+        out = hvd.allreduce(torch.full((2,), float(i)), op=hvd.Sum, name=f"skewed.{i}")
+        assert out.tolist() == [float(i * hvd.size())] * 2
+    cycles = ctl._cycle - before
+    if ctl._exchange.has_doorbells:
+        assert cycles <= 2 * requests, f"{cycles} negotiation cycles for {requests} requests"
+
+
 def test_a_request_completes_when_its_last_rank_starts_it_not_a_pause_later():
     """Ranks that started a request wait inside the exchange instead of pausing between cycles, so the
     rank that starts it last gets the result at once, however long the others' pauses have grown."""
