@@ -816,8 +816,8 @@ def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype)
         assert same_on_all_ranks(comm, out)
 
     ops = ["sum", "max"] + (["avg"] if np.dtype(dtype).kind == "f" else [])
+    xs = inputs(1, count)                    # (no call below writes into them)
     for op in ops:
-        xs = inputs(1, count)
         check(comm.allreduce(xs[comm.rank], op=op), xs, op)
         y = xs[comm.rank].copy()
         out = comm.allreduce(y, op=op, inplace=True)
