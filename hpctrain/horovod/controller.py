@@ -216,6 +216,7 @@ class Controller:
                 return
             if highest >= self._cycle and lazy_since is None:
                 lazy_since = time.monotonic()
+                longest = self._max_pause                     # (so that it answers soon after the grace)
             if lazy_since is not None and time.monotonic() - lazy_since >= max(_LAZY_BELL_S, self._max_pause):
                 return
             pause = min(2 * pause, longest)

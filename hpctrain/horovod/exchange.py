@@ -72,8 +72,8 @@ class CycleExchange:
     def ring(self, cycle: int, urgent=()) -> None:
         """Tell every other rank to enter cycle ``cycle`` (non-blocking sends of one int64 each).
 
-        Ranks in ``urgent`` are told to come at once; the others that they may
-        wait for a request of their own (see :meth:`rung`).
+        Ranks in ``urgent`` are told to come at once, the others that they may
+        first wait for a request of their own (see :meth:`rung`).
         """
         self._rings = [(req, buf) for req, buf in self._rings if not req.Test()]
         for r in range(self.world.size):
