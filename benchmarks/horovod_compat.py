@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5,
                     help="timed iterations (of 3 steps, after 5 warm-up steps) per launch")
     ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
-    ap.add_argument("--paired-rounds", type=int, default=9,
+    ap.add_argument("--paired-rounds", type=int, default=21,
                     help="rounds of the one-launch native vs hpctrain.horovod comparison (0: skip it)")
     ap.add_argument("--paired-steps", type=int, default=10, help="steps per window of that comparison")
     ap.add_argument("--out", default=str(ROOT / "results" / "horovod-compat"))
