@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import settings
 from ..comm.signature import format_ranks
-from ..errors import CollectiveMismatchError, HpctrainError, InvalidCollectiveError
+from ..errors import CollectiveMismatchError, HpctrainError
 from . import execute
 from .exchange import CycleExchange
 from .pending import Entry, HorovodInternalError, OpHandle, Request
@@ -298,7 +298,7 @@ class Controller:
             if absent:
                 self._stalled(name, entry, absent, now, ready)
                 continue
-            error = self._verdict(name, entry, missing)
+            error = execute.verdict(name, entry, missing, self.sets)
             ready.append((name, entry, error))
         if not ready:
             return
@@ -306,27 +306,6 @@ class Controller:
             del self._table[name]
         for group in execute.plan(ready, self._mine, self.sets):
             self._run_group(group)
-
-    def _verdict(self, name: str, entry: Entry, joined: List[int]) -> Optional[HpctrainError]:
-        """Return None when the ranks' signatures agree and the joined ranks can take part, else the error."""
-        sigs = entry.sigs
-        first = next(iter(sigs.values()))
-        if entry.ps not in self.sets:
-            return CollectiveMismatchError(f"{entry.kind} {name!r}: process set {entry.ps} was removed while "
-                                           f"it was in flight")
-        if joined and entry.kind not in ("allreduce", "grouped_allreduce"):
-            return CollectiveMismatchError(f"{entry.kind} {name!r} cannot run while {format_ranks(joined)} "
-                                           f"{'has' if len(joined) == 1 else 'have'} joined (hvd.join()); "
-                                           f"only allreduce can")
-        if all(s == first for s in sigs.values()):
-            invalid = execute.invalid(first)
-            return InvalidCollectiveError(f"{entry.kind} {name!r}: {invalid} (the same on every rank)") \
-                if invalid else None
-        groups: Dict[Any, List[int]] = {}
-        for r, s in sorted(sigs.items()):
-            groups.setdefault(s, []).append(r)
-        lines = "\n".join(f"  {format_ranks(ranks)}: {execute.describe(s)}" for s, ranks in groups.items())
-        return CollectiveMismatchError(f"ranks disagree on {entry.kind} {name!r}:\n{lines}")
 
     def _stalled(self, name: str, entry: Entry, absent: List[int], now: float, ready: list) -> None:
         waited = now - entry.since

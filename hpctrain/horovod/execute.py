@@ -23,8 +23,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..collectives.adasum import adasum_allreduce
+from ..comm.signature import format_ranks
+from ..errors import CollectiveMismatchError, HpctrainError, InvalidCollectiveError
 
-__all__ = ["Group", "plan", "invalid", "describe", "reduce_arrays", "scale"]
+__all__ = ["Group", "plan", "invalid", "describe", "verdict", "reduce_arrays", "scale"]
 
 FUSABLE_OPS = ("sum", "avg", "min", "max", "prod")
 
@@ -45,6 +47,27 @@ def describe(sig: tuple) -> str:
     if bad:
         return f"{kind}{where}: {bad}"
     return f"{kind}{where} {_details(kind, details)}"
+
+
+def verdict(name: str, entry, joined: List[int], sets) -> Optional[HpctrainError]:
+    """Return None when the ranks' signatures agree and the joined ranks can take part, else the error."""
+    sigs = entry.sigs
+    first = next(iter(sigs.values()))
+    if entry.ps not in sets:
+        return CollectiveMismatchError(f"{entry.kind} {name!r}: process set {entry.ps} was removed while "
+                                       f"it was in flight")
+    if joined and entry.kind not in ("allreduce", "grouped_allreduce"):
+        return CollectiveMismatchError(f"{entry.kind} {name!r} cannot run while {format_ranks(joined)} "
+                                       f"{'has' if len(joined) == 1 else 'have'} joined (hvd.join()); "
+                                       f"only allreduce can")
+    if all(s == first for s in sigs.values()):
+        why = invalid(first)
+        return InvalidCollectiveError(f"{entry.kind} {name!r}: {why} (the same on every rank)") if why else None
+    groups: Dict[Any, List[int]] = {}
+    for r, s in sorted(sigs.items()):
+        groups.setdefault(s, []).append(r)
+    lines = "\n".join(f"  {format_ranks(ranks)}: {describe(s)}" for s, ranks in groups.items())
+    return CollectiveMismatchError(f"ranks disagree on {entry.kind} {name!r}:\n{lines}")
 
 
 def _details(kind: str, d: tuple) -> str:
