@@ -210,8 +210,8 @@ class Controller:
                 self._exchange.ring(self._cycle, urgent)
                 self._quiet_pause = min(2 * self._quiet_pause, max(_QUIET_PAUSE_S, self._max_pause))
                 return
-            highest, now = self._exchange.rung()
-            if now >= self._cycle or (highest >= self._cycle and self.rank in self._joined):
+            highest, at_once = self._exchange.rung()
+            if at_once >= self._cycle or (highest >= self._cycle and self.rank in self._joined):
                 self._quiet_pause = self._max_pause          # bells that need an answer: check often
                 return
             if highest >= self._cycle and lazy_since is None:
@@ -228,8 +228,7 @@ class Controller:
         urgent: set = set()
         for req in self._new:
             if req.ps != 0:
-                members = set(self.sets[req.ps][0]) if req.ps in self.sets else set()
-                urgent.update(r for r in range(self.size) if r not in members)
+                urgent |= set(range(self.size)) - set(self.sets[req.ps][0] if req.ps in self.sets else ())
         return urgent
 
     def _one_cycle(self) -> bool:

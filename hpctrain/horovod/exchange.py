@@ -88,9 +88,9 @@ class CycleExchange:
         """
         highest = urgent = -1
         while self._bell_req.Test():
-            cycle, now = divmod(int(self._bell[0]), 2)
+            cycle, at_once = divmod(int(self._bell[0]), 2)
             highest = max(highest, cycle)
-            urgent = max(urgent, cycle) if now else urgent
+            urgent = max(urgent, cycle) if at_once else urgent
             self._bell_req = self.comm.Irecv(self._bell, source=self._MPI.ANY_SOURCE, tag=_DOORBELL_TAG)
         return highest, urgent
 
