@@ -1,11 +1,12 @@
 """Check that every rank holds the same value of something, and say which ranks differ if not."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .comm.signature import format_ranks
 
-__all__ = ["check_same"]
+__all__ = ["check_same", "check_writable", "writable"]
 
 
 def check_same(comm, what: str, value: Any, shown: Any = None) -> None:
@@ -33,3 +34,35 @@ def check_same(comm, what: str, value: Any, shown: Any = None) -> None:
             groups.append((v, s, [r]))
     lines = "\n".join(f"  {format_ranks(ranks)}: {s}" for _, s, ranks in groups)
     raise ValueError(f"ranks of {comm.name} disagree on {what}:\n{lines}")
+
+
+def writable(path: str) -> str:
+    """Return why this process cannot create the file ``path`` ("" if it can).
+
+    Creates the missing folders of ``path`` and a probe file beside it, then
+    removes the probe (the only reliable test: ``os.access`` says yes to root
+    on folders it cannot create files in, such as those under ``/proc``).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    probe = os.path.join(folder, f".{os.path.basename(path)}.probe-{os.getpid()}")
+    try:
+        if os.path.isdir(path):
+            return "it is a directory, not a file"
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        return f"cannot create a file there ({type(exc).__name__}: {exc})"
+    return ""
+
+
+def check_writable(comm, path: str, writer: int = 0) -> str:
+    """Return, on every rank, why rank ``writer`` cannot create the file ``path`` ("" if it can).
+
+    Collective (one ``broadcast_object``): only ``writer`` tries (see
+    :func:`writable`), so a path that exists on its node alone is fine.
+    """
+    why = writable(path) if comm.rank == writer else None
+    why = comm.broadcast_object(why, root=writer)
+    return f"on rank {writer}, {why}" if why else ""

@@ -94,7 +94,7 @@ def run_check(check: Check, timeout: float) -> Outcome:
 def _last_lines(text: str, count: int = 3) -> str:
     """The reason in a failed program's output: its last Python error line, else its last lines."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= {"-"}]
-    errors = [ln for ln in lines if re.match(r"^(\[[^\]]*\]\s*)?[\w.]*(Error|Exception)\b.*: ", ln)]
+    errors = [ln for ln in lines if re.match(r"^(\[[^\]]*\]\s*)?([\w.]*(Error|Exception)\b.*: |hpctrain: error: )", ln)]
     if errors:
         return errors[-1]
     return " | ".join(lines[-count:]) or "(no output)"

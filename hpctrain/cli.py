@@ -9,6 +9,7 @@ __all__ = ["main"]
 
 
 def _launch(args) -> int:
+    from . import settings
     from .launch import build_command, remove_stale_session_dirs
 
     if args.gloo and args.mpi:
@@ -20,15 +21,47 @@ def _launch(args) -> int:
               "use their own start-up timeouts", file=sys.stderr)
     cmd = build_command(args.n, argv, hosts=args.hosts, hostfile=args.hostfile, gloo=args.gloo,
                         start_timeout=args.start_timeout)
+    _check_before_launch(argv)
     if args.dry_run or args.verbose:
         print(" ".join(cmd), flush=True)
     if args.dry_run:
         return 0
+    settings.mark_launch_checked()      # the ranks' init() need not warn again
     sys.stdout.flush()
     if not args.gloo:
         remove_stale_session_dirs(pid=os.getpid())   # mpirun gets this pid: a killed one's folder stops it
     os.execv(cmd[0], cmd)
     return 0  # not reached
+
+
+def _check_before_launch(argv) -> None:
+    """Refuse, before any rank starts, a script that does not exist or an HPCTRAIN_* value init() would refuse.
+
+    Unknown HPCTRAIN_* names are warnings (with the closest known name), as at init().
+    """
+    from . import settings
+    from .comm.runtime import Config
+
+    for line in settings.unknown_names():
+        print(f"hpctrain launch: warning: {line}", file=sys.stderr)
+    Config.from_env()                   # every setting init() reads, and the tuning file: SettingError (a ValueError)
+    settings.get("HPCTRAIN_BACKEND")
+    script = _script_of(argv)
+    if script is not None and not os.path.isfile(script):
+        raise FileNotFoundError(f"{script}: no such file (from {os.getcwd()}); nothing was launched")
+
+
+def _script_of(argv):
+    """The Python script ``argv`` runs (``python x.py``, ``x.py``), or None (``python -m m``, ``-c``, a command)."""
+    args = list(argv)
+    if args and os.path.basename(args[0]).startswith("python"):
+        args = args[1:]
+        while args and args[0].startswith("-") and args[0] not in ("-m", "-c", "-"):
+            args = args[1:]             # interpreter flags such as -u, -O
+        if not args or args[0] in ("-m", "-c", "-"):
+            return None
+        return args[0]
+    return args[0] if args and args[0].endswith(".py") else None
 
 
 def _info(args) -> int:

@@ -1,7 +1,7 @@
 """Exceptions raised by hpctrain."""
 
 __all__ = ["HpctrainError", "CollectiveMismatchError", "InvalidCollectiveError", "NotInitializedError", "BackendUnavailableError",
-           "CheckpointError"]
+           "CheckpointError", "ShutdownError"]
 
 
 class HpctrainError(RuntimeError):
@@ -30,3 +30,10 @@ class BackendUnavailableError(HpctrainError):
 
 class CheckpointError(HpctrainError):
     """A checkpoint could not be saved or restored; raised on every rank."""
+
+
+class ShutdownError(HpctrainError):
+    """Something registered to run at shutdown (a timeline, metrics or checkpoint flush) failed on this rank.
+
+    Raised after the rest of the shutdown ran and the rank left with the others.
+    """

@@ -17,11 +17,16 @@ Kinds: ``flag`` (1/0, true/false, yes/no, on/off), ``bytes`` (a whole number,
 """
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
-__all__ = ["Setting", "SettingError", "SETTINGS", "setting", "default", "get", "markdown_table"]
+__all__ = ["Setting", "SettingError", "SETTINGS", "setting", "default", "get", "markdown_table", "unknown_names",
+           "warn_unknown", "mark_launch_checked", "TEST_PREFIX"]
+
+TEST_PREFIX = "HPCTRAIN_TEST_"      # variables of hpctrain's own test suite: not settings, never warned about
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _KINDS = ("flag", "bytes", "int", "number", "seconds", "milliseconds", "choice", "text")
@@ -146,6 +151,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_LAUNCHER", "choice", "", "launcher of `hpctrain launch` and the sbatch scripts (empty: "
             "srun inside a Slurm allocation, else mpirun)", choices=("", "mpirun", "srun")),
     Setting("HPCTRAIN_SRUN_MPI", "text", "pmix", "the `--mpi=` plugin of srun launches"),
+    Setting("HPCTRAIN_LAUNCH_CHECKED", "flag", False, "set by `hpctrain launch` for its ranks: it has checked the "
+            "settings and warned of unknown `HPCTRAIN_*` names, so `init()` does not warn again"),
     Setting("HPCTRAIN_HOME", "text", "", "checkout the sbatch scripts run from (empty: the submit "
             "directory)", reader="slurm/*.sbatch"),
     Setting("HPCTRAIN_VENV", "text", "", "virtual environment of the sbatch scripts (empty: "
@@ -197,6 +204,37 @@ def get(name: str, env: Optional[Mapping[str, str]] = None, default: Any = None)
     if text is None or text.strip() == "":
         return setting.default if default is None else default
     return setting.parse(text)
+
+
+def unknown_names(env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Return a sentence for each ``HPCTRAIN_*`` variable in ``env`` that is no setting, naming the closest one.
+
+    ``HPCTRAIN_TEST_*`` (the test suite's own) are left out.
+    """
+    env = os.environ if env is None else env
+    known = {s.name[len("HPCTRAIN_"):]: s.name for s in SETTINGS if s.name.startswith("HPCTRAIN_")}   # (no prefix)
+    out = []
+    for name in sorted(env):
+        if not name.startswith("HPCTRAIN_") or name in _BY_NAME or name.startswith(TEST_PREFIX):
+            continue
+        close = difflib.get_close_matches(name[len("HPCTRAIN_"):], list(known), n=1, cutoff=0.6)
+        hint = f"did you mean {known[close[0]]}?" if close else "see the README's settings table"
+        out.append(f"{name} is not an hpctrain setting and is ignored ({hint})")
+    return out
+
+
+def warn_unknown(rank_zero: bool = True, env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Log :func:`unknown_names` as warnings (only where ``rank_zero``: once per job); return them."""
+    found = unknown_names(env)
+    if rank_zero:
+        for line in found:
+            logging.getLogger("hpctrain").warning("hpctrain: warning: %s", line)
+    return found
+
+
+def mark_launch_checked(env=None) -> None:
+    """Set HPCTRAIN_LAUNCH_CHECKED=1 in ``env`` (default ``os.environ``): the ranks' ``init()`` does not warn again."""
+    (os.environ if env is None else env)["HPCTRAIN_LAUNCH_CHECKED"] = "1"
 
 
 def format_bytes(nbytes: int) -> str:

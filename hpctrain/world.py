@@ -7,12 +7,14 @@ are needed.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import traceback
 from typing import Optional
 
 from . import settings
+from .agreement import check_writable
 from .comm.base import Communicator
 from .comm.runtime import Config
 from .env import detect_launcher
@@ -27,6 +29,7 @@ _lock = threading.Lock()
 _world: Optional[Communicator] = None
 _saved_excepthook = None
 _atexit_installed = False
+_exit_status = [0]          # what sys.exit() was last called with, after init() (see _record_exit_status)
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -58,19 +61,31 @@ def init(backend: str = "auto") -> Communicator:
     aborts the whole job instead of leaving the others waiting, and a rank
     that leaves (returns, exits or calls :func:`shutdown`) while others still
     call collectives makes them fail within seconds, naming it (see
-    :mod:`hpctrain.comm.departures`).  It also sets glibc's allocator so that
-    memory freed in one training step is reused by the next without page
-    faults (:mod:`hpctrain.memory`; ``HPCTRAIN_KEEP_FREED_MEMORY=0`` leaves it).
+    :mod:`hpctrain.comm.departures`; its ``sys.exit`` status becomes the
+    job's).  It also sets glibc's allocator so that memory freed in one
+    training step is reused by the next without page faults
+    (:mod:`hpctrain.memory`; ``HPCTRAIN_KEEP_FREED_MEMORY=0`` leaves it).
+
+    A bad ``HPCTRAIN_*`` value raises :class:`~hpctrain.settings.SettingError`
+    on every rank (uncaught, it is one line on rank 0, no traceback); an
+    ``HPCTRAIN_*`` name hpctrain does not know is a warning on rank 0 naming
+    the closest one; an ``HPCTRAIN_TIMELINE`` file that rank 0 cannot write is
+    a SettingError at once, not a lost trace at the end.
     """
     global _world
     with _lock:
-        chosen = resolve_backend(backend)
-        if _world is not None:
-            if chosen != _world.backend:
-                raise ValueError(f"hpctrain is already initialised with the {_world.backend} backend; "
-                                 f"call hpctrain.shutdown() before init(backend={chosen!r})")
-            return _world
-        config = Config.from_env()
+        settings.warn_unknown(rank_zero=_launcher_rank() == 0 and not settings.get("HPCTRAIN_LAUNCH_CHECKED"))
+        try:
+            chosen = resolve_backend(backend)
+            if _world is not None:
+                if chosen != _world.backend:
+                    raise ValueError(f"hpctrain is already initialised with the {_world.backend} backend; "
+                                     f"call hpctrain.shutdown() before init(backend={chosen!r})")
+                return _world
+            config = Config.from_env()
+        except settings.SettingError:
+            _install_setting_error_hook()
+            raise
         keep_freed_memory()
         if chosen == "mpi":
             from .comm import mpi as impl
@@ -78,48 +93,139 @@ def init(backend: str = "auto") -> Communicator:
             from .comm import horovod as impl
         else:
             from .comm import local as impl
-        _world = impl.init_world(config)
+        w = impl.init_world(config)
         if config.timeline:       # every rank's timeline, merged into one file by rank 0 at shutdown
             from .comm.timeline import write_trace
-            w = _world
-            w._rt.before_close.append(lambda: write_trace(w, config.timeline))
-        if _world.backend != "local":
-            _install_excepthook(_world)
-        if _world.backend != "local" or config.timeline:   # (a world of one writes its timeline at exit too)
-            _install_atexit()
-        return _world
+
+            w.timeline.on = False          # (the check's own collective stays off the timeline)
+            why = check_writable(w, config.timeline)
+            w.timeline.on = True
+            if why:
+                w.close()
+                _install_setting_error_hook()
+                raise settings.SettingError(f"HPCTRAIN_TIMELINE={config.timeline!r}: {why}")
+            w.on_close(lambda: write_trace(w, config.timeline), f"the timeline writer ({config.timeline})")
+        _world = w
+        if w.backend != "local":
+            _install_excepthook(w)
+        _install_atexit()       # (a world of one too: its timeline and on_close callbacks run at exit)
+        return w
+
+
+def _launcher_rank() -> int:
+    """This process's rank as its launcher says (0 without one)."""
+    launch = detect_launcher()
+    return launch.rank if launch is not None else 0
+
+
+def _install_setting_error_hook() -> None:
+    """Print an uncaught SettingError as one line on rank 0 (none elsewhere) instead of a traceback per rank."""
+    previous = sys.excepthook
+    if getattr(previous, "hpctrain_settings", False):
+        return
+
+    def hook(kind, value, tb):
+        if not issubclass(kind, settings.SettingError):
+            return previous(kind, value, tb)
+        if _launcher_rank() == 0:
+            sys.stderr.write(f"hpctrain: error: {value}\n")
+            sys.stderr.flush()
+
+    hook.hpctrain_settings = True
+    sys.excepthook = hook
 
 
 def _install_atexit() -> None:
     """Shut down at interpreter exit, so a rank that returns or exits early tells the others it left."""
     global _atexit_installed
     if not _atexit_installed:
-        atexit.register(shutdown)
+        real_exit = sys.exit
+
+        def exit(status=None):      # noqa: A001 - records the status, then is sys.exit
+            _exit_status[0] = status
+            real_exit(status)
+
+        exit.__doc__ = real_exit.__doc__
+        exit.__wrapped__ = real_exit
+        sys.exit = exit
+        atexit.register(_shutdown_at_exit)
         _atexit_installed = True
 
 
+def _status_code(status) -> int:
+    """The process exit status of ``sys.exit(status)``: None -> 0, an int -> itself, anything else -> 1."""
+    return 0 if status is None else status if isinstance(status, int) else 1
+
+
+def _shutdown_at_exit() -> None:
+    """``shutdown()`` at interpreter exit; a failure there names its cause and ends the process with status 1.
+
+    Python ignores an exception raised in an exit hook (the status stays 0), so
+    a failed timeline or checkpoint flush would otherwise be a warning on one
+    rank of a job that "succeeded".
+    """
+    code = _status_code(_exit_status[0])
+    try:
+        shutdown(_exit_status=code)
+    except BaseException as exc:  # noqa: BLE001 - the process is ending: say why, and fail
+        message = (f"hpctrain: rank {_launcher_rank()}: shutting down at exit failed ({type(exc).__name__}: "
+                   f"{exc}); exiting with status {code or 1}\n")
+        for stream, text in ((sys.stdout, ""), (sys.stderr, message)):
+            try:
+                stream.write(text)
+                stream.flush()
+            except (OSError, ValueError):       # (a closed or broken stream: nothing more to say there)
+                pass
+        os._exit(code or 1)
+
+
 def _install_excepthook(comm: Communicator) -> None:
-    """Make an uncaught exception print its traceback and abort every rank."""
+    """Make an uncaught exception print its traceback and abort every rank.
+
+    A :class:`~hpctrain.settings.SettingError` is the exception: hpctrain raises
+    it on every rank alike, so it is one line on rank 0 and the ranks leave
+    together (exit status 1) instead of a traceback and an abort per rank.
+    """
     global _saved_excepthook
     _saved_excepthook = sys.excepthook
+
     def hook(kind, value, tb):
+        if issubclass(kind, settings.SettingError):
+            if comm.rank == 0:
+                sys.stderr.write(f"hpctrain: error: {value}\n")
+                sys.stderr.flush()
+            return
         text = "".join(traceback.format_exception(kind, value, tb))
-        comm.abort(f"hpctrain: rank {comm.rank}: uncaught exception, aborting the job:\n{text}")
+        status = getattr(value, "exit_status", 1)       # (a rank that exited with status N: the job's too)
+        comm.abort(f"hpctrain: rank {comm.rank}: uncaught exception, aborting the job:\n{text}",
+                   status if isinstance(status, int) and status > 0 else 1)
 
     sys.excepthook = hook
 
 
-def shutdown() -> None:
-    """Finish queued collectives and release hpctrain; ``init()`` may be called again."""
+def shutdown(_exit_status: int = 0) -> None:
+    """Finish queued collectives and release hpctrain; ``init()`` may be called again.
+
+    Runs what was registered with ``world().on_close`` (timeline, metrics,
+    checkpoint flushes), then leaves with the other ranks.  If any of those
+    fails, the rest still run and this rank still leaves; then
+    :class:`~hpctrain.errors.ShutdownError` names every failure.  The world is
+    released either way.
+    """
     global _world, _saved_excepthook
     with _lock:
         if _world is None:
             return
-        _world.close()
-        _world = None
+        w, _world = _world, None
         if _saved_excepthook is not None:
             sys.excepthook = _saved_excepthook
             _saved_excepthook = None
+        w.close(_exit_status)
+
+
+def exit_status() -> int:
+    """The status of the ``sys.exit()`` this process is in, as recorded since ``init()`` (0 if none)."""
+    return _status_code(_exit_status[0])
 
 
 def is_initialized() -> bool:

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-if not os.environ.get("HPCTRAIN_INNER_PYTEST"):
+if not os.environ.get("HPCTRAIN_TEST_INNER_PYTEST"):
     collect_ignore_glob = ["ranks/*"]
 
 

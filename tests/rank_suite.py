@@ -135,7 +135,7 @@ class RankSuite:
         done_file.write_text("".join(f"{t}\n" for t in list(self.results) + list(self.failures)))
         before = len(self.results) + len(self.failures)
         cmd = self._command(logdir)
-        env = base_env(HPCTRAIN_INNER_PYTEST=1, HPCTRAIN_TEST_DESELECT=done_file, **self.env)
+        env = base_env(HPCTRAIN_TEST_INNER_PYTEST=1, HPCTRAIN_TEST_DESELECT=done_file, **self.env)
         with open(logdir / "launcher.log", "w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)

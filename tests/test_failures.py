@@ -95,3 +95,71 @@ def test_ranks_that_finish_together_leave_cleanly(n):
     assert result.returncode == 0, result.stdout[-3000:]
     assert "steps done" in result.stdout and "left the job" not in result.stdout
     assert "waits for" not in result.stdout, result.stdout[-3000:]      # nobody waited 2 s for the others
+
+
+# -- the way out: nothing at exit hangs, every failure there is named on its rank, the rank's status is the job's --
+
+@pytest.mark.parametrize("n, how", [(2, "explicit"), (2, "atexit"), (3, "atexit"), (3, "explicit"), (4, "explicit"),
+                                    (4, "atexit")])
+def test_every_failure_at_shutdown_is_named_on_its_rank_and_ends_the_job_in_seconds(n, how, tmp_path):
+    # The timeline, metrics, checkpoint commit and communication-log table all fail at shutdown, and a user's
+    # atexit hook raises: before, the first failure (in an exit hook) skipped rank 0's leaving notice and the
+    # others waited for it for ever.
+    trace, metrics, ckpt = tmp_path / "timeline" / "trace.json", tmp_path / "metrics", tmp_path / "ckpt"
+    trace.parent.mkdir()
+    result, took = launch(n, [str(PROGRAMS / "exit_paths.py")], tmp_path, "failures", how, timeout=60,
+                          HPCTRAIN_TIMELINE=trace, HPCTRAIN_COMM_LOG=1, HPCTRAIN_STALL_TIMEOUT_S=20)
+    out = result.stdout
+    assert "steps done" in out, out[-3000:]
+    assert result.returncode != 0 and took < 20, (result.returncode, took, out[-3000:])
+    assert f"hpctrain: rank 0: the timeline writer ({trace}) failed at shutdown: FileExistsError" in out, out[-3000:]
+    assert f"hpctrain: rank 0: the step metrics ({metrics}) failed at shutdown: NotADirectoryError" in out
+    assert "hpctrain: rank 0: the communication log's table failed at shutdown: ValueError" in out
+    for r in range(n):       # the commit's failure is raised on every rank
+        assert (f"hpctrain: rank {r}: the checkpoint manager of {ckpt} failed at shutdown: CheckpointError: "
+                f"committing the checkpoint of step 1 failed") in out, out[-3000:]
+    assert f"boom in an atexit hook of rank {n - 1}" in out
+    assert not (ckpt / "step-000000001").is_dir() and not list(ckpt.glob("*.partial"))   # nothing half-made stays
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_ranks_that_finished_wait_for_a_straggler_only_until_the_stall_timeout(n, tmp_path):
+    result, took = launch(n, [str(PROGRAMS / "exit_paths.py")], tmp_path, "straggler", timeout=60,
+                          HPCTRAIN_STALL_TIMEOUT_S=3, HPCTRAIN_STALL_WARNING_S=1)
+    assert "steps done" in result.stdout and result.returncode != 0, result.stdout[-3000:]
+    assert took < 20, f"the job took {took:.1f} s to end"
+    assert re.search(rf"hpctrain: rank \d+ has finished and waited 3 s \(HPCTRAIN_STALL_TIMEOUT_S\) for world rank "
+                     rf"{n - 1} to finish too; aborting the job", result.stdout), result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_a_rank_that_exits_with_a_status_ends_the_job_with_that_status_naming_it(n):
+    result, _ = launch(n, [str(PROGRAMS / "die.py")], "exit3", n - 1, HPCTRAIN_STALL_TIMEOUT_S=600)
+    assert result.returncode == 3, (result.returncode, result.stdout[-3000:])
+    assert after_leaving(result) < 10
+    assert (f"world rank {n - 1} exited with status 3 while this rank waits for it in allreduce(float64[1000]"
+            in result.stdout), result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_under_the_horovod_api_a_rank_that_exits_early_is_named_with_its_status(launcher):
+    cmd = (mpirun_cmd(2) if launcher == "mpirun" else horovodrun(2)) + [
+        sys.executable, str(PROGRAMS / "hvd_leaver.py"), "3"]
+    result = run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=600), 120)
+    assert "steps done" in result.stdout, result.stdout[-3000:]
+    assert after_leaving(result) < 10
+    assert "Horovod has been shut down: rank 1 left the job (exited with status 3)" in result.stdout, \
+        result.stdout[-3000:]
+    assert result.returncode == (3 if launcher == "mpirun" else 1)     # (horovodrun exits 1 whatever failed)
+
+
+@pytest.mark.parametrize("variable, value, said", [
+    ("HPCTRAIN_STALL_TIMEOUT_S", "soon", "HPCTRAIN_STALL_TIMEOUT_S='soon': expected seconds, at least 0"),
+    ("HPCTRAIN_TIMELINE", "/proc/no-such-folder/trace.json", "HPCTRAIN_TIMELINE='/proc/no-such-folder/trace.json': "
+     "on rank 0, cannot create a file there (FileNotFoundError"),
+])
+def test_a_bad_setting_is_one_line_for_the_whole_job_and_no_rank_starts_training(variable, value, said):
+    result, took = launch(3, [str(PROGRAMS / "die.py")], "return", -1, **{variable: value})
+    lines = [line for line in result.stdout.splitlines() if "hpctrain" in line or "Traceback" in line]
+    assert result.returncode != 0 and "steps done" not in result.stdout
+    assert len(lines) == 1 and f"<stderr>: hpctrain: error: {said}" in lines[0], result.stdout[-3000:]

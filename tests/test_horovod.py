@@ -28,7 +28,8 @@ SMALL = "not 1000003 and not 64mib"
 @pytest.mark.parametrize("n", RANK_COUNTS)
 def test_collectives_on_horovod_under_mpirun(n, rank_suites):
     rank_suites.get("horovod-mpirun", n, ["test_collectives.py"], select="" if n <= 2 else SMALL,
-                    HPCTRAIN_BACKEND="horovod", HPCTRAIN_EXPECT_BACKEND="horovod").check_file("test_collectives.py")
+                    HPCTRAIN_BACKEND="horovod",
+                    HPCTRAIN_TEST_EXPECT_BACKEND="horovod").check_file("test_collectives.py")
 
 
 def horovodrun_gloo(n):
@@ -44,7 +45,8 @@ def horovodrun_gloo(n):
 def test_collectives_under_horovodrun_gloo_pick_horovod(n, rank_suites):
     # No MPI launcher variables exist here, so backend "auto" must choose Horovod.
     rank_suites.get("horovodrun-gloo", n, ["test_collectives.py"], launcher=horovodrun_gloo,
-                    select="" if n <= 2 else SMALL, HPCTRAIN_EXPECT_BACKEND="horovod").check_file("test_collectives.py")
+                    select="" if n <= 2 else SMALL,
+                    HPCTRAIN_TEST_EXPECT_BACKEND="horovod").check_file("test_collectives.py")
 
 
 @pytest.mark.timeout(1800)
@@ -53,4 +55,4 @@ def test_horovod_api_when_hpctrain_runs_on_its_horovod_backend(n, rank_suites):
     """hpctrain.horovod.torch over hpctrain's horovod backend (no point-to-point messages there: Adasum
     all-gathers, negotiation cycles run on the pause, without doorbells)."""
     rank_suites.get("horovod-api-on-horovod", n, ["test_horovod_api.py"], HPCTRAIN_BACKEND="horovod",
-                    HPCTRAIN_EXPECT_BACKEND="horovod").check_file("test_horovod_api.py")
+                    HPCTRAIN_TEST_EXPECT_BACKEND="horovod").check_file("test_horovod_api.py")

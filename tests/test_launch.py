@@ -9,7 +9,7 @@ import pytest
 from hpctrain.env import LaunchInfo, detect_launcher
 from hpctrain.launch import build_command
 
-from harness import BIN, base_env, run
+from harness import BIN, base_env, mpirun_cmd, run
 
 
 @pytest.mark.parametrize("env, expect", [
@@ -131,6 +131,31 @@ def test_hpctrain_launch_bad_arguments_fail_clearly():
     out = subprocess.run([str(BIN / "hpctrain"), "launch", "-n", "0", "x.py"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "at least 1" in out.stderr
+
+
+@pytest.mark.parametrize("argv, env, said", [
+    (["python", "-u", "no_such_script.py"], {}, "no_such_script.py: no such file"),
+    (["no_such_script.py", "--epochs", "2"], {}, "no_such_script.py: no such file"),
+    (["python", "-c", "print(1)"], {"HPCTRAIN_FUSION_THRESHOLD": "big"},
+     "HPCTRAIN_FUSION_THRESHOLD='big': expected bytes"),
+])
+def test_hpctrain_launch_refuses_a_missing_script_or_a_bad_setting_before_any_rank_starts(argv, env, said):
+    out = subprocess.run([str(BIN / "hpctrain"), "launch", "-n", "2"] + argv, capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, **env))
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr.startswith(f"hpctrain: error: {said}") and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_an_unknown_hpctrain_name_is_a_warning_naming_the_closest_setting_once_per_launch(tmp_path):
+    script = tmp_path / "one.py"
+    script.write_text("import hpctrain\nhpctrain.init()\nprint('ran', hpctrain.rank())\n")
+    env = base_env(HPCTRAIN_TIMELIN=str(tmp_path / "t.json"), HPCTRAIN_TEST_ANYTHING="1")
+    out = run([str(BIN / "hpctrain"), "launch", "-n", "2", "python", str(script)], env, 60)
+    warning = "HPCTRAIN_TIMELIN is not an hpctrain setting and is ignored (did you mean HPCTRAIN_TIMELINE?)"
+    assert out.returncode == 0 and out.stdout.count(warning) == 1, out.stdout
+    assert out.stdout.count("ran ") == 2 and "HPCTRAIN_TEST_ANYTHING" not in out.stdout
+    direct = run(mpirun_cmd(2) + [sys.executable, str(script)], env, 60)
+    assert direct.stdout.count(warning) == 1, direct.stdout          # rank 0's init() says it once
 
 
 def test_horovodrun_flags_of_hpctrain_launch(tmp_path):

@@ -50,7 +50,8 @@ def test_the_scan_catches_a_direct_read(tmp_path):
 
 def test_every_variable_the_code_and_scripts_mention_is_in_the_table():
     files = [*PACKAGE.rglob("*.py"), *(REPO / "slurm").iterdir(), *(REPO / "scripts").iterdir()]
-    mentioned = {name for f in files if f.is_file() for name in NAME.findall(f.read_text(errors="replace"))}
+    mentioned = {name for f in files if f.is_file() for name in NAME.findall(f.read_text(errors="replace"))
+                 if not name.endswith("_")}          # (a prefix such as settings.TEST_PREFIX is no variable)
     table = {s.name for s in settings.SETTINGS}
     assert mentioned - table == set()
     # and every setting hpctrain itself reads is asked for somewhere outside the table
@@ -130,3 +131,12 @@ def test_a_tuning_file_value_below_the_minimum_is_an_error(clean_env, tmp_path):
     assert Config.from_env().shm_arena_bytes == 8192
     monkeypatch.setenv("HPCTRAIN_SHM_ARENA_BYTES", "16384")      # the variable wins over the file
     assert Config.from_env().shm_arena_bytes == 16384
+
+
+def test_unknown_names_say_which_setting_was_meant_and_leave_the_test_suites_own_alone():
+    env = {"HPCTRAIN_TIMELIN": "x", "HPCTRAIN_STALL_TIMEOUT": "5", "HPCTRAIN_CHECK": "1", "HPCTRAIN_TEST_X": "1",
+           "HPCTRAIN_WHATEVER_ELSE_ENTIRELY": "1", "OTHER": "1"}
+    assert settings.unknown_names(env) == [
+        "HPCTRAIN_STALL_TIMEOUT is not an hpctrain setting and is ignored (did you mean HPCTRAIN_STALL_TIMEOUT_S?)",
+        "HPCTRAIN_TIMELIN is not an hpctrain setting and is ignored (did you mean HPCTRAIN_TIMELINE?)",
+        "HPCTRAIN_WHATEVER_ELSE_ENTIRELY is not an hpctrain setting and is ignored (see the README's settings table)"]

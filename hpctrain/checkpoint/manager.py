@@ -151,10 +151,10 @@ class CheckpointManager:
         err = comm.broadcast_object(err)
         if err:
             raise CheckpointError(err)
-        rt = getattr(comm, "_rt", None)
-        if rt is not None and hasattr(rt, "before_close"):
+        on_close = getattr(comm, "on_close", None)
+        if on_close is not None:
             ref = weakref.ref(self)
-            rt.before_close.append(lambda: ref() is not None and ref().wait())
+            on_close(lambda: ref() is not None and ref().wait(), f"the checkpoint manager of {self.directory}")
 
     # -- public API -------------------------------------------------------
     def __enter__(self) -> "CheckpointManager":

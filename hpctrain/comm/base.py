@@ -290,14 +290,30 @@ class Communicator(Primitives):
         """
         return self._run(self._exchanges.plan_shared_empty(count, dtype))
 
-    def abort(self, message: str) -> None:
-        """Print ``message`` and end the whole job on every rank (never returns; see :mod:`hpctrain.comm.abort`)."""
-        self._rt.abort(message)
+    def abort(self, message: str, code: int = 1) -> None:
+        """Print ``message`` and end the whole job on every rank with status ``code`` (never returns; see
+        :mod:`hpctrain.comm.abort`)."""
+        self._rt.abort(message, code)
 
-    def close(self) -> None:
-        """Finish the queued calls, leave (see :mod:`hpctrain.comm.departures`), free the node's shared memory."""
-        self._rt.close()
-        self._release_shared()
+    def on_close(self, callback: Callable[[], object], what: str) -> Callable[[], None]:
+        """Run ``callback`` when the world closes (``hpctrain.shutdown()``, or at exit), before this rank leaves.
+
+        ``what`` names it in the error if it fails.  Callbacks run last added
+        first, on every rank, so collectives inside them meet; one that fails
+        does not stop the others (see :meth:`Runtime.close`).
+        Returns a function that takes the callback back.
+        """
+        return self._rt.on_close(callback, what)
+
+    def close(self, exit_status: int = 0) -> None:
+        """Finish the queued calls, leave (see :mod:`hpctrain.comm.departures`), free the node's shared memory.
+
+        ``exit_status``: the status this process is about to exit with, told to the other ranks as it leaves.
+        """
+        try:
+            self._rt.close(exit_status)
+        finally:
+            self._release_shared()
 
     def free(self) -> None:
         """Release the backend resources of this communicator (not of the world)."""

@@ -23,6 +23,7 @@ import collections
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -215,7 +216,7 @@ class Runtime:
     Args:
         config: the settings.
         world_rank: this process's rank in the world (for messages).
-        abort: called with a message to end the whole job (never returns).
+        abort: called with a message and an exit status to end the whole job (never returns).
     """
 
     def __init__(self, config: Config, world_rank: int, abort: Callable[[str], None]):
@@ -224,7 +225,7 @@ class Runtime:
         self._abort = abort
         self.collectives = Lane("collectives")
         self.receives = Lane("receives")
-        self.before_close: list = []   # callables run by close() first (checkpoint managers flush)
+        self._on_close: list = []      # (what, callable) run by close() first: see on_close
         self.departures = None         # a departures.Departures where the backend sends leaving notices
         self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
         self.comm_log = CommLog(on=config.comm_log)     # see comm_log.py
@@ -263,25 +264,72 @@ class Runtime:
         if cur is not None:
             cur.waiting_on = waiting_on
 
-    def close(self) -> None:
-        """Run the ``before_close`` callables, let queued collectives finish, then stop the threads."""
-        callbacks, self.before_close = self.before_close, []
-        for cb in callbacks:
-            cb()
+    def on_close(self, callback: Callable[[], object], what: str) -> Callable[[], None]:
+        """Run ``callback`` when the world closes, before its lanes stop; return a function that takes it back.
+
+        ``what`` names it in the error when it fails ("the timeline writer").
+        Callbacks run last added first (as exit hooks do: what started later
+        stops first), the same on every rank, so callbacks that call
+        collectives meet.
+        """
+        entry = (what, callback)
+        self._on_close.append(entry)
+
+        def remove() -> None:
+            if entry in self._on_close:
+                self._on_close.remove(entry)
+        return remove
+
+    def close(self, exit_status: int = 0) -> None:
+        """Run the ``on_close`` callbacks, let queued collectives finish, print the comm log, then leave.
+
+        A callback that raises does not stop the others or the leaving: each
+        failure is printed on this rank at once, naming the callback, and after
+        this rank has left with the others :class:`~hpctrain.errors.ShutdownError`
+        is raised with all of them.  Leaving waits for the other ranks at most
+        ``HPCTRAIN_STALL_TIMEOUT_S`` (see :meth:`Departures.leave`); ``exit_status``
+        travels in the leaving notice.
+        """
+        callbacks, self._on_close = self._on_close, []
+        failures = []
+        for what, cb in reversed(callbacks):
+            try:
+                cb()
+            except Exception as exc:  # noqa: BLE001 - reported below, after the rank has left
+                failures.append((what, exc))
+                sys.stderr.write(f"hpctrain: rank {self.world_rank}: {what} failed at shutdown: "
+                                 f"{type(exc).__name__}: {exc}\n")
+                sys.stderr.flush()
         self.collectives.close(drain=True)
         self.receives.close(drain=False)
         self._closed = True
-        if self.departures is not None:      # no collective is left on this rank: leave, with the others
-            self.departures.leave(self.config.stall_warning_s)
-            self.departures = None
         if self.config.comm_log and self.world_rank == 0:
             table = self.comm_log.table()
             if table:
-                print(table, flush=True)
+                try:
+                    print(table, flush=True)
+                except (OSError, ValueError) as exc:     # (a closed or broken stdout)
+                    failures.append(("the communication log's table", exc))
+                    sys.stderr.write(f"hpctrain: rank 0: the communication log's table failed at shutdown: "
+                                     f"{type(exc).__name__}: {exc}\n")
+        if self.departures is not None:      # no collective is left on this rank: leave, with the others
+            board, self.departures = self.departures, None
+            late = board.leave(self.config.stall_warning_s, self.config.stall_timeout_s, exit_status)
+            if late:
+                from .signature import format_ranks
 
-    def abort(self, message: str) -> None:
-        """End the whole job with ``message`` (never returns)."""
-        self._abort(message)
+                self._abort(f"hpctrain: rank {self.world_rank} has finished and waited "
+                            f"{self.config.stall_timeout_s:g} s (HPCTRAIN_STALL_TIMEOUT_S) for world "
+                            f"{format_ranks(late)} to finish too; aborting the job", exit_status or 1)
+        if failures:
+            from ..errors import ShutdownError
+
+            said = "; ".join(f"{what} failed at shutdown: {type(exc).__name__}: {exc}" for what, exc in failures)
+            raise ShutdownError(f"rank {self.world_rank}: {said}") from failures[0][1]
+
+    def abort(self, message: str, code: int = 1) -> None:
+        """End the whole job with ``message`` and exit status ``code`` (never returns)."""
+        self._abort(message, code)
 
     # -- watchdog ------------------------------------------------------
     def _check_departures(self) -> None:
@@ -292,11 +340,8 @@ class Runtime:
         board.update()
         gone = board.blocking(cur.members, cur.start, time.monotonic())
         if gone and not self._closed:
-            from .signature import format_ranks
-
-            self._abort(f"hpctrain: rank {self.world_rank}: world {format_ranks(gone)} left the job (returned, "
-                        f"exited or called hpctrain.shutdown()) while this rank waits for it in "
-                        f"{cur.describe()}; it will never join, aborting the job")
+            self._abort(f"hpctrain: rank {self.world_rank}: {board.describe(gone)} while this rank waits for it in "
+                        f"{cur.describe()}; it will never join, aborting the job", board.exit_status(gone))
 
     def _watch(self):
         cfg = self.config

@@ -13,12 +13,12 @@ holding the world communicator's negotiation thread
 """
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import threading
 from typing import Any, List, Optional
 
 from .. import settings
+from ..agreement import check_writable, writable
 from ..world import init as _hpctrain_init
 from .controller import Controller
 from .pending import HorovodInternalError, OpHandle
@@ -89,7 +89,7 @@ global_process_set = ProcessSet(None)
 global_process_set.process_set_id = 0
 
 _lock = threading.Lock()
-_state = {"controller": None, "world": None, "homogeneous": True, "timeline": None, "atexit": False}
+_state = {"controller": None, "world": None, "homogeneous": True, "timeline": None, "forget_close": None}
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -114,25 +114,41 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         _state["homogeneous"] = len(set(world.allgather_object(world.topology.local_size))) == 1
         global_process_set.ranks = list(range(world.size))
         path = settings.get("HOROVOD_TIMELINE")
+        if path and path != "DYNAMIC":
+            why = check_writable(world, path)
+            if why:
+                raise settings.SettingError(f"HOROVOD_TIMELINE={path!r}: {why}")
         timeline = Timeline(path if world.rank == 0 else None) if path and path != "DYNAMIC" else None
         _state["timeline"] = timeline
         _state["world"] = world
         _state["controller"] = Controller(world, {0: (tuple(range(world.size)), world)}, timeline)
-        if not _state["atexit"]:
-            atexit.register(shutdown)
-            _state["atexit"] = True
+        # at hpctrain's shutdown (or exit), before it: a failure to write the timeline is reported like its own
+        _state["forget_close"] = world.on_close(_shutdown_leaving, "hpctrain.horovod's shutdown (HOROVOD_TIMELINE)")
     if isinstance(process_sets, (list, tuple)):
         for ps in process_sets:
             add_process_set(ps)
 
 
-def shutdown() -> None:
+def _shutdown_leaving() -> None:
+    """``shutdown()`` as hpctrain's world closes: the other ranks' open requests fail saying this rank left."""
+    from ..world import exit_status
+
+    ctl = _state["controller"]
+    status = exit_status()
+    how = f"exited with status {status}" if status else "returned, exited or called hpctrain.shutdown()"
+    shutdown(f"rank {ctl.rank} left the job ({how})" if ctl is not None else "", status)
+
+
+def shutdown(_reason: str = "", _exit_status: int = 0) -> None:
     """Stop the negotiation thread on every rank (open requests fail); hpctrain's world keeps running."""
     with _lock:
         ctl, _state["controller"] = _state["controller"], None
         timeline, _state["timeline"] = _state["timeline"], None
+        forget, _state["forget_close"] = _state["forget_close"], None
+    if forget is not None:
+        forget()
     if ctl is not None:
-        ctl.stop()
+        ctl.stop(_reason, _exit_status)
         for ps in list(ctl.sets):
             if ps != 0:
                 ctl.remove_set(ps)
@@ -253,6 +269,9 @@ def rocm_built() -> bool:
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start recording a timeline to ``file_path`` (rank 0 writes it; see :mod:`hpctrain.horovod.timeline`)."""
     ctl = controller()
+    why = writable(file_path) if ctl.rank == 0 else ""
+    if why:
+        raise ValueError(f"hvd.start_timeline({file_path!r}): rank 0 {why}")
     old = ctl.timeline
     ctl.timeline = Timeline(file_path if ctl.rank == 0 else None, mark_cycles)
     _state["timeline"] = ctl.timeline

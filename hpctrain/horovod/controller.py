@@ -93,7 +93,8 @@ class Controller:
         self._joined: Dict[int, int] = {}            # rank -> cycle it joined in
         self._join_handle: Optional[OpHandle] = None
         self._join_sent = False
-        self._stop = False
+        self._stop: tuple = ()                       # (why, exit status) once this rank stops
+        self._stopped_by = ("", 1)                   # why the ranks stopped and the status to end with
         self._next_set = max(sets) + 1
         self._cycle = 0
         self._pause = 0.0
@@ -148,10 +149,15 @@ class Controller:
             self._cv.notify()
             return self._join_handle
 
-    def stop(self) -> None:
-        """Shut down: every rank's thread ends after the next cycle and open requests fail."""
+    def stop(self, reason: str = "", exit_status: int = 0) -> None:
+        """Shut down: every rank's thread ends after the next cycle and open requests fail, naming ``reason``.
+
+        ``reason``: why, as the other ranks will read it (default: ``hvd.shutdown()`` was called on this rank);
+        ``exit_status``: the status this process exits with (the others' errors carry it, so an uncaught one
+        ends the job with it).
+        """
         with self._cv:
-            self._stop = True
+            self._stop = (reason or f"hvd.shutdown() was called on rank {self.rank}", int(exit_status))
             self._cv.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join()
@@ -169,7 +175,10 @@ class Controller:
         except BaseException as exc:        # the world itself failed: fail what is open
             self.error = exc
             log.error("hpctrain.horovod: the negotiation thread stopped: %s", exc)
-        reason = self.error or HorovodInternalError("Horovod has been shut down (hvd.shutdown() on some rank)")
+        reason = self.error
+        if reason is None:
+            reason = HorovodInternalError(f"Horovod has been shut down: {self._stopped_by[0]}")
+            reason.exit_status = self._stopped_by[1]
         with self._cv:
             for req in list(self._mine.values()) + self._new:
                 req.handle._finish(error=reason)
@@ -182,7 +191,7 @@ class Controller:
 
     def _has_news(self) -> bool:
         """Whether this rank has something for the next cycle (call with ``_cv`` held)."""
-        return bool(self._new) or self._stop or (self._join_handle is not None and not self._join_sent)
+        return bool(self._new or self._stop or (self._join_handle is not None and not self._join_sent))
 
     def _wait_for_doorbell(self) -> None:
         """Wait, while nothing is open anywhere, for news of this rank (then ring the others) or a doorbell.
@@ -243,7 +252,7 @@ class Controller:
             self._join_sent = self._join_sent or joining
             stop = self._stop
         msg = ([(r.name, r.kind, r.ps, r.sig) for r in new], joining, stop, time.time())
-        msgs = self._exchange.allgather(msg, poll=bool(self._mine) or joining or stop)
+        msgs = self._exchange.allgather(msg, poll=bool(self._mine or joining or stop))
         self._cycle += 1
         now = msgs[0][3]
         if self.timeline is not None:
@@ -261,6 +270,8 @@ class Controller:
             if joining:
                 self._joined[rank] = self._cycle
         if any(m[2] for m in msgs):
+            stops = [m[2] for m in msgs if m[2]]
+            self._stopped_by = ("; ".join(why for why, _ in stops), next((s for _, s in stops if s), 1))
             return False
         self._run_ready(now)
         self._finish_join()

@@ -35,8 +35,6 @@ from typing import Any, List, Tuple
 
 import numpy as np
 
-from ..comm.signature import format_ranks
-
 __all__ = ["CycleExchange", "SLOT"]
 
 SLOT = 2048
@@ -141,8 +139,8 @@ class CycleExchange:
         gone = board.blocking(range(self.world.size), since, now)
         if gone:
             from .pending import HorovodInternalError
-            raise HorovodInternalError(f"world {format_ranks(gone)} left the job while this rank "
-                                       f"({self.world.rank}) negotiates Horovod collectives with it")
+            raise HorovodInternalError(f"{board.describe(gone)} while this rank ({self.world.rank}) "
+                                       f"negotiates Horovod collectives with it")
 
     def free(self) -> None:
         """Release the exchange's communicator."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from typing import Callable, Deque, Dict, List, Optional
 
@@ -92,9 +93,15 @@ class StepMetrics:
         self._sample: Optional[Dict[str, float]] = None
         self._sampled_at = 0.0
         self._writer = None
-        if log_dir is not None and self.comm.rank == 0:
-            from .sinks import RunWriter
-            self._writer = RunWriter(log_dir, tensorboard=tensorboard)
+        if log_dir is not None:
+            from ..agreement import check_writable
+
+            why = check_writable(self.comm, os.path.join(log_dir, "steps.jsonl"))
+            if why:
+                raise ValueError(f"StepMetrics cannot write its run folder {log_dir}: {why}")
+            if self.comm.rank == 0:
+                from .sinks import RunWriter
+                self._writer = RunWriter(log_dir, tensorboard=tensorboard)
         self.step = int(step)
         self.latest: Optional[Dict] = None       # this rank's last step
         self.rows: Deque[Dict] = collections.deque(maxlen=KEEP_ROWS)   # rank 0: the last steps over all ranks
@@ -108,9 +115,9 @@ class StepMetrics:
         self._last = time.perf_counter()
         self._totals = self._log.totals()
         self._compressed = self._compression_totals()
-        rt = getattr(self.comm, "_rt", None)
-        if rt is not None:
-            rt.before_close.append(self.close)  # flushed at hpctrain.shutdown() when not closed before
+        on_close = getattr(self.comm, "on_close", None)     # flushed at hpctrain.shutdown() when not closed before
+        self._forget_close = (on_close(self.close, f"the step metrics ({log_dir or 'in memory'})")
+                              if on_close is not None else lambda: None)
 
     def _compression_totals(self):
         if self._compression is None:
@@ -274,9 +281,7 @@ class StepMetrics:
             self._writer.close()
         if not self._log_was_on:
             self._log.stop()
-        rt = getattr(self.comm, "_rt", None)
-        if rt is not None and self.close in rt.before_close:
-            rt.before_close.remove(self.close)
+        self._forget_close()
 
     def summary(self) -> Dict:
         """Rank 0: steps, mean step time, samples/s and exposed communication share over the run; medians of

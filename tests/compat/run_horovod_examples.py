@@ -97,14 +97,14 @@ class MNIST(torch.utils.data.Dataset):
 
 # Stand-in data for tf.keras.datasets.mnist.load_data (imported at start-up from the run's PYTHONPATH only).
 SITECUSTOMIZE = '''import os
-if os.environ.get("HPCTRAIN_MNIST_NPZ"):
+if os.environ.get("HPCTRAIN_TEST_MNIST_NPZ"):
     import importlib
 
     import numpy as np
 
     def load_data(path="mnist.npz"):
         """The digits of the harness instead of a download (see tests/compat/run_horovod_examples.py)."""
-        d = np.load(os.environ["HPCTRAIN_MNIST_NPZ"])
+        d = np.load(os.environ["HPCTRAIN_TEST_MNIST_NPZ"])
         return (d["train_images"], d["train_labels"]), (d["test_images"], d["test_labels"])
 
     for name in ("tf_keras.src.datasets.mnist", "tf_keras.api._v2.keras.datasets.mnist",
@@ -158,7 +158,7 @@ def main() -> int:
         data = os.path.join(scratch, "data")
         os.makedirs(data)
         write_mnist(data)
-        env = dict(os.environ, OMP_NUM_THREADS="1", HPCTRAIN_MNIST_NPZ=os.path.join(data, "MNIST.npz"))
+        env = dict(os.environ, OMP_NUM_THREADS="1", HPCTRAIN_TEST_MNIST_NPZ=os.path.join(data, "MNIST.npz"))
         env["PYTHONPATH"] = os.pathsep.join([os.path.join(scratch, "standin"),
                                              os.path.join(ROOT, "examples", "horovod"), ROOT])
         for name in args.only:

@@ -1,7 +1,9 @@
-"""Misbehave on one rank: ``die.py sigkill|raise|stall|return|exit|shutdown VICTIM``; the others keep calling allreduce.
+"""Misbehave on one rank: ``die.py sigkill|raise|stall|return|exit|exit3|shutdown VICTIM``; the others keep calling
+allreduce.
 
 ``return``, ``exit`` and ``shutdown`` leave early without an error (the script ends, ``sys.exit(0)``,
-``hpctrain.shutdown()``); VICTIM -1: nobody misbehaves and every rank finishes the same loop.
+``hpctrain.shutdown()``), ``exit3`` with ``sys.exit(3)``; VICTIM -1: nobody misbehaves and every rank finishes the
+same loop.
 """
 import os
 import signal
@@ -28,10 +30,10 @@ if comm.rank == victim:
         if comm.size == 1:
             comm.recv(source=0, tag=99)  # nothing was sent: the receive stalls
         time.sleep(600)
-    elif mode in ("return", "exit", "shutdown"):
+    elif mode in ("return", "exit", "exit3", "shutdown"):
         print(f"rank {comm.rank} leaves early at {time.time():.3f}", flush=True)
-        if mode == "exit":
-            sys.exit(0)
+        if mode.startswith("exit"):
+            sys.exit(3 if mode == "exit3" else 0)
         if mode == "shutdown":
             hpctrain.shutdown()
 leaves = comm.rank == victim and mode in ("return", "shutdown")   # the script ends: no Join, no error

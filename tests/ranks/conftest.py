@@ -12,7 +12,7 @@ import hpctrain
 def comm():
     """The world communicator of this launch (the backend comes from the launcher or HPCTRAIN_BACKEND)."""
     c = hpctrain.init()
-    expected = os.environ.get("HPCTRAIN_EXPECT_BACKEND")
+    expected = os.environ.get("HPCTRAIN_TEST_EXPECT_BACKEND")
     assert expected is None or c.backend == expected, f"backend {c.backend}, expected {expected}"
     yield c
     c.barrier()
