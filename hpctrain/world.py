@@ -106,8 +106,7 @@ def init(backend: str = "auto") -> Communicator:
                 raise settings.SettingError(f"HPCTRAIN_TIMELINE={config.timeline!r}: {why}")
             w.on_close(lambda: write_trace(w, config.timeline), f"the timeline writer ({config.timeline})")
         _world = w
-        if w.backend != "local":
-            _install_excepthook(w)
+        _install_excepthook(w)
         _install_atexit()       # (a world of one too: its timeline and on_close callbacks run at exit)
         return w
 
@@ -184,10 +183,14 @@ def _install_excepthook(comm: Communicator) -> None:
 
     A :class:`~hpctrain.settings.SettingError` is the exception: hpctrain raises
     it on every rank alike, so it is one line on rank 0 and the ranks leave
-    together (exit status 1) instead of a traceback and an abort per rank.
+    together (exit status 1) instead of a traceback and an abort per rank.  A
+    KeyboardInterrupt (Ctrl-C) makes rank 0 say what survives it (the
+    ``on_interrupt`` notes: which checkpoint is committed); a world of one first
+    shuts down, which commits a save in flight.  In a world of one nothing is
+    aborted: the exception ends the process as Python would.
     """
     global _saved_excepthook
-    _saved_excepthook = sys.excepthook
+    previous = _saved_excepthook = sys.excepthook
 
     def hook(kind, value, tb):
         if issubclass(kind, settings.SettingError):
@@ -195,12 +198,37 @@ def _install_excepthook(comm: Communicator) -> None:
                 sys.stderr.write(f"hpctrain: error: {value}\n")
                 sys.stderr.flush()
             return
+        if issubclass(kind, KeyboardInterrupt):
+            _say_what_survives(comm)
+            if comm.backend == "local":
+                return previous(kind, value, tb)
+            comm.abort(f"hpctrain: rank {comm.rank}: interrupted (KeyboardInterrupt), aborting the job", 130)
+        if comm.backend == "local":
+            return previous(kind, value, tb)
         text = "".join(traceback.format_exception(kind, value, tb))
         status = getattr(value, "exit_status", 1)       # (a rank that exited with status N: the job's too)
         comm.abort(f"hpctrain: rank {comm.rank}: uncaught exception, aborting the job:\n{text}",
                    status if isinstance(status, int) and status > 0 else 1)
 
     sys.excepthook = hook
+
+
+def _say_what_survives(comm: Communicator) -> None:
+    """Rank 0: print the ``on_interrupt`` notes (a world of one shuts down first, committing what it can)."""
+    notes = list(comm._rt.interrupt_notes)
+    if comm.backend == "local":
+        try:
+            shutdown()
+        except Exception as exc:  # noqa: BLE001 - said, and the interruption goes on
+            sys.stderr.write(f"hpctrain: shutting down after the interruption failed: {exc}\n")
+    if comm.rank != 0:
+        return
+    for note in notes:
+        try:
+            sys.stderr.write(f"hpctrain: interrupted: {note()}\n")
+        except Exception:  # noqa: BLE001 - a note must not hide the interruption
+            pass
+    sys.stderr.flush()
 
 
 def shutdown(_exit_status: int = 0) -> None:

@@ -102,3 +102,15 @@ def test_restore_on_another_world_size(written, restored, tmp_path, tmp_path_fac
     got = saved_arrays(tmp_path / "out.npz")
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_a_per_epoch_keras_save_is_committed_so_a_kill_in_the_next_epoch_resumes_there(tmp_path):
+    # The README's Keras quickstart saves once an epoch.  Before, that save was committed only by the next
+    # save(), a whole epoch later: a kill in epoch 2 resumed at epoch 1.
+    program = [sys.executable, str(REPO / "tests" / "programs" / "keras_epochs.py"), str(tmp_path / "ckpt")]
+    killed = run(mpirun_cmd(2) + program + ["2"], base_env(), 180)
+    assert killed.returncode != 0 and "killed in epoch 2; committed: step 2" in killed.stdout, killed.stdout[-3000:]
+    again = run(mpirun_cmd(2) + program, base_env(), 180)
+    assert again.returncode == 0, again.stdout[-3000:]
+    trained = re.findall(r"training epoch (\d)", again.stdout)
+    assert "hpctrain: resumed from step 2 (" in again.stdout and trained == ["2", "3"], again.stdout[-3000:]

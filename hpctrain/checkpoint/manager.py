@@ -13,13 +13,16 @@ Protocol of one save, as named steps (every rank takes part in each):
 3. **write** (local; a background thread with ``async_save``): each writer
    streams its safetensors file into the partial directory, with a CRC-32 of
    every byte, and fsyncs it.
-4. **commit** (collective, at the first ``save()``/``wait()`` after every rank
-   has finished writing): the ranks exchange their results.  Any error on any
-   rank is raised on every rank, and rank 0 removes the partial directory.
-   Otherwise rank 0 writes ``manifest.json`` (file list, sizes, checksums,
-   step, layout, versions) under a temporary name, fsyncs, renames it, renames
-   the directory to ``step-<N>``, fsyncs the parent, and only then deletes
-   checkpoints beyond ``keep``.
+4. **commit** (rank 0, as soon as every rank has written: each leaves a
+   marker with its result beside its files, :mod:`hpctrain.checkpoint.commit`;
+   confirmed collectively at the next ``save()``/``wait()``, which commits
+   itself if rank 0 has not): any error on any rank makes rank 0 remove the
+   partial directory.  Otherwise rank 0 writes ``manifest.json`` (file list,
+   sizes, checksums, step, layout, versions) under a temporary name, fsyncs,
+   renames it, renames the directory to ``step-<N>``, fsyncs the parent, and
+   only then deletes checkpoints beyond ``keep``.  At the confirmation an
+   error is raised on every rank.  A failure after the last rank finished
+   writing loses only the steps since that save.
 
 A checkpoint exists only once its directory has its final name and holds a
 manifest; ``restore`` reads the newest one, checks every file's size and
@@ -33,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +48,7 @@ from .. import settings
 from ..agreement import check_same
 from ..comm.timeline import span_of
 from ..errors import CheckpointError
+from .commit import BackgroundCommit, post_written, remove_markers
 from .hostcopy import HostCopier, default_copy_threads
 from .layout import Sharded, by_rank, compare_replicas, write_files, write_manifest
 from .restore import committed_steps, restore_newest, step_path
@@ -57,10 +62,10 @@ EXIT_PREEMPTED = 75   # EX_TEMPFAIL: the job stopped early on purpose and may be
 
 
 class _Pending:
-    """A save between snapshot and commit."""
+    """A save between snapshot and commit (rank 0: with its background commit)."""
 
-    def __init__(self, step: int, partial: str, future: Future):
-        self.step, self.partial, self.future = step, partial, future
+    def __init__(self, step: int, partial: str, future: Future, committer: Optional[BackgroundCommit] = None):
+        self.step, self.partial, self.future, self.committer = step, partial, future, committer
 
 
 class CheckpointManager:
@@ -155,6 +160,7 @@ class CheckpointManager:
         if on_close is not None:
             ref = weakref.ref(self)
             on_close(lambda: ref() is not None and ref().wait(), f"the checkpoint manager of {self.directory}")
+            comm.on_interrupt(lambda: ref().saved() if ref() is not None else "")
 
     # -- public API -------------------------------------------------------
     def __enter__(self) -> "CheckpointManager":
@@ -173,6 +179,16 @@ class CheckpointManager:
         """Return the step of the newest committed checkpoint, or None (its files are checked by ``restore``)."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def saved(self) -> str:
+        """Say what is saved: the newest committed step and directory, and a save still in flight."""
+        latest = self.latest_step()
+        said = (f"the newest checkpoint is step {latest} ({self.directory})" if latest is not None
+                else f"no checkpoint is committed yet ({self.directory})")
+        pending = self._pending
+        if pending is not None and pending.step != latest:
+            said += f"; the save of step {pending.step} was not finished and is lost"
+        return said
 
     def step_dir(self, step: int) -> str:
         """Return the directory of the checkpoint of ``step``."""
@@ -228,8 +244,9 @@ class CheckpointManager:
                 start_fresh_if_invalid: Optional[bool] = None) -> Optional[int]:
         """Load the newest valid checkpoint (or that of ``step``) into ``state``; return its step or None.
 
-        Collective.  Checkpoints whose files do not match their manifest are
-        skipped with a warning and moved to ``refused/`` (never deleted).  When
+        Collective; rank 0 prints "resumed from step N (<directory>)".
+        Checkpoints whose files do not match their manifest are skipped with
+        a warning and moved to ``refused/`` (never deleted).  When
         the directory holds checkpoints and none is valid, ``CheckpointError``
         lists each with why it was refused (on every rank), unless
         ``start_fresh_if_invalid`` (default: ``HPCTRAIN_START_FRESH_IF_INVALID``):
@@ -245,6 +262,8 @@ class CheckpointManager:
         found = restore_newest(self.comm, self.directory, state, step, bool(start_fresh_if_invalid))
         if found is not None:
             self._last_step = found
+            if self.comm.rank == 0:
+                print(f"hpctrain: resumed from step {found} ({self.directory})", file=sys.stderr, flush=True)
         return found
 
     # -- save steps -----------------------------------------------------------
@@ -296,7 +315,15 @@ class CheckpointManager:
         self._last_step = step
         self._last_save_time = time.monotonic()
         if self.async_save:
-            self._pending = _Pending(step, partial, self._pool.submit(write_files, partial, jobs, meta))
+            writers = {shard_of_rank.index(s) for s in set(shard_of_rank) if s is not None} | {0}
+            awaited = [r for r in range(1, comm.size) if verify or r in writers]
+            future = self._pool.submit(self._write, partial, jobs, meta, comm.rank in awaited)
+            committer = None
+            if comm.rank == 0:
+                committer = BackgroundCommit(partial, future, awaited, comm.size,
+                                             {"files": {}, "replica_crcs": {}, "meta": meta},
+                                             lambda results, errors: self._finalize(step, partial, results, errors))
+            self._pending = _Pending(step, partial, future, committer)
         else:
             fut: Future = Future()
             try:
@@ -314,13 +341,25 @@ class CheckpointManager:
                 shutil.rmtree(partial, ignore_errors=True)
             raise CheckpointError(f"checkpoint of step {step} failed; nothing was committed:\n{by_rank(bad)}")
 
+    def _write(self, partial: str, jobs, meta: dict, marker: bool) -> dict:
+        """The write step of an asynchronous save (writer thread); with ``marker``, then tell rank 0 it is done."""
+        try:
+            result = write_files(partial, jobs, meta)
+        except Exception as exc:
+            if marker:
+                post_written(partial, self.comm.rank, None, f"{type(exc).__name__}: {exc}")
+            raise
+        if marker:
+            post_written(partial, self.comm.rank, result, None)
+        return result
+
     def _finish_pending(self) -> None:
         if self._pending is not None:
             self._pending.future.exception()   # wait for this rank's write
             self._commit()
 
     def _commit(self) -> None:
-        """Exchange the write results; rank 0 writes the manifest and renames; errors raise everywhere."""
+        """Gather every rank's write result; rank 0 commits (unless it did in the background); errors raise everywhere."""
         pending, self._pending = self._pending, None
         comm = self.comm
         try:
@@ -328,25 +367,38 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - reported on every rank
             result, err = None, f"{type(exc).__name__}: {exc}"
         results = comm.allgather_object((result, err))
-        errors = [e for _, e in results]
-        replica_msg = compare_replicas([res for res, _ in results])
+        verdict = None
+        if comm.rank == 0:
+            done, verdict = pending.committer.claim() if pending.committer is not None else ("claimed", None)
+            if done == "claimed":
+                empty = {"files": {}, "replica_crcs": {}, "meta": None}
+                verdict = self._finalize(pending.step, pending.partial, [res or empty for res, _ in results],
+                                         [e for _, e in results])
+        verdict = comm.broadcast_object(verdict)
+        if verdict:
+            raise CheckpointError(verdict)
+
+    def _finalize(self, step: int, partial: str, results: List[dict], errors: List[Optional[str]]) -> Optional[str]:
+        """Rank 0: commit the save of ``step`` from every rank's result, or remove it; return the error, if any."""
+        errors = list(errors)
+        replica_msg = compare_replicas(results)
         if replica_msg and self.verify_replicas == "error":
             errors[0] = errors[0] or replica_msg
-        self._raise_any(pending.step, pending.partial, errors)
-        if replica_msg and comm.rank == 0:
-            log.warning("hpctrain: checkpoint of step %d: %s", pending.step, replica_msg)
-        err = None
-        if comm.rank == 0:
-            try:
-                write_manifest(pending.partial, self.step_dir(pending.step), pending.step, self.comm.size,
-                               [res for res, _ in results])
-                self._prune()
-            except Exception as exc:  # noqa: BLE001 - reported on every rank
-                err = f"{type(exc).__name__}: {exc}"
-                shutil.rmtree(pending.partial, ignore_errors=True)
-        err = comm.broadcast_object(err)
-        if err:
-            raise CheckpointError(f"committing the checkpoint of step {pending.step} failed: {err}")
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            shutil.rmtree(partial, ignore_errors=True)
+            return f"checkpoint of step {step} failed; nothing was committed:\n{by_rank(bad)}"
+        if replica_msg:
+            log.warning("hpctrain: checkpoint of step %d: %s", step, replica_msg)
+        try:
+            remove_markers(partial, range(self.comm.size))
+            write_manifest(partial, self.step_dir(step), step, self.comm.size,
+                           [res for res in results if res.get("meta") is not None])
+            self._prune()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            shutil.rmtree(partial, ignore_errors=True)
+            return f"committing the checkpoint of step {step} failed: {type(exc).__name__}: {exc}"
+        return None
 
     def _prune(self) -> None:
         for old in self.all_steps()[:-self.keep]:

@@ -63,7 +63,8 @@ def on_preemption(manager: CheckpointManager, signals: Iterable[int] = (signal.S
         if mgr.comm.rank == 0:
             got = received.get("signal")
             name = signal.Signals(got).name if got else "a signal on another rank"
-            print(f"hpctrain: preempted ({name}); checkpoint of step {step} committed", file=sys.stderr, flush=True)
+            print(f"hpctrain: preempted ({name}); checkpoint of step {step} committed ({mgr.directory}): run the "
+                  f"same command again to resume", file=sys.stderr, flush=True)
             job = os.environ.get("SLURM_JOB_ID")
             if requeue and job:
                 res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)

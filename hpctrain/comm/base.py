@@ -305,6 +305,15 @@ class Communicator(Primitives):
         """
         return self._rt.on_close(callback, what)
 
+    def on_interrupt(self, describe: Callable[[], str]) -> Callable[[], None]:
+        """Have rank 0 print ``describe()`` when a KeyboardInterrupt (Ctrl-C) ends the job; return a remover.
+
+        For what survives an interruption: a checkpoint manager says which step is committed.
+        """
+        notes = self._rt.interrupt_notes
+        notes.append(describe)
+        return lambda: describe in notes and notes.remove(describe)
+
     def close(self, exit_status: int = 0) -> None:
         """Finish the queued calls, leave (see :mod:`hpctrain.comm.departures`), free the node's shared memory.
 

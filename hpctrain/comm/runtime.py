@@ -226,6 +226,7 @@ class Runtime:
         self.collectives = Lane("collectives")
         self.receives = Lane("receives")
         self._on_close: list = []      # (what, callable) run by close() first: see on_close
+        self.interrupt_notes: list = []   # callables saying what a Ctrl-C leaves behind: see Communicator.on_interrupt
         self.departures = None         # a departures.Departures where the backend sends leaving notices
         self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
         self.comm_log = CommLog(on=config.comm_log)     # see comm_log.py

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -285,6 +286,29 @@ def test_keep_prunes_old_checkpoints_after_the_new_one_commits(comm, ckdir):
     x = np.zeros(2)
     assert manager.restore({"x": x}) == 9 and np.all(x == 9)
     assert manager.restore({"x": x}, step=6) == 6 and np.all(x == 6)
+
+
+@pytest.mark.parametrize("verify", ["warn", "off"])
+def test_an_asynchronous_save_is_committed_once_written_without_another_save_or_wait(comm, ckdir, verify):
+    # Before, the commit waited for the next save() or wait(): a job that saved once an epoch and died in
+    # the next epoch lost that epoch too.  Every rank writes (a shard each), so rank 0 awaits them all.
+    manager = CheckpointManager(ckdir, verify_replicas=verify)
+    mine = np.full(1000, float(comm.rank))
+    state = {"w": np.arange(1000.0), "mine": Sharded(mine)}
+    assert manager.save(5, state)
+    deadline = time.monotonic() + 20
+    while manager.latest_step() != 5 and time.monotonic() < deadline:     # nothing collective in between
+        time.sleep(0.01)
+    committed = manager.latest_step() == 5
+    files = sorted(os.listdir(manager.step_dir(5))) if committed else []
+    verdicts = comm.allgather_object((committed, files))
+    manager.wait()                       # (the collective confirmation: no error, nothing done twice)
+    assert all(c for c, _ in verdicts), verdicts
+    assert files == ["manifest.json", "replicated.safetensors"] + sorted(
+        f"shard-{r}.safetensors" for r in range(comm.size)), files      # the ranks' markers are gone
+    back = {"w": np.zeros(1000), "mine": Sharded(np.zeros(1000))}
+    assert manager.restore(back) == 5
+    assert np.array_equal(back["w"], state["w"]) and np.array_equal(back["mine"].obj, mine)
 
 
 def test_restore_without_checkpoints_returns_none_and_wrong_state_is_refused(comm, ckdir):
