@@ -19,25 +19,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_worker(n: int, argv: List[str], timeout: float = 1800) -> dict:
+def launch_worker(n: int, argv: List[str], timeout: float = 1800, gloo: bool = False) -> dict:
     """Run ``python <argv>`` on ``n`` ranks; return the JSON rank 0 printed as ``RESULT {...}``.
 
     The command is ``hpctrain launch``'s: the venv's mpirun (oversubscribed
     when ``n`` exceeds the cores), or srun inside a Slurm allocation.  One
     thread per rank (OMP_NUM_THREADS=1), a fresh rendezvous port in BENCH_PORT.
+    ``gloo``: ``horovodrun --gloo`` instead.
     """
     from hpctrain.launch import build_command
 
     env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_PORT=str(free_port()), TF_CPP_MIN_LOG_LEVEL="3")
-    cmd = build_command(n, [sys.executable, *argv], env=env)
+    cmd = build_command(n, [sys.executable, *argv], env=env, gloo=gloo)
     return result_of(subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout), argv, n)
 
 
 def result_of(out: subprocess.CompletedProcess, argv: Sequence[str], n: object = "all") -> dict:
     """The JSON a finished worker launch's rank 0 printed as ``RESULT {...}`` (raise with its output if none)."""
     for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
+        if "RESULT {" in line:                  # (horovodrun puts "[0]<stdout>:" before it)
+            return json.loads(line[line.index("RESULT {") + 7:])
     raise RuntimeError(f"{' '.join(map(str, argv))} at {n} ranks failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
 
 

@@ -30,6 +30,13 @@ copies of one model differ by (where their memory lies).  Separate launches
 differ by a few percent each (where the processes land, their memory),
 which hides a 2% difference.
 
+``--launcher horovodrun`` starts every launch with ``horovodrun --gloo``:
+Horovod runs on its Gloo controller, hpctrain on its Horovod backend (the
+real Horovod's ops).  The one-launch comparison then pits hpctrain.horovod
+against the real Horovod's own DistributedOptimizer in the same processes
+(the control: a second copy with the real one), which is possible there
+because both run on the same Horovod.
+
 Allocator: ``hpctrain.init`` sets glibc's malloc so that memory freed in one
 step is reused by the next without page faults (:mod:`hpctrain.memory`).  So
 that this compares communication and not allocators, every peer runs with
@@ -59,8 +66,8 @@ SCRIPT = ROOT / "examples" / "horovod" / "pytorch_synthetic_benchmark.py"
 PEERS = ("horovod", "hpctrain.horovod", "hpctrain", "none", "horovod-default-malloc")
 
 
-def launch(peer: str, n: int, batch: int, image: int, iters: int) -> float:
-    """Run the script once for ``peer``; return total img/s."""
+def launch(peer: str, n: int, batch: int, image: int, iters: int, gloo: bool = False) -> float:
+    """Run the script once for ``peer`` (under ``horovodrun --gloo`` with ``gloo``); return total img/s."""
     from hpctrain.launch import build_command
     from hpctrain.memory import USER_SETTINGS, environment
 
@@ -72,15 +79,17 @@ def launch(peer: str, n: int, batch: int, image: int, iters: int) -> float:
                 "--json", out]
         env = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
         env.update(OMP_NUM_THREADS="1", **({} if peer == "horovod-default-malloc" else environment()))
-        proc = subprocess.run(build_command(n, argv, env=env), capture_output=True, text=True, env=env, timeout=1800)
+        proc = subprocess.run(build_command(n, argv, env=env, gloo=gloo), capture_output=True, text=True, env=env,
+                              timeout=1800)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"{peer} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
         with open(out) as f:
             return json.load(f)["total_img_per_s"]
 
 
-def paired_worker(batch: int, image: int, rounds: int, steps: int) -> None:
-    """In one launch: native vs hpctrain.horovod training windows, alternating; rank 0 prints RESULT {...}."""
+def paired_worker(batch: int, image: int, rounds: int, steps: int, reference: str) -> None:
+    """In one launch: ``reference`` (hpctrain or, under horovodrun, horovod) vs hpctrain.horovod windows,
+    alternating, with a second copy of the reference as the control; rank 0 prints RESULT {...}."""
     import copy
     import time
 
@@ -96,12 +105,19 @@ def paired_worker(batch: int, image: int, rounds: int, steps: int) -> None:
 
     comm = hpctrain.init()
     torch.manual_seed(0)
-    models = {"hpctrain": resnets.resnet18()}
-    models["hpctrain.horovod"] = copy.deepcopy(models["hpctrain"])
-    models["hpctrain, second copy"] = copy.deepcopy(models["hpctrain"])
-    opts = {api: ht.DistributedOptimizer(torch.optim.SGD(models[api].parameters(), lr=0.01),
-                                         named_parameters=models[api].named_parameters())
-            for api in ("hpctrain", "hpctrain, second copy")}
+    control = f"{reference}, second copy"
+    models = {reference: resnets.resnet18()}
+    models["hpctrain.horovod"] = copy.deepcopy(models[reference])
+    models[control] = copy.deepcopy(models[reference])
+    if reference == "horovod":                 # the real Horovod that carries hpctrain's world here
+        import horovod.torch as real
+        opts = {api: real.DistributedOptimizer(torch.optim.SGD(models[api].parameters(), lr=0.01),
+                                               named_parameters=models[api].named_parameters())
+                for api in (reference, control)}
+    else:
+        opts = {api: ht.DistributedOptimizer(torch.optim.SGD(models[api].parameters(), lr=0.01),
+                                             named_parameters=models[api].named_parameters())
+                for api in (reference, control)}
     hvd.init()
     opts["hpctrain.horovod"] = hvd.DistributedOptimizer(torch.optim.SGD(models["hpctrain.horovod"].parameters(),
                                                                         lr=0.01),
@@ -126,7 +142,7 @@ def paired_worker(batch: int, image: int, rounds: int, steps: int) -> None:
             hvd.shutdown()
         return max(comm.allgather_object(elapsed)) / n
 
-    out = paired_windows(window, ["hpctrain", "hpctrain.horovod", "hpctrain, second copy"], rounds, steps)
+    out = paired_windows(window, [reference, "hpctrain.horovod", control], rounds, steps)
     if comm.rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     hpctrain.shutdown()
@@ -136,20 +152,24 @@ def paired(args, batch: int, image: int) -> dict:
     """Launch :func:`paired_worker`; return its step times and the per-round ratios."""
     from common import launch_worker
 
+    reference = "horovod" if args.launcher == "horovodrun" else "hpctrain"
     res = launch_worker(args.ranks, [__file__, "--paired-worker", str(batch), str(image), str(args.paired_rounds),
-                                     str(args.paired_steps)])
-    ratios = [a / b for a, b in zip(res["hpctrain"], res["hpctrain.horovod"])]
-    control = [a / b for a, b in zip(res["hpctrain"], res["hpctrain, second copy"])]
-    return {"step_s": res, "ratios": ratios, "median": statistics.median(ratios), "control_ratios": control,
-            "control_median": statistics.median(control)}
+                                     str(args.paired_steps), reference], gloo=args.launcher == "horovodrun")
+    ratios = [a / b for a, b in zip(res[reference], res["hpctrain.horovod"])]
+    control = [a / b for a, b in zip(res[reference], res[f"{reference}, second copy"])]
+    return {"reference": reference, "step_s": res, "ratios": ratios, "median": statistics.median(ratios),
+            "control_ratios": control, "control_median": statistics.median(control)}
 
 
 def main() -> None:
-    if len(sys.argv) == 6 and sys.argv[1] == "--paired-worker":
-        paired_worker(*(int(a) for a in sys.argv[2:]))
+    if len(sys.argv) == 7 and sys.argv[1] == "--paired-worker":
+        paired_worker(*(int(a) for a in sys.argv[2:6]), sys.argv[6])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--launcher", choices=("mpirun", "horovodrun"), default="mpirun",
+                    help="mpirun (Horovod on its MPI controller, hpctrain on MPI) or horovodrun --gloo (both on "
+                         "Horovod's Gloo; hpctrain.horovod's gradients then go to Horovod by name)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--image-sizes", type=int, nargs="+", default=[64, 224])
     ap.add_argument("--rounds", type=int, default=3)
@@ -169,7 +189,7 @@ def main() -> None:
             runs = {p: [] for p in args.peers}
             for r in range(args.rounds):
                 for peer in (args.peers if r % 2 == 0 else args.peers[::-1]):
-                    runs[peer].append(launch(peer, args.ranks, batch, image, args.iters))
+                    runs[peer].append(launch(peer, args.ranks, batch, image, args.iters, args.launcher == "horovodrun"))
             med = {p: statistics.median(v) for p, v in runs.items()}
             row = {"batch": batch, "image": image, "ranks": args.ranks, "img_per_s": med, "runs": runs}
             horovod = [med[p] for p in ("horovod", "horovod-default-malloc") if p in med]
@@ -184,7 +204,8 @@ def main() -> None:
                 row["vs_native"] = med["hpctrain.horovod"] / med["hpctrain"]
             if args.paired_rounds:
                 row["paired"] = paired(args, batch, image)
-                row["vs_native_paired"] = row["paired"]["median"]
+                key = "vs_horovod_paired" if row["paired"]["reference"] == "horovod" else "vs_native_paired"
+                row[key] = row["paired"]["median"]
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
     write_outputs(rows, Path(args.out), args)
@@ -200,11 +221,13 @@ def paired_cell(row) -> str:
 
 
 def write_outputs(rows, out: Path, args) -> None:
+    reference = "horovod" if args.launcher == "horovodrun" else "hpctrain"
     head = ["batch", "image"] + [f"{p} img/s" for p in args.peers] + [
         "hpctrain.horovod / best horovod", "hpctrain.horovod / hpctrain",
-        "hpctrain.horovod / hpctrain, one launch (min..max); native / native control", "comm share best horovod",
+        f"hpctrain.horovod / {reference}, one launch (min..max); {reference} / {reference} control",
+        "comm share best horovod",
         "comm share hpctrain.horovod"]
-    lines = [f"ResNet-18, synthetic images, {args.ranks} ranks, median img/s (all ranks) over {args.rounds} "
+    lines = [f"ResNet-18, synthetic images, {args.ranks} ranks ({args.launcher}), median img/s (all ranks) over {args.rounds} "
              f"alternating rounds of launches; comm share = 1 - img/s / img/s of `none`; one launch: median over "
              f"{args.paired_rounds} rounds of {args.paired_steps}-step windows, alternating in one launch", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -223,7 +246,7 @@ def write_outputs(rows, out: Path, args) -> None:
             ax.bar([x + i * width for x in range(len(rows))], [r["img_per_s"][p] for r in rows], width, label=p)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels)
         ax.set_ylabel("img/s, all ranks")
-        ax.set_title(f"Horovod-style ResNet-18 training, {args.ranks} ranks", fontsize=10)
+        ax.set_title(f"Horovod-style ResNet-18 training, {args.ranks} ranks, {args.launcher}", fontsize=10)
         if args.peers:
             ax.legend(fontsize=8)
         done = [r for r in rows if "paired" in r]
@@ -234,8 +257,8 @@ def write_outputs(rows, out: Path, args) -> None:
         bx.axhline(1.0, color="grey", linewidth=1)
         bx.axhline(0.98, color="red", linestyle="--", linewidth=1, label="0.98 (2% slower)")
         bx.set_xticks(range(len(done)), [f"b{r['batch']}/{r['image']}px" for r in done])
-        bx.set_ylabel("img/s hpctrain.horovod / hpctrain")
-        bx.set_title("Horovod's API against the native API, one launch", fontsize=10)
+        bx.set_ylabel(f"img/s hpctrain.horovod / {reference}")
+        bx.set_title(f"hpctrain.horovod against {reference}, one launch ({args.launcher})", fontsize=10)
         bx.legend(fontsize=8)
         return fig
 

@@ -99,13 +99,18 @@ class GradientAverager:
         """Start reducing one bucket's flat buffer in place; the result's ``wait()`` returns ``flat``.
 
         Without a compressor ``flat`` may be any tensor the communicator takes
-        (it is reduced whole, flags included, by one all-reduce); with one it
+        (it is reduced whole, flags included, by one all-reduce; a communicator
+        with ``reduce_bucket_async(flat, op, index, tensor_names)`` is given
+        the bucket's index and tensor names with it); with one it
         is a writable float numpy array whose gradients are compressed by name
         while its flags are all-reduced uncompressed.
         """
         if self.reducer is None:
             if self.comm.size > 1:
                 self._sent += bucket.numel * flat.itemsize
+            by_bucket = getattr(self.comm, "reduce_bucket_async", None)   # (hpctrain.horovod's negotiated comm)
+            if by_bucket is not None:
+                return by_bucket(flat, self.op, bucket.index, [names[i] for i in bucket.members])
             return self.comm.allreduce_async(flat, op=self.op, inplace=True)
         entries = [(names[i], flat[off:off + n].reshape(shape))
                    for i, off, n, shape in zip(bucket.members, bucket.offsets, bucket.numels,

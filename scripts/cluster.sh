@@ -24,7 +24,8 @@
 # shared memory or temporary files).  The directory $HPCTRAIN_CLUSTER_DIR/shared (default
 # /run/hpctrain-cluster/shared) is seen by every node, as a cluster's shared file system is.  Paths
 # under /tmp that the nodes need (the repository and its venv when they are there) are kept visible
-# with --keep PATH; the current directory is kept when it is under /tmp.
+# with --keep PATH; the current directory is kept when it is under /tmp.  `exec`, `agent` and `mpirun`
+# refuse a working directory, this script or an argument naming a path that the nodes cannot see.
 #
 # The host's own interfaces, routes, firewall and /etc are not touched: the links are made inside
 # the bridge's namespace and moved into the nodes, the addresses come from 198.18.0.0/15 (reserved
@@ -108,6 +109,7 @@ up() {
   done
   echo "$n" > "$DIR/nodes"
   echo "${rate:-unshaped}" > "$DIR/rate"
+  for p in "${keep[@]}"; do echo "$p"; done > "$DIR/kept"
   trap - ERR
   for j in $(seq 2 "$n"); do   # node1 reaches every other node over TCP before we say it is up
     in_ns "node$j" python3 -c "import socket; s = socket.create_server(('$SUBNET.$j', 7999)); s.settimeout(10); s.accept()" &
@@ -197,15 +199,40 @@ status() {
   done
 }
 
+visible() {   # visible PATH: whether the nodes see PATH (absolute) as the host does
+  local k
+  case $1 in /tmp|/tmp/*|/dev/shm|/dev/shm/*) ;; *) return 0 ;; esac
+  [ -s "$DIR/kept" ] || return 1
+  while IFS= read -r k; do
+    case $1 in "$k"|"$k"/*) return 0 ;; esac
+  done < "$DIR/kept"
+  return 1
+}
+
+need_visible() {   # need_visible PATH...: refuse, before anything starts, a path (that exists here) the nodes cannot see
+  local p abs kept
+  for p in "$@"; do
+    [ -e "$p" ] || continue
+    abs=$(realpath -- "$p")
+    visible "$abs" && continue
+    kept=$(paste -sd, "$DIR/kept" 2>/dev/null || true)
+    die "$abs is not visible on the nodes: each node has its own /tmp and /dev/shm. They see every other path of \
+this machine, $DIR/shared, and the paths kept at 'up' (${kept:-none}); work from one of those, or bring the \
+cluster up with --keep $abs"
+  done
+}
+
 run_on() {   # run_on NODE CMD...: the node's network, hostname and mounts; same directory and environment
   local node=${1:?which node?}; shift
   [ $# -gt 0 ] || die "nothing to run on $node"
+  need_visible "$PWD"
   exec nsenter -t "$(pid_of "$node")" -n -u -m --wd="$PWD" -- "$@"
 }
 
 cluster_mpirun() {   # mpirun from node1 over the nodes; the arguments are mpirun's
   local self
   self=$(realpath "$0")
+  need_visible "$PWD" "$self" "$@"
   run_on node1 "${MPIRUN:-mpirun}" --allow-run-as-root --bind-to none --mca plm_rsh_agent "$self agent" \
     --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --mca osc ^ucx "$@"
 }

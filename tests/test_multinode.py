@@ -92,3 +92,18 @@ def test_sigkill_of_a_whole_node_ends_the_job_naming_it_and_a_restart_resumes_bi
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert f"starting at step {max(committed)}" in resumed.stdout, resumed.stdout[-3000:]
     assert_bit_identical(saved_arrays(where / "ckpt.npz"), saved_arrays(where / "reference.npz"))
+
+
+def test_cluster_sh_refuses_a_folder_the_nodes_cannot_see_and_says_which_they_can(cluster, tmp_path):
+    # Each node has its own /tmp: before, a run from an unkept /tmp folder failed in nsenter, and through
+    # mpirun as Open MPI's "daemon failed to report back" (a firewall, it guessed).
+    script = REPO / "scripts" / "cluster.sh"
+    env = {**base_env(), **cluster.env}
+    for argv in (["exec", "node1", "true"], ["mpirun", "-H", "node1:1", "true"]):
+        out = subprocess.run([str(script)] + argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1, (argv, out.stdout, out.stderr)
+        assert f"cluster.sh: {tmp_path} is not visible on the nodes: each node has its own /tmp and /dev/shm" \
+            in out.stderr and f"{cluster.shared}" in out.stderr and str(REPO) in out.stderr, out.stderr
+    seen = subprocess.run([str(script), "exec", "node2", "pwd"], cwd=cluster.shared, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert seen.returncode == 0 and seen.stdout.strip() == str(cluster.shared), (seen.stdout, seen.stderr)

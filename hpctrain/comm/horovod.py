@@ -22,6 +22,7 @@ import numpy as np
 from ..env import detect_launcher
 from ..errors import BackendUnavailableError, HpctrainError
 from .abort import abort_job
+from ..collectives.ops import finish
 from .base import Communicator, Topology
 from .runtime import Config, Runtime
 from .signature import DESC_BYTES, Call, judge
@@ -57,18 +58,23 @@ class HorovodCommunicator(Communicator):
         # torch refuses to wrap read-only memory without a warning; such inputs are small.
         return self._torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
-    def _wait(self, handle):
+    def _wait(self, handle, abandon=None):
         """Return the result of a Horovod operation, sleeping between polls instead of spinning.
 
         Horovod's own wait spins on the handle (``sched_yield``), which takes
         the core from Horovod's background thread whenever ranks share cores.
         Sleeping 1/8 of the time waited so far (20 us to 1 ms) between polls
         adds at most 1/8 to an operation's latency and leaves the core free.
+        ``abandon()``, when given, is asked every poll: an exception it returns
+        is raised instead of waiting on (the operation stays with Horovod).
         """
         start = time.perf_counter()
         try:
             while not self._hvd.poll(handle):
                 time.sleep(min(1e-3, max(2e-5, (time.perf_counter() - start) / 8)))
+                reason = abandon() if abandon is not None else None
+                if reason is not None:
+                    raise reason
             return self._hvd.synchronize(handle)
         except Exception as exc:
             if "has been shut down" not in str(exc):
@@ -78,6 +84,39 @@ class HorovodCommunicator(Communicator):
             raise HpctrainError(f"rank {self._hvd.rank()}: another rank left the job (returned, exited or called "
                                 f"hpctrain.shutdown()) or failed while this rank waits in {call}: Horovod was "
                                 f"shut down there and does not say which rank; the MPI backend names it") from exc
+
+    def named_allreduce_async(self, arr: np.ndarray, name: str, op: str, abandon=None) -> "NamedReduction":
+        """Start a Horovod all-reduce of ``arr`` named ``name``, outside hpctrain's lane and call check.
+
+        Horovod matches it across ranks by name, in any order and beside
+        anything else in flight, and fuses it with other ready tensors in its
+        own cycle: one Horovod operation instead of a call check and the
+        reduction.  For negotiated callers (hpctrain.horovod), which compare
+        the ranks' requests themselves.  ``op``: sum, avg, min, max or prod;
+        float32/float64 and integer buffers (float16 goes through the lane,
+        which accumulates it in float32).  The result is written into ``arr``.
+        ``abandon``: see :meth:`_wait` (a caller that learns the other ranks
+        will never start it).
+        """
+        handle = self._hvd.allreduce_async_(self._torch.from_numpy(arr), name=name, op=self._ops[op],
+                                           process_set=self._ps)
+        return NamedReduction(self, handle, arr, op, abandon)
+
+    def gather_bytes(self, blob: np.ndarray, name: str) -> List[bytes]:
+        """Return every rank's ``blob`` (uint8, any length), in rank order: one Horovod allgather named ``name``.
+
+        Outside hpctrain's lane and call check, like :meth:`named_allreduce_async`:
+        for hpctrain.horovod's negotiation cycle, which runs on its own thread
+        and compares what it needs itself.
+        """
+        framed = np.concatenate([np.frombuffer(np.int64(blob.size).tobytes(), np.uint8), blob.reshape(-1)])
+        data = self._wait(self._hvd.allgather_async(self._t(framed), name=name, process_set=self._ps)).numpy()
+        out, at = [], 0
+        for _ in range(self._size):
+            n = int(data[at:at + 8].view(np.int64)[0])
+            out.append(data[at + 8:at + 8 + n].tobytes())
+            at += 8 + n
+        return out
 
     def _exchange_calls(self, call: Call, riding=None) -> str:
         own = np.zeros((1, DESC_BYTES), dtype=np.uint8)
@@ -177,6 +216,26 @@ class HorovodCommunicator(Communicator):
                                    self.topology, self._registry)
 
 
+class NamedReduction:
+    """A Horovod all-reduce started by :meth:`HorovodCommunicator.named_allreduce_async`: ``wait()`` and ``test()``."""
+
+    def __init__(self, comm: HorovodCommunicator, handle, arr: np.ndarray, op: str, abandon=None):
+        self._comm, self._handle, self._arr, self._op, self._done = comm, handle, arr, op, False
+        self._abandon = abandon
+
+    def test(self) -> bool:
+        """Whether the reduction has finished (then ``wait()`` returns at once)."""
+        return self._done or bool(self._comm._hvd.poll(self._handle))
+
+    def wait(self, timeout=None) -> np.ndarray:
+        """Return the reduced buffer (``arr``, averaged for ``avg`` as hpctrain's reductions do)."""
+        if not self._done:
+            self._comm._wait(self._handle, self._abandon)
+            self._done = True
+            finish(self._arr, self._op, self._comm.size, self._arr.dtype)
+        return self._arr
+
+
 def init_world(config: Config) -> HorovodCommunicator:
     """Initialise Horovod (PyTorch ops) and return the world communicator."""
     os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(config.stall_warning_s)))
@@ -197,7 +256,14 @@ def init_world(config: Config) -> HorovodCommunicator:
         raise BackendUnavailableError(
             f"the horovod backend needs Horovod built with PyTorch support ({exc}); "
             f"run `make setup` (scripts/install_horovod.sh) or use backend='mpi'") from exc
-    hvd.init(process_sets="dynamic")
+    # HOROVOD_TIMELINE is hpctrain.horovod's (per-tensor rows of what hpctrain runs); the Horovod underneath
+    # would write its own file at the same path, so it does not see the variable.
+    timeline = os.environ.pop("HOROVOD_TIMELINE", None)
+    try:
+        hvd.init(process_sets="dynamic")
+    finally:
+        if timeline is not None:
+            os.environ["HOROVOD_TIMELINE"] = timeline
 
     topo = Topology(hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())
     runtime = Runtime(config, hvd.rank(), abort_job)

@@ -326,10 +326,13 @@ def root_details(root_rank: Any, process_set: Optional[ProcessSet]) -> tuple:
 
 
 def submit(kind: str, name: Optional[str], process_set: Optional[ProcessSet], details: tuple,
-           payload: Any) -> OpHandle:
-    """Start a negotiated request on ``process_set`` (default: the world); see :mod:`hpctrain.horovod.controller`."""
+           payload: Any, labels: tuple = ()) -> OpHandle:
+    """Start a negotiated request on ``process_set`` (default: the world); see :mod:`hpctrain.horovod.controller`.
+
+    ``labels``: the timeline's rows for it, as ``(row, kind)`` (default: the request's own name and kind).
+    """
     ps = _set_id(process_set)
-    return controller().submit(name, kind, ps, (kind, ps, details), payload)
+    return controller().submit(name, kind, ps, (kind, ps, details), payload, labels)
 
 
 def add_process_set(process_set: Any) -> ProcessSet:

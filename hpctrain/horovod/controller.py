@@ -45,8 +45,12 @@ So a training step's forward pass runs without cycles, and a rank that
 starts nothing (joined, or outside the request's process set) still enters
 the next cycle within ``HOROVOD_CYCLE_TIME`` (within 40 ms when the waits
 before ended with requests of its own, as in a training loop: it then
-checks for bells less often).  Backends without doorbells
-cycle on the pause alone.
+checks for bells less often).  Backends without doorbells (where Horovod
+carries the job: ``horovodrun --gloo``) cycle on the pause alone, which
+then grows to 20 ms while nothing is open (a request started then waits up
+to that long for the other ranks' next cycle); there the DistributedOptimizer's
+reductions do not wait for cycles at all: Horovod runs them by name
+(:mod:`hpctrain.horovod.negotiated`).
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ log = logging.getLogger("hpctrain")
 
 _LAZY_BELL_S = 0.05       # the longest a rank rung for a request it starts itself waits for it before cycling
 _QUIET_PAUSE_S = 0.04     # the longest pause between checks for bells once none needed an answer for a while
+_IDLE_PAUSE_S = 0.02      # without doorbells (Horovod carries the job): the longest pause between idle cycles
 
 
 class Controller:
@@ -78,7 +83,7 @@ class Controller:
         sets: the process sets, ``{id: (world ranks, communicator or None)}``;
             id 0 is the world.  The controller adds and removes entries when
             ``add_process_set``/``remove_process_set`` requests run.
-        timeline: an object with ``negotiate``/``start``/``end``/``cycle``
+        timeline: an object with ``ran``/``cycle`` (:class:`hpctrain.horovod.timeline.Timeline`)
             methods, or None.
     """
 
@@ -118,8 +123,12 @@ class Controller:
             self._noname[(kind, ps)] = n + 1
         return f"{kind}.noname.{ps}.{n}"
 
-    def submit(self, name: Optional[str], kind: str, ps: int, sig: tuple, payload: Any) -> OpHandle:
-        """Start a request and return its handle; ValueError if ``name`` is already in flight here."""
+    def submit(self, name: Optional[str], kind: str, ps: int, sig: tuple, payload: Any, labels: tuple = ()
+               ) -> OpHandle:
+        """Start a request and return its handle; ValueError if ``name`` is already in flight here.
+
+        ``labels``: the timeline rows of the request (see :class:`~hpctrain.horovod.pending.Request`).
+        """
         if ps not in self.sets:
             raise ValueError(f"process set {ps} is not registered (removed, or added on some ranks only)")
         if self.sets[ps][1] is None:
@@ -128,7 +137,7 @@ class Controller:
         name = name if name is not None else self.auto_name(kind, ps)
         if ps:                           # names are per process set, as in Horovod
             name = f"{name}@set{ps}"
-        req = Request(name, kind, ps, sig, payload)
+        req = Request(name, kind, ps, sig, payload, labels)
         with self._cv:
             self._raise_if_stopped()
             if name in self._mine:
@@ -161,6 +170,19 @@ class Controller:
             self._cv.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def direct_failure(self) -> Optional[BaseException]:
+        """Why a reduction Horovod runs by name beside the negotiation can no longer complete (None: it can).
+
+        A rank that has joined takes no part in those (:mod:`hpctrain.horovod.negotiated`).
+        """
+        joined = sorted(self._joined)
+        if joined and len(joined) < self.size:
+            return HorovodInternalError(
+                f"{format_ranks(joined)} joined (hvd.join()) while rank {self.rank}'s DistributedOptimizer reduces "
+                f"gradients: uneven batches with hpctrain.horovod's DistributedOptimizer are not supported where "
+                f"Horovod carries the job (horovodrun --gloo); give every rank the same number of steps")
+        return self.error
 
     def _raise_if_stopped(self) -> None:
         if self.error is not None or not self._thread.is_alive():
@@ -264,9 +286,8 @@ class Controller:
                 entry = self._table.get(name)
                 if entry is None:
                     entry = self._table[name] = Entry(kind, ps, now)
-                    if self.timeline is not None:
-                        self.timeline.negotiate(name, kind)
                 entry.sigs[rank] = sig
+                entry.arrived.setdefault(rank, now)
             if joining:
                 self._joined[rank] = self._cycle
         if any(m[2] for m in msgs):
@@ -275,7 +296,8 @@ class Controller:
             return False
         self._run_ready(now)
         self._finish_join()
-        self._pause = 0.0 if busy else min(max(2 * self._pause, 0.001), self._max_pause)
+        idle_limit = self._max_pause if self._exchange.has_doorbells else max(self._max_pause, _IDLE_PAUSE_S)
+        self._pause = 0.0 if busy else min(max(2 * self._pause, 0.001), idle_limit)
         self._quiet = self._exchange.has_doorbells and not self._table
         self._waiting = self._waits_for_others()
         return True
@@ -342,17 +364,14 @@ class Controller:
         if any(req is None and self.rank not in self._joined for req in mine):
             raise RuntimeError(f"internal error: {group.kind} {group.names} is ready but rank {self.rank} "
                                f"has no request for it")
-        if self.timeline is not None:
-            for name in group.names:
-                self.timeline.start(name, group.kind)
+        started = time.time()
         try:
             results = group.run(mine, self)
             error = None
         except (ValueError, TypeError, ArithmeticError) as exc:   # a bad argument the signature did not show
             results, error = [None] * len(mine), exc
         if self.timeline is not None:
-            for name in group.names:
-                self.timeline.end(name, group.kind)
+            self.timeline.ran(group, mine, started, time.time(), self.world.backend)
         for req, value in zip(mine, results):
             if req is not None:
                 req.handle._finish(value, error)

@@ -88,8 +88,9 @@ class Group:
     """Ready requests that run together: one fused allreduce, or one request of any other kind."""
 
     def __init__(self, kind: str, names: List[str], sigs: List[tuple], members: Tuple[int, ...], comm,
-                 error: Optional[BaseException] = None):
+                 error: Optional[BaseException] = None, entries: Optional[list] = None):
         self.kind, self.names, self.sigs, self.members, self.comm, self.error = kind, names, sigs, members, comm, error
+        self.entries = entries or []          # the table entries of ``names`` (when each rank started them)
 
     def run(self, mine: Sequence[Optional[Any]], controller) -> List[Any]:
         """Run on this rank (``mine[i]`` is this rank's request for ``names[i]``, None if it joined)."""
@@ -104,7 +105,7 @@ def plan(ready: List[Tuple[str, Any, Optional[BaseException]]], mine: Dict[str, 
         sig = next(iter(entry.sigs.values()))
         members, comm = sets.get(entry.ps, ((), None))
         if error is not None:
-            groups.append(Group(entry.kind, [name], [sig], members, comm, error))
+            groups.append(Group(entry.kind, [name], [sig], members, comm, error, [entry]))
             continue
         key = None
         if entry.kind == "allreduce" and sig[2][2] in FUSABLE_OPS:
@@ -113,8 +114,9 @@ def plan(ready: List[Tuple[str, Any, Optional[BaseException]]], mine: Dict[str, 
         if key is not None and key in fused:
             fused[key].names.append(name)
             fused[key].sigs.append(sig)
+            fused[key].entries.append(entry)
             continue
-        group = Group(entry.kind, [name], [sig], members, comm)
+        group = Group(entry.kind, [name], [sig], members, comm, entries=[entry])
         groups.append(group)
         if key is not None:
             fused[key] = group

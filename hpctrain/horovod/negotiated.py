@@ -12,12 +12,26 @@ topology, ...) from the process set's communicator.  The call itself still
 runs hpctrain's algorithm with its checks, so a rank that passes a different
 shape still gets an error naming the ranks.
 
+A gradient bucket (:meth:`NegotiatedComm.reduce_bucket_async`) is one such
+request labelled with its tensors' names, which Horovod's timeline shows as
+one ``allreduce.<parameter>`` row each, as Horovod's own optimizer does.
+Where Horovod itself carries the job (``horovodrun --gloo``: hpctrain's
+Horovod backend), a bucket goes to Horovod as one all-reduce named after the
+optimizer and the bucket instead: Horovod negotiates by name (in any order,
+fused with what else is ready) and caches the negotiation of a name it saw
+before, so a negotiation of hpctrain.horovod's own on top would only add a
+Horovod operation per bucket.
+
 Cost: one negotiation cycle of latency per call; calls made together ride in
-the same cycle.
+the same cycle.  A direct bucket: one Horovod operation.
 """
 from __future__ import annotations
 
-from typing import Any
+import itertools
+import time
+from typing import Any, Sequence
+
+import numpy as np
 
 from . import basics
 
@@ -25,6 +39,8 @@ __all__ = ["NegotiatedComm"]
 
 _COLLECTIVES = ("allreduce", "grouped_allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall",
                 "barrier", "broadcast_object", "allgather_object", "shared_empty", "split")
+_DIRECT_DTYPES = ("float32", "float64")
+_IDS = itertools.count()          # NegotiatedComms in creation order: the same on every rank
 
 
 class _Handle:
@@ -40,6 +56,35 @@ class _Handle:
         return self._op.done()
 
 
+class _Direct:
+    """A Handle look-alike over a bucket Horovod reduces by name: ``wait()`` returns the bucket."""
+
+    def __init__(self, reduction, out, rows, started: float):
+        self._reduction, self._out, self._rows, self._started = reduction, out, rows, started
+
+    def wait(self, timeout=None) -> Any:
+        if self._rows is not None:
+            self._reduction.wait()
+            ctl = basics.controller()
+            if ctl.timeline is not None:
+                ctl.timeline.direct(self._rows, self._started, time.time())
+            self._rows = None
+        return self._out
+
+    def test(self) -> bool:
+        return self._reduction.test()
+
+
+def _host_view(x) -> Any:
+    """A writable C-contiguous numpy array sharing ``x``'s memory (numpy, CPU torch tensor), else None."""
+    if type(x) is np.ndarray:
+        return x if x.flags.c_contiguous and x.flags.writeable else None
+    if type(x).__module__.startswith("torch") and getattr(x, "device", None) is not None:
+        if x.device.type == "cpu" and x.is_contiguous() and not x.requires_grad:
+            return x.numpy()
+    return None
+
+
 class NegotiatedComm:
     """The communicator of ``process_set`` with its collectives negotiated (see the module docstring)."""
 
@@ -49,6 +94,7 @@ class NegotiatedComm:
         self._comm = basics.controller().sets[ps][1]
         if self._comm is None:
             raise ValueError(f"this rank ({basics.rank()}) is not in {self.process_set}")
+        self._id = next(_IDS)
 
     def __getattr__(self, attr: str) -> Any:
         base = attr[:-6] if attr.endswith("_async") else attr
@@ -61,6 +107,27 @@ class NegotiatedComm:
             return _Handle(op) if attr != base else op.wait()
         call.__name__ = attr
         return call
+
+    def reduce_bucket_async(self, flat: Any, op: str, index: int, tensors: Sequence[str]):
+        """All-reduce gradient bucket ``index`` (``flat``, in place) holding ``tensors``; ``wait()`` returns it.
+
+        Negotiated as a ``call`` labelled ``allreduce.<name>`` per tensor (the
+        timeline's rows); where Horovod carries the job, a float32/float64 sum
+        or average goes to Horovod by name (module docstring).  A rank that
+        joins (``hvd.join()``) takes no part in those: the others' waits end
+        with an error naming it, which the negotiation tells them.
+        """
+        rows = tuple(t if t.startswith("allreduce.") else f"allreduce.{t}" for t in tensors)
+        arr = _host_view(flat)
+        direct = getattr(self._comm, "named_allreduce_async", None)
+        if direct is not None and arr is not None and arr.dtype.name in _DIRECT_DTYPES and op in ("sum", "avg"):
+            ctl = basics.controller()
+            name = f"hpctrain.horovod.grads.{self._id}.{basics._set_id(self.process_set)}.{index}"
+            return _Direct(direct(arr.reshape(-1), name, op, ctl.direct_failure), flat, rows, time.time())
+        request = basics.submit("call", None, self.process_set, ("allreduce_async",),
+                                lambda comm: comm.allreduce(flat, op=op, inplace=True),
+                                labels=tuple((row, "allreduce") for row in rows))
+        return _Handle(request)
 
     def __repr__(self) -> str:
         return f"<NegotiatedComm over {self._comm!r}>"

@@ -42,19 +42,25 @@ class OpHandle:
 
 
 class Request:
-    """One started collective: what the ranks compare (``sig``) and what this rank runs (``payload``)."""
+    """One started collective: what the ranks compare (``sig``) and what this rank runs (``payload``).
 
-    __slots__ = ("name", "kind", "ps", "sig", "payload", "handle")
+    ``labels``: the timeline's rows for it, as ``(row, kind)`` (default: one row, its name and kind).
+    """
 
-    def __init__(self, name: str, kind: str, ps: int, sig: tuple, payload: Any):
+    __slots__ = ("name", "kind", "ps", "sig", "payload", "handle", "labels")
+
+    def __init__(self, name: str, kind: str, ps: int, sig: tuple, payload: Any, labels: tuple = ()):
         self.name, self.kind, self.ps, self.sig, self.payload = name, kind, ps, sig, payload
         self.handle = OpHandle(name)
+        self.labels = labels or ((name, kind),)
 
 
 class Entry:
-    """A name in the shared table: who started it, with which signature, since when (rank 0's clock)."""
+    """A name in the shared table: who started it, with which signature, since when (rank 0's clock), and
+    in which cycle each rank's request arrived (``arrived``: rank -> that cycle's time)."""
 
-    __slots__ = ("kind", "ps", "sigs", "since", "warned")
+    __slots__ = ("kind", "ps", "sigs", "since", "warned", "arrived")
 
     def __init__(self, kind: str, ps: int, since: float):
         self.kind, self.ps, self.sigs, self.since, self.warned = kind, ps, {}, since, False
+        self.arrived = {}

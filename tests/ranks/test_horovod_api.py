@@ -334,3 +334,44 @@ def test_cuda_tensors_keep_their_device_and_train_as_on_the_cpu(inputs):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.device == dev
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_timeline_has_a_row_per_tensor_named_as_horovod_names_them(tmp_path_factory):
+    # Before, a DistributedOptimizer's reductions were rows call.noname.0.N, one per bucket; Horovod shows
+    # allreduce.<parameter name> for every tensor.
+    path = hvd.broadcast_object(str(tmp_path_factory.mktemp("hvd-timeline") / "t.json") if hvd.rank() == 0 else None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    hvd.start_timeline(path)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(3, 5)).sum().backward()
+        opt.step()
+    hvd.allreduce(torch.ones(2), name="metric")
+    hvd.stop_timeline()
+    if hvd.rank() != 0:
+        return
+    import json
+    from collections import Counter
+    events = json.load(open(path))
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    seen = Counter((rows[e["pid"]], e["name"], e["ph"]) for e in events if e["ph"] != "M")
+    import hpctrain
+    on_horovod = hpctrain.world().backend == "horovod"      # (Horovod reduces the buckets by name there)
+    params = [f"allreduce.{n}" for n, _ in model.named_parameters()] if hvd.size() > 1 else []  # (1: nothing sent)
+    assert sorted(set(rows.values())) == sorted(params + ["metric"]), rows
+    for row in params + ["metric"]:
+        direct = row != "metric" and on_horovod
+        runs = 2 if row != "metric" else 1
+        assert (seen[(row, "NEGOTIATE_ALLREDUCE", "B")] == 0) == direct, (row, seen)
+        if direct:
+            assert seen[(row, "HOROVOD_ALLREDUCE", "B")] == runs, (row, seen)
+        assert seen[(row, "ALLREDUCE", "B")] == seen[(row, "ALLREDUCE", "E")] == runs, (row, seen)
+        if not direct:      # negotiated by hpctrain.horovod: negotiation span, a mark per rank, the backend's op
+            assert seen[(row, "NEGOTIATE_ALLREDUCE", "B")] == seen[(row, "NEGOTIATE_ALLREDUCE", "E")] == runs
+            assert all(seen[(row, str(r), "X")] == runs for r in range(hvd.size())), (row, seen)
+            assert sum(v for (r, name, ph), v in seen.items() if r == row and name.endswith("_ALLREDUCE") and
+                       not name.startswith("NEGOTIATE")
+                       and ph == "B") == runs
