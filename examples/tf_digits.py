@@ -143,6 +143,7 @@ def main() -> None:
 
     start = time.perf_counter()
     history = model.fit(data, epochs=args.epochs, initial_epoch=initial_epoch, callbacks=callbacks,
+                        shuffle=False,                # (the dataset shuffles each epoch; Keras warns otherwise)
                         verbose=2 if rank == 0 else 0)                            # hpctrain: rank 0 prints
     if manager:
         manager.close()                                                           # hpctrain

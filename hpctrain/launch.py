@@ -9,6 +9,8 @@
 * ``--oversubscribe`` when N exceeds this machine's cores;
 * ``--bind-to none`` with ``OMP_NUM_THREADS`` set to an equal share of the
   cores (unless the caller set it), so framework thread pools do not fight;
+* ``TF_CPP_MIN_LOG_LEVEL=1`` (unless set): TensorFlow's INFO lines (its CPU
+  banner, one per rank) stay out, its warnings and errors do not;
 * ``--mca osc ^ucx`` keeps OpenMPI's UCX one-sided component (which prints a
   warning on every window) out of single-node runs;
 * ``python`` is replaced by this interpreter (the venv's), and ``.py``
@@ -173,4 +175,6 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
         cmd += ["--bind-to", "none", "--mca", "osc", "^ucx"]
         if "OMP_NUM_THREADS" not in env:
             cmd += ["-x", f"OMP_NUM_THREADS={max(1, cores // n)}"]
+        if "TF_CPP_MIN_LOG_LEVEL" not in env:      # TensorFlow's start-up banners (INFO), once per rank otherwise
+            cmd += ["-x", "TF_CPP_MIN_LOG_LEVEL=1"]
     return cmd + program

@@ -61,9 +61,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run(cmd: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; on timeout kill it and its descendants, and fail loudly."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def run(cmd: list, env: dict, timeout: float, cwd=REPO) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (in ``cwd``) in its own process group; on timeout kill it and its descendants, and fail loudly."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

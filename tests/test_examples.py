@@ -25,6 +25,7 @@ def test_digits_example_reaches_97_percent_and_resumes(example, n, tmp_path):
                            "--metrics-dir", str(tmp_path / "metrics")]
     result = run(cmd, base_env(), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
+    assert not re.search(r"\w+Warning:", result.stdout), result.stdout[-4000:]     # none from hpctrain's own calls
     summary = json.loads(out.read_text())
     assert summary["ranks"] == n and summary["replicas_identical"]
     assert summary["test_accuracy"] >= 0.97
@@ -116,3 +117,23 @@ def test_horovod_style_synthetic_benchmark_runs_on_every_api(script, model):
         assert result.returncode == 0, result.stdout[-4000:]
         total = float(re.search(r"Total img/sec on 2 CPU\(s\): ([\d.]+)", result.stdout).group(1))
         assert total > 0
+
+
+def test_the_readme_quickstarts_run_as_written_say_when_they_resume_and_warn_of_nothing(tmp_path):
+    # Both quickstarts, copied from the README, under `hpctrain launch` at 2 ranks with TensorFlow's logging as a
+    # user has it: before, TF's banners and Keras' shuffle warning came once per rank (the latter from fitting
+    # hpctrain's own distributed_dataset), and nothing said that a second run resumed.
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    env = base_env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL")
+    for name, code in (("torch", blocks[0]), ("keras", blocks[1])):
+        (tmp_path / f"quickstart_{name}.py").write_text(code)
+        cmd = [str(BIN / "hpctrain"), "launch", "-n", "2", "python", f"quickstart_{name}.py"]
+        first = run(cmd, env, 300, cwd=tmp_path)
+        assert first.returncode == 0, first.stdout[-3000:]
+        assert not re.search(r"warn|Traceback", first.stdout, re.I), first.stdout[-3000:]
+        if name == "torch":
+            assert re.search(r"^step 640: accuracy 0\.9\d\d$", first.stdout, re.M), first.stdout[-3000:]
+        again = run(cmd, env, 300, cwd=tmp_path)
+        assert again.returncode == 0 and f"hpctrain: resumed from step " in again.stdout, again.stdout[-3000:]
+        assert not re.search(r"warn|Traceback", again.stdout, re.I), again.stdout[-3000:]

@@ -36,6 +36,9 @@ def distributed_dataset(data: Any, batch_size: int, sampler: Optional[Distribute
 
     The dataset's length is known (Keras shows progress and stops at the
     end of an epoch) unless the sampler was restored in the middle of an epoch.
+    Pass ``shuffle=False`` to ``model.fit``: the dataset shuffles itself, and
+    Keras warns on every rank about any ``tf.data.Dataset`` fitted with its
+    default ``shuffle=True``.
 
     Cost: one ``tf.gather`` per batch from the in-memory arrays; the arrays
     become constants of the input pipeline (keep them under 2 GB, or shard

@@ -51,6 +51,6 @@ def saved(epoch, logs):
 
 
 model.fit(htf.distributed_dataset((x, y), batch_size=32, seed=0), initial_epoch=state["epoch"], epochs=4,
-          verbose=0, callbacks=[hk.MetricAverageCallback(), hk.BroadcastGlobalVariablesCallback(0), Kill(),
+          verbose=0, shuffle=False, callbacks=[hk.MetricAverageCallback(), hk.BroadcastGlobalVariablesCallback(0), Kill(),
                                 keras.callbacks.LambdaCallback(on_epoch_end=saved)])
 manager.close()
