@@ -13,6 +13,13 @@
   banner, one per rank) stay out, its warnings and errors do not;
 * ``--mca osc ^ucx`` keeps OpenMPI's UCX one-sided component (which prints a
   warning on every window) out of single-node runs;
+* ``--with-ft ulfm`` for ranks on several hosts, where Open MPI has its
+  fault-tolerance extension: a lost rank or node is then named by hpctrain
+  (:mod:`hpctrain.comm.failures`) before it ends the job, not left to
+  whichever process notices first (a survivor's broken TCP link, often).  On
+  one host prterun itself names a lost rank, and the extension is left off:
+  with it, Open MPI warns on every rank that its shared-memory windows are
+  untested after failures;
 * ``python`` is replaced by this interpreter (the venv's), and ``.py``
   scripts run under :mod:`hpctrain.run` so an exception on one rank ends the job.
 
@@ -31,7 +38,7 @@ from typing import List, Mapping, Optional
 
 from . import settings
 
-__all__ = ["build_command", "find_mpirun", "mpi_vendor", "remove_stale_session_dirs"]
+__all__ = ["build_command", "find_mpirun", "mpi_vendor", "ulfm_supported", "remove_stale_session_dirs"]
 
 _LAUNCHERS = {"prterun", "mpirun", "mpiexec", "orterun", "prte", "prted"}
 
@@ -55,6 +62,38 @@ def find_mpirun() -> Optional[str]:
     if os.access(here, os.X_OK):
         return here
     return shutil.which("mpirun") or shutil.which("mpiexec")
+
+
+def _several_hosts(hosts: Optional[str], hostfile: Optional[str]) -> bool:
+    """Whether ``-H`` / ``--hostfile`` name more than one host."""
+    names = set()
+    if hosts:
+        names |= {h.split(":")[0].strip() for h in hosts.split(",") if h.strip()}
+    if hostfile:
+        try:
+            with open(hostfile) as f:
+                names |= {line.split()[0] for line in f if line.strip() and not line.lstrip().startswith("#")}
+        except OSError:
+            pass
+    return len(names) > 1
+
+
+def ulfm_supported(mpirun: str) -> bool:
+    """Whether the Open MPI of ``mpirun`` has the fault-tolerance extension (``ompi_info``: "FT MPI support: yes").
+
+    Started with ``--with-ft ulfm``, its survivors of a lost rank or node keep
+    running and hear which ranks failed, so hpctrain names them
+    (:mod:`hpctrain.comm.failures`) before it ends the job.
+    """
+    info = os.path.join(os.path.dirname(mpirun), "ompi_info")
+    info = info if os.access(info, os.X_OK) else shutil.which("ompi_info")
+    if info is None:
+        return False
+    try:
+        out = subprocess.run([info], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return bool(re.search(r"^\s*FT MPI support:\s*yes\b", out, re.M))
 
 
 def mpi_vendor(mpirun: str) -> str:
@@ -173,6 +212,8 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
         if n > cores:
             cmd.append("--oversubscribe")
         cmd += ["--bind-to", "none", "--mca", "osc", "^ucx"]
+        if _several_hosts(hosts, hostfile) and ulfm_supported(mpirun):
+            cmd += ["--with-ft", "ulfm"]
         if "OMP_NUM_THREADS" not in env:
             cmd += ["-x", f"OMP_NUM_THREADS={max(1, cores // n)}"]
         if "TF_CPP_MIN_LOG_LEVEL" not in env:      # TensorFlow's start-up banners (INFO), once per rank otherwise

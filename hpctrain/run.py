@@ -35,9 +35,12 @@ def main(argv=None) -> None:
         if code not in (0, _EXIT_PREEMPTED):   # 75: every rank stops together after a checkpoint
             abort_job(f"hpctrain.run: {argv[0]} exited with status {code}; ending the job", code)
         raise
-    except BaseException:
+    except BaseException as exc:
         from .world import is_initialized, world
 
+        failed = world()._rt.failure_message() if is_initialized() else ""
+        if failed:         # (an MPI call failed because ranks died or a node was lost: name them)
+            world()._rt.exit_after_failure(f"{failed}\n(the exception in {argv[0]}: {type(exc).__name__}: {exc})")
         rank = world().rank if is_initialized() else os.environ.get("OMPI_COMM_WORLD_RANK", "?")
         abort_job(f"hpctrain.run: rank {rank}: uncaught exception in {argv[0]}, aborting the job:\n"
                   + traceback.format_exc())

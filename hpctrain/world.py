@@ -10,6 +10,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 import traceback
 from typing import Optional
 
@@ -29,7 +30,8 @@ _lock = threading.Lock()
 _world: Optional[Communicator] = None
 _saved_excepthook = None
 _atexit_installed = False
-_exit_status = [0]          # what sys.exit() was last called with, after init() (see _record_exit_status)
+_exit_status = [0]          # what sys.exit() was last called with, after init() (see _install_atexit)
+_SAY_IT_S = 2.0             # how long other ranks wait before exiting on a bad setting, so rank 0's line is seen
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -129,6 +131,8 @@ def _install_setting_error_hook() -> None:
         if _launcher_rank() == 0:
             sys.stderr.write(f"hpctrain: error: {value}\n")
             sys.stderr.flush()
+        else:      # (a launcher ends the job when the first rank exits: let rank 0 say why first)
+            time.sleep(_SAY_IT_S)
 
     hook.hpctrain_settings = True
     sys.excepthook = hook
@@ -205,6 +209,9 @@ def _install_excepthook(comm: Communicator) -> None:
             comm.abort(f"hpctrain: rank {comm.rank}: interrupted (KeyboardInterrupt), aborting the job", 130)
         if comm.backend == "local":
             return previous(kind, value, tb)
+        failed = comm._rt.failure_message()         # (an MPI call that failed because ranks died: name them)
+        if failed:
+            comm._rt.exit_after_failure(f"{failed}\n(the exception: {kind.__name__}: {value})")
         text = "".join(traceback.format_exception(kind, value, tb))
         status = getattr(value, "exit_status", 1)       # (a rank that exited with status N: the job's too)
         comm.abort(f"hpctrain: rank {comm.rank}: uncaught exception, aborting the job:\n{text}",

@@ -36,7 +36,9 @@
 #   scripts/cluster.sh mpirun -H node1:2,node2:2 python train.py
 # which runs, on node1:
 #   mpirun --allow-run-as-root --bind-to none --mca plm_rsh_agent "<this script> agent" \
-#       --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --mca osc ^ucx -H node1:2,node2:2 python train.py
+#       --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --mca osc ^ucx [--with-ft ulfm] \
+#       -H node1:2,node2:2 python train.py
+# (--with-ft ulfm where the Open MPI has it: hpctrain then names a lost node and its ranks.)
 set -euo pipefail
 
 DIR=${HPCTRAIN_CLUSTER_DIR:-/run/hpctrain-cluster}
@@ -230,11 +232,15 @@ run_on() {   # run_on NODE CMD...: the node's network, hostname and mounts; same
 }
 
 cluster_mpirun() {   # mpirun from node1 over the nodes; the arguments are mpirun's
-  local self
+  local self mpirun ft=()
   self=$(realpath "$0")
   need_visible "$PWD" "$self" "$@"
-  run_on node1 "${MPIRUN:-mpirun}" --allow-run-as-root --bind-to none --mca plm_rsh_agent "$self agent" \
-    --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --mca osc ^ucx "$@"
+  mpirun=$(command -v "${MPIRUN:-mpirun}") || die "no ${MPIRUN:-mpirun} on PATH"
+  # Open MPI's fault-tolerance extension (ULFM), where it has it: survivors of a lost node keep running
+  # long enough for hpctrain to name the node and its ranks (hpctrain/comm/failures.py).
+  "$(dirname "$mpirun")/ompi_info" 2>/dev/null | grep -Eq '^ *FT MPI support: yes' && ft=(--with-ft ulfm)
+  run_on node1 "$mpirun" --allow-run-as-root --bind-to none --mca plm_rsh_agent "$self agent" \
+    --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --mca osc ^ucx "${ft[@]}" "$@"
 }
 
 cmd=${1:-}; shift || true

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
-__all__ = ["abort_job"]
+__all__ = ["abort_job", "exit_after_failure"]
+
+_ABORT_GRACE_S = 10.0
 
 
 def abort_job(message: str, code: int = 1) -> None:
@@ -20,5 +24,26 @@ def abort_job(message: str, code: int = 1) -> None:
     sys.stderr.flush()
     mpi_mod = sys.modules.get("mpi4py.MPI")
     if mpi_mod is not None and mpi_mod.Is_initialized() and not mpi_mod.Is_finalized():
+        # MPI_Abort normally ends every rank at once; if it does not return (seen rarely after a
+        # process failure under Open MPI's fault-tolerance extension), this process still ends.
+        threading.Thread(target=lambda: (time.sleep(_ABORT_GRACE_S), os._exit(code)), daemon=True).start()
         mpi_mod.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+def exit_after_failure(message: str, code: int = 1) -> None:
+    """Print ``message`` and end this process with ``code`` (never returns): the way out once ranks have failed.
+
+    Under Open MPI's fault-tolerance extension (ULFM) a survivor's ``MPI_Abort``
+    after a remote rank failed ends the job with status 0 (seen with Open MPI
+    5.0); a survivor's own exit with ``code`` is the job's status, and every
+    other survivor then sees it failed too and ends the same way within a
+    watchdog period (:mod:`hpctrain.comm.failures`).
+    """
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
     os._exit(code)

@@ -133,8 +133,18 @@ class MPINotices:
     def poll(self) -> List[Tuple[int, int]]:
         """(rank, exit status) of the notices that have arrived since the last poll."""
         out, buf, status = [], np.zeros(2, dtype=np.int64), self._MPI.Status()
+        acked = False
         while True:
-            msg = self._comm.Improbe(source=self._MPI.ANY_SOURCE, tag=_TAG_LEAVING, status=status)
+            try:
+                msg = self._comm.Improbe(source=self._MPI.ANY_SOURCE, tag=_TAG_LEAVING, status=status)
+            except self._MPI.Exception:
+                # Under MPI's fault-tolerance extension a wildcard probe fails until this rank has
+                # acknowledged the processes that failed (they are named elsewhere: failures.py).
+                if acked or not hasattr(self._comm, "Ack_failed"):
+                    return out
+                self._comm.Ack_failed()
+                acked = True
+                continue
             if msg is None:
                 return out
             msg.Recv(buf)

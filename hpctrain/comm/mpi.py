@@ -34,6 +34,7 @@ from .mpi_requests import RequestHandle, RingTransport
 from .abort import abort_job
 from .base import Communicator, Handle, Riding, Topology
 from .departures import Departures, MPINotices
+from .failures import FailureDetector
 from .mailbox import Mailbox
 from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from .runtime import Config, Runtime
@@ -376,4 +377,5 @@ def init_world(config: Config) -> MPICommunicator:
     if world.Get_size() > 1:
         notices = MPINotices(world, MPI)
         runtime.departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
+        runtime.failures = FailureDetector(world, world.allgather(MPI.Get_processor_name()), MPI)
     return MPICommunicator(runtime, world, "world", range(world.Get_size()), owns=False)

@@ -15,7 +15,9 @@ known, which ranks have not joined; after ``HPCTRAIN_STALL_TIMEOUT_S`` seconds
 (0 disables) it aborts the whole job with that message instead of hanging.
 It also reads the departures board (:mod:`hpctrain.comm.departures`): a
 collective that waits for a rank that has left ends the job a few seconds
-after the notice arrived.
+after the notice arrived; and it asks the backend which ranks failed
+(:mod:`hpctrain.comm.failures`): a failed rank ends the job within a period,
+named with its node.
 """
 from __future__ import annotations
 
@@ -228,6 +230,7 @@ class Runtime:
         self._on_close: list = []      # (what, callable) run by close() first: see on_close
         self.interrupt_notes: list = []   # callables saying what a Ctrl-C leaves behind: see Communicator.on_interrupt
         self.departures = None         # a departures.Departures where the backend sends leaving notices
+        self.failures = None           # a failures.FailureDetector where the backend can name failed ranks
         self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
         self.comm_log = CommLog(on=config.comm_log)     # see comm_log.py
         self.timeline = Timeline(on=bool(config.timeline))   # see timeline.py
@@ -304,6 +307,8 @@ class Runtime:
         self.collectives.close(drain=True)
         self.receives.close(drain=False)
         self._closed = True
+        if self.failures is not None:
+            self.failures.free()
         if self.config.comm_log and self.world_rank == 0:
             table = self.comm_log.table()
             if table:
@@ -333,6 +338,33 @@ class Runtime:
         self._abort(message, code)
 
     # -- watchdog ------------------------------------------------------
+    def failure_message(self) -> str:
+        """Say which world ranks failed and on which nodes, and what this rank waits in ("" if none is known)."""
+        detector = self.failures
+        failed = detector.failed() if detector is not None else []
+        if failed and self.departures is not None:       # (survivors that left after naming them are no news)
+            left = self.departures.update()
+            failed = [r for r in failed if r not in left]
+        if not failed:
+            return ""
+        cur = self.collectives.inflight
+        waits = f" while this rank waits in {cur.describe()}" if cur is not None else ""
+        return (f"hpctrain: rank {self.world_rank}: {detector.describe(failed)} failed (the process died or its node "
+                f"was lost){waits}; aborting the job")
+
+    def exit_after_failure(self, message: str, code: int = 1) -> None:
+        """End this process after ranks failed (see :func:`hpctrain.comm.abort.exit_after_failure`), telling the
+        others it leaves so that they name only the ranks that failed."""
+        from .abort import exit_after_failure
+
+        board = self.departures
+        if board is not None:
+            try:
+                board._announce(code)
+            except Exception:  # noqa: BLE001 - the failure is what must be said
+                pass
+        exit_after_failure(message, code)
+
     def _check_departures(self) -> None:
         """End the job when the collective in flight waits for a rank that has left (see departures.py)."""
         cur, board = self.collectives.inflight, self.departures
@@ -349,6 +381,9 @@ class Runtime:
         period = max(0.05, min(1.0, cfg.stall_warning_s / 4))
         while not self._closed:
             time.sleep(period)
+            failed = self.failure_message() if not self._closed else ""
+            if failed:
+                self.exit_after_failure(failed)
             self._check_departures()
             for lane in (self.collectives, self.receives):
                 cur = lane.inflight

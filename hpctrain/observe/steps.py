@@ -177,7 +177,8 @@ class StepMetrics:
         k, width = len(window), len(_LOCAL)
         local = np.full((self.interval, width), np.nan)
         local[:k] = [[r[f] for f in _LOCAL] for r in window]
-        res = np.array([self._resources().get(f, np.nan) for f in FIELDS], dtype=np.float64)
+        sample = self._resources()
+        res = np.array([sample.get(f, np.nan) for f in FIELDS], dtype=np.float64)
         every = np.asarray(self.comm.allgather(np.concatenate([[k, window[0]["step"]], local.ravel(), res])))
         every = every.reshape(self.comm.size, -1)
         if (every[:, :2] != every[0, :2]).any():
@@ -203,13 +204,15 @@ class StepMetrics:
             self._writer.flush()
 
     def _resources(self) -> Dict[str, float]:
-        """This rank's resource sample: a new one when ``resource_interval_s`` has passed, else the last."""
+        """This rank's resource sample when ``resource_interval_s`` has passed since the last, else nothing
+        (the window's row then has no resource values: the plots show the samples that were taken)."""
         if self._sampler is None:
             return {}
         now = time.monotonic()
         if self._sample is None or now - self._sampled_at >= self.resource_interval_s:
             self._sample, self._sampled_at = self._sampler.sample(), now
-        return self._sample
+            return self._sample
+        return {}
 
     def _step_rows(self, window: List[Dict], steps: np.ndarray, busy: np.ndarray, median: np.ndarray) -> List[Dict]:
         """One row per step over all ranks (``steps``: ranks x steps x _LOCAL), computed for the window at once."""

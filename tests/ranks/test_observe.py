@@ -82,10 +82,13 @@ def test_rank_0_writes_csv_jsonl_and_tensorboard_and_the_report_draws_them(comm)
     with open(os.path.join(folder, "steps.jsonl")) as f:
         lines = [json.loads(line) for line in f]
     assert [r["step"] for r in lines] == list(range(1, 8))
-    # windows of 3, 3 and the last 1 step: one row per rank each, with the resource sample
+    # windows of 3, 3 and the last 1 step: one row per rank each; a resource sample (at most one a second)
+    # in every rank's first window, and in a later one only where a second has passed (no repeated samples)
     assert len(run["ranks"]) == 3 * comm.size
     assert sorted({r["rank"] for r in run["ranks"]}) == list(range(comm.size))
-    assert all(r["rss_bytes"] > 10 * 2**20 and r["cpu_percent"] >= 0 for r in run["ranks"])
+    sampled = [r for r in run["ranks"] if r["rss_bytes"] is not None]
+    assert {r["rank"] for r in sampled if r["step_first"] == 1} == set(range(comm.size)), run["ranks"]
+    assert all(r["rss_bytes"] > 10 * 2**20 and r["cpu_percent"] >= 0 for r in sampled)
     assert len(run["stragglers"]) == (1 if comm.size > 1 else 0)
     acc = EventAccumulator(os.path.join(folder, "tensorboard"))
     acc.Reload()
