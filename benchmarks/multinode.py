@@ -104,8 +104,8 @@ class Nodes:
     def down(self) -> None:
         subprocess.run([str(CLUSTER), "down"], env=self.env, capture_output=True)
 
-    def launch(self, nodes: int, argv, timeout: float = 1800, **env) -> dict:
-        hosts = ",".join(f"node{i}:{PER_NODE}" for i in range(1, nodes + 1))
+    def launch(self, nodes: int, argv, timeout: float = 1800, per_node: int = PER_NODE, **env) -> dict:
+        hosts = ",".join(f"node{i}:{per_node}" for i in range(1, nodes + 1))
         cmd = [str(CLUSTER), "mpirun", "-H", hosts, sys.executable, *map(str, argv)]
         return result_of(subprocess.run(cmd, capture_output=True, text=True, env={**self.env, **env},
                                         timeout=timeout), argv)

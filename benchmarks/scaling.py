@@ -48,6 +48,7 @@ from common import CORES, launch_worker, oversubscribed, paired_windows, write_r
 
 PEERS = ("torch", "independent", "hpctrain", "ddp", "horovod")
 MODELS = {"resnet18": 32, "mlp": 128}   # model -> per-rank batch
+DIGITS_BATCH = 24                        # examples/torch_digits.py's per-rank batch at 2 ranks
 # framework -> (peers, models, the one-process baseline peer)
 FRAMEWORKS = {"torch": (PEERS, MODELS, "torch"), "tf": (scaling_tf.PEERS, scaling_tf.MODELS, "keras")}
 
@@ -60,6 +61,10 @@ def build(model: str):
     if model == "mlp":
         return nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
                              nn.Linear(2048, 10)), (1024,), 10
+    if model == "digits":             # examples/torch_digits.py's CNN (38 k parameters, 8x8 images)
+        return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(),
+                             nn.Linear(64, 10)), (1, 8, 8), 10
     return _resnet18(num_classes=100), (3, 64, 64), 100
 
 
@@ -93,7 +98,8 @@ def worker(peer: str, model_name: str, batch: int, steps: int, windows: int) -> 
     elif peer == "ddp":
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}",
+        master = os.environ.get("BENCH_MASTER", "127.0.0.1")       # (rank 0's address: node1's across nodes)
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{os.environ['BENCH_PORT']}",
                                 rank=rank, world_size=size)
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif peer == "horovod":
@@ -181,7 +187,8 @@ def main() -> None:
         mod.overhead_worker(args.model, models[args.model], args.steps, args.windows)
         return
     if args.worker:
-        mod.worker(args.worker, args.model, models[args.model], args.steps, args.windows)
+        batch = DIGITS_BATCH if args.model == "digits" and args.framework == "torch" else models[args.model]
+        mod.worker(args.worker, args.model, batch, args.steps, args.windows)
         return
     args.models, args.peers = args.models or list(models), args.peers or list(all_peers)
     for what, given, known in (("model", args.models, models), ("peer", args.peers, all_peers)):

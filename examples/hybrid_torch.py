@@ -61,7 +61,8 @@ def main() -> None:
         raise SystemExit("this example combines dp with pp or with tp, not all three")
     dp = args.dp or comm.size // (args.pp * args.tp)
     layout = ParallelLayout(dp=dp, pp=args.pp, tp=args.tp, comm=comm)             # hpctrain
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hpctrain.local_size()))
+    if "OMP_NUM_THREADS" not in os.environ:      # (the launcher's or the user's choice wins: nodes may share cores)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // hpctrain.local_size()))
 
     digits = load_digits()
     x = torch.tensor(digits.data / 16.0, dtype=torch.float32)

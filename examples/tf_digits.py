@@ -104,7 +104,8 @@ def main() -> None:
     n, rank = comm.size, comm.rank
     if args.global_batch % n:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {n} ranks")
-    threads = max(1, (os.cpu_count() or 1) // hpctrain.local_size())
+    # the launcher's or the user's OMP_NUM_THREADS wins (nodes may share cores: namespace nodes, shared hosts)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // hpctrain.local_size()))
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     keras.utils.set_random_seed(args.seed + rank)   # replicas start different; the broadcast makes them equal

@@ -97,7 +97,8 @@ def main() -> None:
     n, rank = comm.size, comm.rank
     if args.global_batch % n:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {n} ranks")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hpctrain.local_size()))
+    if "OMP_NUM_THREADS" not in os.environ:      # (the launcher's or the user's choice wins: nodes may share cores)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // hpctrain.local_size()))
     torch.manual_seed(args.seed + rank)   # replicas start different; the broadcast below makes them equal
 
     x_train, y_train, x_test, y_test = load_data(args.seed)
