@@ -76,7 +76,6 @@ def init(backend: str = "auto") -> Communicator:
     """
     global _world
     with _lock:
-        settings.warn_unknown(rank_zero=_launcher_rank() == 0 and not settings.get("HPCTRAIN_LAUNCH_CHECKED"))
         try:
             chosen = resolve_backend(backend)
             if _world is not None:
@@ -84,6 +83,7 @@ def init(backend: str = "auto") -> Communicator:
                     raise ValueError(f"hpctrain is already initialised with the {_world.backend} backend; "
                                      f"call hpctrain.shutdown() before init(backend={chosen!r})")
                 return _world
+            settings.warn_unknown(rank_zero=_launcher_rank() == 0 and not settings.get("HPCTRAIN_LAUNCH_CHECKED"))
             config = Config.from_env()
         except settings.SettingError:
             _install_setting_error_hook()
