@@ -16,7 +16,9 @@ buffers (or on whatever tensors the communicator accepts):
 * sparse gradients, one policy for both frameworks (below).
 
 Formula: ``g = (1/N) sum_r g_r`` for ``op="avg"``, the plain sum for
-``op="sum"``.  Cost of a dense all-reduce: ``2 (N-1)/N`` x the gradient bytes
+``op="sum"``; ``op="adasum"`` combines the dense gradients with Adasum, tensor
+by tensor (:class:`hpctrain.adasum_updates.AdasumUpdates`; what a gradient
+tape offers: the optimizers combine their updates instead).  Cost of a dense all-reduce: ``2 (N-1)/N`` x the gradient bytes
 sent per rank for ring-like algorithms.
 
 Sparse gradients (PyTorch sparse COO gradients, e.g. from
@@ -40,6 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .adasum_updates import AdasumUpdates
 from .collectives.buckets import Bucket
 from .compression import Policy, gradient_compressor, reducer_for
 from .compression.exchange import Pending
@@ -57,7 +60,7 @@ class GradientAverager:
 
     Args:
         comm: the communicator (default: the world).
-        op: ``"avg"`` or ``"sum"`` over ranks.
+        op: ``"avg"`` or ``"sum"`` over ranks (``"adasum"``: :meth:`reduce` only, no buckets).
         compression: a compressor of :mod:`hpctrain.compression`, its name, or None.
         policy: which tensors the compressor takes (default :class:`~hpctrain.compression.Policy`).
         sparse_as_dense: densify sparse gradients instead of gathering their rows (module docstring).
@@ -67,7 +70,8 @@ class GradientAverager:
                  sparse_as_dense: bool = False):
         from .world import comm_or_world
 
-        self.compressor = gradient_compressor(op, compression)
+        self.adasum = AdasumUpdates(comm, compression) if op == "adasum" else None
+        self.compressor = gradient_compressor(op, compression) if self.adasum is None else None
         self.comm, self.op, self.sparse_as_dense = comm_or_world(comm), op, bool(sparse_as_dense)
         self.reducer = reducer_for(self.compressor, self.comm, policy) if self.compressor is not None else None
         self.steps = 0
@@ -84,6 +88,9 @@ class GradientAverager:
         Without a compressor: one :meth:`Communicator.grouped_allreduce`; with
         one: the compressed reduction of copies of the arrays.
         """
+        if self.adasum is not None:
+            self.steps += 1
+            return self.adasum.combine(arrays)
         self.count_step()
         if not len(arrays):
             return []
@@ -147,6 +154,8 @@ class GradientAverager:
         comm = self.comm
         if comm.size == 1:
             return indices, values
+        if self.adasum is not None:
+            raise NotImplementedError("Adasum does not combine sparse gradients (rows); pass sparse_as_dense=True")
         self._sent += indices.nbytes + values.nbytes
         all_values = comm.allgather(np.ascontiguousarray(values))
         all_indices = comm.allgather(np.ascontiguousarray(indices))
@@ -167,8 +176,8 @@ class GradientAverager:
         bytes this rank put into all-reduces and all-gathers (nothing on one
         rank), ``ratio_to_fp32`` 1.
         """
-        if self.reducer is not None:
-            return self.reducer.stats()
+        if self.reducer is not None or self.adasum is not None:
+            return (self.reducer or self.adasum).stats()
         per_step = self._sent / max(1, self.steps)
         return {"compressor": None, "steps": self.steps, "sent_bytes": self._sent, "sent_bytes_per_step": per_step,
                 "received_bytes_per_step": per_step, "dense_bytes_per_step": per_step, "ratio_to_fp32": 1.0}

@@ -5,8 +5,9 @@ share these arguments:
 
 * ``compression``: ``Compression.none``, ``Compression.fp16`` or
   ``Compression.hpctrain(name)`` (:func:`hpctrain.horovod.compression.hpctrain_compression`);
-* ``op``: Average or Sum (Adasum is refused for now: reduce deltas with
-  ``hvd.allreduce(..., op=hvd.Adasum)`` yourself);
+* ``op``: Average, Sum, or Adasum (the optimizers combine the ranks'
+  parameter deltas after a local step, :mod:`hpctrain.adasum_updates`; the
+  gradient tape combines the gradients; compression none or fp16);
 * ``gradient_predivide_factor`` f: Horovod scales by 1/f before and f/n after
   the sum to keep float16 sums in range; hpctrain accumulates float16 in
   float32, so the result is the average either way and f is only checked;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ..adasum_updates import adasum_wire_dtype
 from ..comm.local import init_world as init_local_world
 from . import basics
 from .basics import Average
@@ -38,14 +40,15 @@ class GradientSettings(NamedTuple):
 def gradient_settings(compression, op, gradient_predivide_factor, process_set) -> GradientSettings:
     """Check Horovod's arguments and return hpctrain's; ValueError/TypeError naming the bad one."""
     hop = basics.op_name(op)
-    if hop not in ("avg", "sum"):
-        raise ValueError("gradient reduction supports op=hvd.Average or hvd.Sum; op=hvd.Adasum is not built yet "
-                         "for gradients (reduce deltas with hvd.allreduce(..., op=hvd.Adasum) instead)")
+    if hop not in ("avg", "sum", "adasum"):
+        raise ValueError(f"gradient reduction supports op=hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
     compressor = hpctrain_compression(compression)
+    if hop == "adasum":
+        adasum_wire_dtype(compressor)          # ValueError for a compressor Adasum cannot use
     if process_set.included() is False:         # steps on its own gradients, with a runtime of its own
         comm = init_local_world(basics.controller().world.config)
     else:

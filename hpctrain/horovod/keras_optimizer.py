@@ -13,6 +13,11 @@ the dense gradients, ``IndexedSlices`` gathered as rows or densified with
 The subclass carries the settings, so ``from_config`` copies and
 ``load_model`` give optimizers that reduce too.
 
+``op=hvd.Adasum``: each rank applies its own gradients and the variables'
+changes are combined with Adasum (:mod:`hpctrain.adasum_updates`), as
+Horovod's torch and TF1 Adasum optimizers do (Horovod's Keras wrapper
+combines the gradients instead; for plain SGD the two are the same).
+
 ``backward_passes_per_step=k``: gradients accumulate locally (dense, in
 variables beside the optimizer's) and are reduced and applied on every k-th
 call only, averaged over the k passes when ``average_aggregated_gradients``;
@@ -27,7 +32,9 @@ from typing import Any, List, Optional, Sequence
 
 import tensorflow as tf
 
+from ..adasum_updates import AdasumUpdates
 from ..gradients import GradientAverager
+from ..tensorflow.adasum_apply import apply_with_adasum
 from ..tensorflow.tape import var_key
 from .gradient_args import GradientSettings
 from .requests import set_size
@@ -82,8 +89,9 @@ class HorovodKerasOptimizer:
             c = self._hpctrain_config
             k = c["backward_passes_per_step"]
             settings: GradientSettings = c["settings"]
-            state = {"averager": GradientAverager(settings.comm, settings.op, settings.compressor,
-                                                  sparse_as_dense=c["sparse_as_dense"]),
+            averager = AdasumUpdates(settings.comm, settings.compressor) if settings.op == "adasum" else \
+                GradientAverager(settings.comm, settings.op, settings.compressor, sparse_as_dense=c["sparse_as_dense"])
+            state = {"averager": averager,
                      "agg": _Aggregation(k, c["average_aggregated_gradients"]) if k > 1 else None, "local": set()}
             self.__dict__["_hpctrain_runtime"] = state
         return state
@@ -107,16 +115,24 @@ class HorovodKerasOptimizer:
         return reduce_partial(state["averager"], grads, variables, state["local"], set_size(c["process_set"]),
                               c["scale_local_gradients"])
 
+    def _reduce_and_apply(self, grads: Sequence[Any], variables: Sequence[Any], apply_fn) -> Any:
+        """``apply_fn`` of the reduced gradients; with Adasum, of this rank's, then the variables combined."""
+        state = self._hpctrain_state()
+        if isinstance(state["averager"], AdasumUpdates):
+            shared = [v for v in variables if var_key(v) not in state["local"]]
+            return apply_with_adasum(state["averager"], shared, lambda: apply_fn(list(grads)))
+        return apply_fn(self._reduce(grads, variables))
+
     def _hpctrain_update(self, grads: List[Any], variables: List[Any], apply_fn) -> Any:
         """Reduce and apply now, or (aggregating) accumulate and apply on every k-th pass."""
         agg = self._hpctrain_state()["agg"]
         if agg is None:
-            return apply_fn(self._reduce(grads, variables))
+            return self._reduce_and_apply(grads, variables, apply_fn)
         self._build_for(variables)
         agg.add(grads, variables)
 
         def reduce_and_apply():
-            apply_fn(self._reduce(agg.totals(variables), variables))
+            self._reduce_and_apply(agg.totals(variables), variables, apply_fn)
             agg.reset()
             return tf.constant(True)
 
@@ -176,8 +192,9 @@ class HorovodKerasOptimizer:
         return [g for g, _ in self._reduced_pairs(list(zip(super().get_gradients(loss, params), params)))]
 
     def _reduced_pairs(self, pairs: list) -> list:
-        if self._hpctrain_state()["agg"] is not None:
-            return pairs
+        state = self._hpctrain_state()
+        if state["agg"] is not None or isinstance(state["averager"], AdasumUpdates):
+            return pairs            # reduced (or, with Adasum, combined) in apply_gradients
         grads = self._reduce([g for g, _ in pairs], [v for _, v in pairs])
         self.__dict__["_hpctrain_reduced"] = {id(g) for g in grads if g is not None}
         return [(g, v) for g, (_, v) in zip(grads, pairs)]

@@ -129,5 +129,11 @@ class NegotiatedComm:
                                 labels=tuple((row, "allreduce") for row in rows))
         return _Handle(request)
 
+    def adasum_allreduce(self, flat: np.ndarray, segments: Sequence[int]) -> np.ndarray:
+        """The Adasum of every rank's ``flat`` (tensors of ``segments`` lengths), as one negotiated call."""
+        from ..collectives.adasum import adasum_allreduce
+        return basics.submit("call", None, self.process_set, ("adasum_allreduce",),
+                             lambda comm: adasum_allreduce(comm, flat, segments)).wait()
+
     def __repr__(self) -> str:
         return f"<NegotiatedComm over {self._comm!r}>"

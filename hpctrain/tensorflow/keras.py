@@ -23,7 +23,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ..adasum_updates import AdasumUpdates
 from ..gradients import GradientAverager
+from .adasum_apply import apply_with_adasum
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin
 from .ops import average_gradients, host_call
 from .tape import _name
@@ -50,6 +52,10 @@ class _DistributedMixin:
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         averager = self._hpctrain
+        if isinstance(averager, AdasumUpdates):
+            variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+            return apply_with_adasum(averager, variables, lambda: super(_DistributedMixin, self).apply(
+                grads, trainable_variables))
         names = None
         if averager.compressor is not None:
             variables = trainable_variables if trainable_variables is not None else self._trainable_variables
@@ -109,7 +115,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
         optimizer: any ``keras.optimizers.Optimizer``.
         compression: a compressor of :mod:`hpctrain.compression` (or its
             name); gradients are named by their variables' paths.
-        op: ``"avg"`` or ``"sum"``.
+        op: ``"avg"``, ``"sum"``, or ``"adasum"``: each rank applies its own
+            gradients and the variables' changes are combined with Adasum
+            (:mod:`hpctrain.adasum_updates`; do not scale the learning rate by
+            the number of ranks; compression None or ``"fp16"``).
         sparse_as_dense: densify ``IndexedSlices`` gradients before reducing
             (the sparse policy: :mod:`hpctrain.gradients`).
         comm: the communicator (default: the world).
@@ -120,7 +129,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-    averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
+    if op == "adasum":
+        averager = AdasumUpdates(comm, compression)
+    else:
+        averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
     cls = type(optimizer)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Distributed{cls.__name__}", (_DistributedMixin, cls), {"__module__": __name__})

@@ -16,7 +16,7 @@ bucket.
 from __future__ import annotations
 
 import time
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from ..agreement import check_same
 from ..collectives.buckets import plan_buckets
 from ..gradients import GradientAverager, bucket_length, no_rows
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "trainable_parameters"]
 
 
 class GradientSync:
@@ -34,19 +34,8 @@ class GradientSync:
     def __init__(self, optimizer, named_parameters, averager: GradientAverager, passes_per_step: int,
                  cap_bytes: int):
         self.averager, self.comm, self.op, self.k = averager, averager.comm, averager.op, passes_per_step
-        params: List[torch.Tensor] = []
-        seen = set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        self.params = params
-        self.names = self._names(params, named_parameters)
-        self.shapes = [tuple(p.shape) for p in params]
-        shapes = [(n, s, str(p.dtype)) for n, s, p in zip(self.names, self.shapes, params)]
-        check_same(self.comm, "the parameters given to DistributedOptimizer (name, shape, dtype)",
-                   shapes, f"{len(shapes)} parameters, first differences: {shapes[:3]}")
+        params, self.names = trainable_parameters(optimizer, named_parameters, self.comm)
+        self.params, self.shapes = params, [tuple(p.shape) for p in params]
         self.buckets = plan_buckets([(p.numel(), p.element_size(), (p.dtype, p.device)) for p in params],
                                     cap_bytes)
         self.bucket_of = {m: b.index for b in self.buckets for m in b.members}
@@ -68,20 +57,6 @@ class GradientSync:
             flat = torch.from_numpy(self.comm.shared_empty(n, np.float32 if dtype == torch.float32 else np.float64))
             return flat.zero_()
         return torch.zeros(n, dtype=dtype, device=device)
-
-    @staticmethod
-    def _names(params, named_parameters) -> List[str]:
-        if named_parameters is None:
-            return [f"param{i}" for i in range(len(params))]
-        by_id = {}
-        for name, p in named_parameters:
-            by_id.setdefault(id(p), name)
-        missing = [i for i, p in enumerate(params) if id(p) not in by_id]
-        if missing:
-            raise ValueError(f"named_parameters lacks {len(missing)} of the optimizer's parameters "
-                             f"(positions {missing[:10]}); pass model.named_parameters() of the model "
-                             f"whose parameters the optimizer updates")
-        return [by_id[id(p)] for p in params]
 
     # -- per-step state -----------------------------------------------------
     def reset(self) -> None:
@@ -268,6 +243,34 @@ class GradientSync:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+
+
+def trainable_parameters(optimizer, named_parameters, comm) -> Tuple[List[torch.Tensor], List[str]]:
+    """The optimizer's parameters that need gradients (each once, in group order) and their names.
+
+    Names come from ``named_parameters`` (ValueError if one is missing there), else ``param<i>``.
+    Every rank of ``comm`` must pass the same names, shapes and dtypes (else ValueError naming the ranks).
+    """
+    params: List[torch.Tensor] = []
+    seen = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    by_id = {id(p): f"param{i}" for i, p in enumerate(params)} if named_parameters is None else {}
+    for name, p in named_parameters or ():
+        by_id.setdefault(id(p), name)
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ValueError(f"named_parameters lacks {len(missing)} of the optimizer's parameters "
+                         f"(positions {missing[:10]}); pass model.named_parameters() of the model "
+                         f"whose parameters the optimizer updates")
+    names = [by_id[id(p)] for p in params]
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(names, params)]
+    check_same(comm, "the parameters given to DistributedOptimizer (name, shape, dtype)",
+               shapes, f"{len(shapes)} parameters, first differences: {shapes[:3]}")
+    return params, names
 
 
 class _HostStaged:

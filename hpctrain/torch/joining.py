@@ -34,6 +34,8 @@ class Join:
     """
 
     def __init__(self, optimizer):
+        if getattr(optimizer, "_hpctrain", None) is not None and not isinstance(optimizer, _DistributedMixin):
+            raise ValueError("Join does not support op='adasum' (a rank out of data has no update to combine)")
         if not isinstance(optimizer, _DistributedMixin):
             raise TypeError("Join needs an optimizer made by hpctrain.torch.DistributedOptimizer")
         self.optimizer = optimizer

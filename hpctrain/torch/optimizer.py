@@ -46,6 +46,7 @@ import torch
 
 from ..compression import Policy
 from ..gradients import GradientAverager
+from .adasum_optimizer import _AdasumMixin, wrap_adasum
 from .gradient_sync import GradientSync
 
 __all__ = ["DistributedOptimizer"]
@@ -78,6 +79,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
             gradients of k accumulated backward passes (``no_sync`` or
             ``backward_passes_per_step=k``) are averaged too, so k passes of
             batch B equal one pass of batch k*B for a mean loss.
+            ``"adasum"``: each rank steps on its own gradients and the
+            parameter deltas are combined with Adasum
+            (:mod:`hpctrain.adasum_updates`: do not scale the learning rate
+            by the number of ranks; ``compression`` None or ``"fp16"``;
+            gradients of k passes are summed by autograd, as in Horovod).
         backward_passes_per_step: backward passes to accumulate locally
             before the gradients are all-reduced (call ``step()`` after them).
         bucket_mb: bucket size in MiB; larger buckets mean fewer messages,
@@ -96,26 +102,31 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
+    if isinstance(optimizer, _AdasumMixin):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
     if bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
-    base = type(optimizer)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(f"Distributed{base.__name__}", (_DistributedMixin, base),
-                                    {"__module__": __name__, "__doc__": base.__doc__})
-    sync = GradientSync(optimizer, named_parameters, averager, backward_passes_per_step, int(bucket_mb * 2 ** 20))
-    optimizer.__class__ = cls
-    optimizer._hpctrain = sync
+    if op == "adasum":
+        wrap_adasum(optimizer, named_parameters, comm, compression)
+    else:
+        averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
+        base = type(optimizer)
+        cls = _CLASSES.get(base)
+        if cls is None:
+            cls = _CLASSES[base] = type(f"Distributed{base.__name__}", (_DistributedMixin, base),
+                                        {"__module__": __name__, "__doc__": base.__doc__})
+        sync = GradientSync(optimizer, named_parameters, averager, backward_passes_per_step,
+                            int(bucket_mb * 2 ** 20))
+        optimizer.__class__ = cls
+        optimizer._hpctrain = sync
     patched = optimizer.__dict__.get("step")
     if patched is not None:
         # Something (an LR scheduler created before this call) replaced step on the instance with a
-        # wrapper of the original class's step, which would bypass the class swap: synchronize first.
+        # wrapper of the original class's step, which would bypass the class swap: go around it.
         def step(closure=None):
-            optimizer._before_step()
-            return patched(closure)
+            return optimizer._around_step(patched, closure)
 
         step.__dict__.update(getattr(patched, "__dict__", {}))   # keep the scheduler's markers
         optimizer.step = step
@@ -159,6 +170,10 @@ class _DistributedMixin:
             self._before_step()
         with timeline.span("optimizer step", "torch"):
             return super().step(closure)
+
+    def _around_step(self, local_step, closure=None):
+        self._before_step()
+        return local_step(closure)
 
     def _before_step(self) -> None:
         sync = self._hpctrain

@@ -115,11 +115,12 @@ if os.environ.get("HPCTRAIN_TEST_MNIST_NPZ"):
             pass
 '''
 
-# file -> (folder in Horovod's examples, arguments)
+# run label (the file, then extra arguments) -> (folder in Horovod's examples, arguments)
+_SYNTHETIC = ["--model", "resnet18", "--batch-size", "4", "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+              "--num-iters", "2", "--no-cuda"]
 EXAMPLES = {
-    "pytorch_synthetic_benchmark.py": ("pytorch", ["--model", "resnet18", "--batch-size", "4",
-                                                   "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
-                                                   "--num-iters", "2", "--no-cuda"]),
+    "pytorch_synthetic_benchmark.py": ("pytorch", _SYNTHETIC),
+    "pytorch_synthetic_benchmark.py --use-adasum": ("pytorch", _SYNTHETIC + ["--use-adasum"]),
     "pytorch_mnist.py": ("pytorch", ["--epochs", "2", "--no-cuda", "--log-interval", "20"]),
     "tensorflow2_synthetic_benchmark.py": ("tensorflow2", ["--model", "ResNet50", "--batch-size", "4",
                                                            "--num-warmup-batches", "1", "--num-batches-per-iter",
@@ -161,8 +162,9 @@ def main() -> int:
         env = dict(os.environ, OMP_NUM_THREADS="1", HPCTRAIN_TEST_MNIST_NPZ=os.path.join(data, "MNIST.npz"))
         env["PYTHONPATH"] = os.pathsep.join([os.path.join(scratch, "standin"),
                                              os.path.join(ROOT, "examples", "horovod"), ROOT])
-        for name in args.only:
-            folder, extra = EXAMPLES[name]
+        for label in args.only:
+            folder, extra = EXAMPLES[label]
+            name = label.split()[0]
             with open(os.path.join(args.src, "examples", folder, name)) as f:
                 text = f.read()
             script = os.path.join(scratch, name)
@@ -174,7 +176,7 @@ def main() -> int:
                    "python", script] + extra
             proc = subprocess.run(cmd, cwd=scratch, env=run_env, capture_output=True, text=True, timeout=3600)
             lines = [line for line in proc.stdout.splitlines() if line.strip()]
-            print(f"== {name} ({args.impl}, {args.ranks} ranks): exit {proc.returncode}")
+            print(f"== {label} ({args.impl}, {args.ranks} ranks): exit {proc.returncode}")
             print("\n".join(lines[-4:]))
             if proc.returncode:
                 print(proc.stderr[-2000:])

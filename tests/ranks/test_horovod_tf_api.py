@@ -314,3 +314,83 @@ def test_load_model_wraps_the_saved_optimizer_again(tmp_path_factory):
     assert float(opt.learning_rate.numpy()) == pytest.approx(0.01)
     loaded.fit(x, y, epochs=1, verbose=0)                   # the loaded optimizer reduces over the ranks
     assert len({w.tobytes() for w in hvd.allgather_object(loaded.get_weights()[0])}) == 1
+
+
+@pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
+def test_fit_with_adasum_optimizer_combines_the_ranks_updates(keras_name):
+    """``hvd.DistributedOptimizer(op=hvd.Adasum)`` in model.fit: each rank's SGD-with-momentum step, then Adasum of
+    the weight deltas (the reference: the ranks simulated in one process, numpy Adasum per tensor)."""
+    from test_tf_training import adasum_replicas
+    keras = __import__(keras_name)
+    data = batches(3)
+    model = dense_model(keras)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    start = model.get_weights()
+    make_opt = lambda: keras.optimizers.SGD(0.1, momentum=0.9)     # noqa: E731
+    model.compile(optimizer=hvd.DistributedOptimizer(make_opt(), op=hvd.Adasum), loss="mse")
+    x = np.concatenate([mine(b)[0] for b in data])
+    y = np.concatenate([mine(b)[1] for b in data])
+    model.fit(x, y, batch_size=len(x) // len(data), epochs=1, shuffle=False, verbose=0)
+    n = hvd.size()
+    per_step = [[(bx[q::n], by[q::n]) for q in range(n)] for bx, by in data]
+    want = adasum_replicas(start, lambda: dense_model(keras), make_opt, per_step,
+                           lambda t, p: tf.reduce_mean(tf.square(p - t)))
+    assert_weights_close(model.get_weights(), want)
+    assert len(set(hvd.allgather_object(b"".join(w.tobytes() for w in model.get_weights())))) == 1
+
+
+def test_gradient_tape_with_adasum_combines_gradients():
+    """``DistributedGradientTape(op=hvd.Adasum)`` combines the gradients; with plain SGD that is the same step
+    as combining the updates (Adasum does not change under scaling), so the same reference holds."""
+    import keras
+    from test_tf_training import adasum_replicas
+    data = batches(3)
+    model = dense_model(keras)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    start = model.get_weights()
+    opt = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        grads = hvd.DistributedGradientTape(tape, op=hvd.Adasum).gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    for batch in data:
+        step(*map(tf.constant, mine(batch)))
+    n = hvd.size()
+    per_step = [[(bx[q::n], by[q::n]) for q in range(n)] for bx, by in data]
+    want = adasum_replicas(start, lambda: dense_model(keras), lambda: keras.optimizers.SGD(0.1), per_step,
+                           lambda t, p: tf.reduce_mean(tf.square(p - t)))
+    assert_weights_close(model.get_weights(), want)
+
+
+def test_tf1_optimizer_with_adasum_in_a_session_combines_the_deltas():
+    """``hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(...), op=hvd.Adasum)`` in a TF1 session:
+    Horovod's delta optimizer (the reference: the ranks simulated with Keras' SGD with momentum, which takes
+    the same step)."""
+    import keras
+    from test_tf_training import adasum_replicas
+    data = batches(3)
+    n = hvd.size()
+    start = hvd.broadcast_object(dense_model(keras).get_weights(), root_rank=0)
+
+    def build():
+        ws = [tf.compat.v1.Variable(w) for w in start]
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), op=hvd.Adasum)
+        x, y = tf.compat.v1.placeholder(tf.float32, (None, 3)), tf.compat.v1.placeholder(tf.float32, (None, 2))
+        loss = tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(x, ws[0]) + ws[1]), ws[2]) + ws[3] - y))
+        return ws, x, y, opt.minimize(loss, var_list=ws)
+
+    with tf.Graph().as_default():
+        ws, x, y, train = build()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for batch in data:
+                bx, by = mine(batch)
+                sess.run(train, {x: bx, y: by})
+            got = sess.run(ws)
+    per_step = [[(bx[q::n], by[q::n]) for q in range(n)] for bx, by in data]
+    want = adasum_replicas(start, lambda: dense_model(keras), lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+                           per_step, lambda t, p: tf.reduce_mean(tf.square(p - t)))
+    assert_weights_close(got, want)

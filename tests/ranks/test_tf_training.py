@@ -232,3 +232,48 @@ def test_distributed_dataset_follows_the_sampler_split(comm, drop_remainder):
         for (a, b), w in zip(got, want):
             np.testing.assert_array_equal(a, w * 10)
             np.testing.assert_array_equal(b, w.astype(np.float32))
+
+
+def adasum_replicas(start, make_model, make_opt, per_step, loss_fn):
+    """Horovod's Adasum optimizer simulated in one process: n replicas from the same ``start`` weights, each with
+    its own optimizer, steps on its own batch (``per_step[s][q]`` is rank q's (x, y) at step s); the weight deltas
+    are combined tensor by tensor (numpy Adasum) and every replica takes the result.  Returns the final weights."""
+    from hpctrain.collectives.adasum import adasum_reference
+    n = len(per_step[0])
+    models = [make_model() for _ in range(n)]
+    opts = [make_opt() for _ in range(n)]
+    for m in models:
+        m.set_weights(start)
+    for batches_of_ranks in per_step:
+        before = models[0].get_weights()
+        deltas = []
+        for m, opt, (x, y) in zip(models, opts, batches_of_ranks):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, m(x))
+            opt.apply_gradients(zip(tape.gradient(loss, m.trainable_variables), m.trainable_variables))
+            deltas.append([w - b for w, b in zip(m.get_weights(), before)])
+        if n > 1:
+            new = [b + adasum_reference([d[i] for d in deltas]) for i, b in enumerate(before)]
+            for m in models:
+                m.set_weights(new)
+    return models[0].get_weights()
+
+
+def test_keras_fit_with_adasum_combines_the_ranks_updates(comm):
+    n, r = comm.size, comm.rank
+    make_opt = lambda: keras.optimizers.SGD(0.1, momentum=0.9)      # noqa: E731  (momentum stays per rank)
+    model = make_model()
+    model.compile(optimizer=hk.DistributedOptimizer(make_opt(), op="adasum"), loss=LOSS)
+    steps = 4
+    parts = [global_batch(s, n) for s in range(steps)]
+    mine = (np.concatenate([x[r * B:(r + 1) * B] for x, _ in parts]),
+            np.concatenate([y[r * B:(r + 1) * B] for _, y in parts]))
+    start = make_model().get_weights()
+    check = _Identical(comm)
+    model.fit(tf.data.Dataset.from_tensor_slices(mine).batch(B), epochs=1, verbose=0, callbacks=[check],
+              shuffle=False)
+    per_step = [[(x[q * B:(q + 1) * B], y[q * B:(q + 1) * B]) for q in range(n)] for x, y in parts]
+    want = adasum_replicas(start, make_model, make_opt, per_step, LOSS)
+    for a, b in zip(model.get_weights(), want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert check.steps == steps

@@ -21,13 +21,29 @@ __all__ = ["DistributedOptimizer"]
 
 
 class _V1Distributed:
-    """Mixin for ``tf.compat.v1.train.Optimizer`` subclasses: reduce in ``compute_gradients``."""
+    """Mixin for ``tf.compat.v1.train.Optimizer`` subclasses: reduce in ``compute_gradients`` (Adasum: combine
+    the variables' deltas in ``apply_gradients``)."""
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        settings, _ = self._hpctrain_config
+        if settings.op != "adasum":
+            return super().apply_gradients(grads_and_vars, *args, **kwargs)
+        from ...adasum_updates import AdasumUpdates
+        from ...tensorflow.adasum_apply import apply_with_adasum
+        if not hasattr(self, "_hpctrain_adasum"):
+            self._hpctrain_adasum = AdasumUpdates(settings.comm, settings.compressor)
+        pairs = list(grads_and_vars)
+        parent = super()
+        return apply_with_adasum(self._hpctrain_adasum, [v for g, v in pairs if g is not None],
+                                 lambda: parent.apply_gradients(pairs, *args, **kwargs))
 
     def compute_gradients(self, *args, **kwargs):
         from ...gradients import GradientAverager
         from ...tensorflow.ops import average_gradients
         pairs = super().compute_gradients(*args, **kwargs)
         settings, sparse_as_dense = self._hpctrain_config
+        if settings.op == "adasum":
+            return pairs
         if not hasattr(self, "_hpctrain_averager"):
             self._hpctrain_averager = GradientAverager(settings.comm, settings.op, settings.compressor,
                                                        sparse_as_dense=sparse_as_dense)
