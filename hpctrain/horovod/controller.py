@@ -23,34 +23,20 @@ Requests whose signatures differ (dtype, shape, op, root, an invalid
 argument on some rank) fail on every member with the ranks and their calls
 named.  A request that some ranks started and others did not for
 ``HPCTRAIN_STALL_WARNING_S`` is logged with the missing ranks, and fails
-after ``HPCTRAIN_STALL_TIMEOUT_S`` (decided on rank 0's clock, so on every
-rank in the same cycle).
+after ``HPCTRAIN_STALL_TIMEOUT_S``; when every rank waits on a request that
+cannot complete, the oldest such request fails within seconds instead
+(:mod:`hpctrain.horovod.stalls`).
 
 Cost: one small allgather per cycle (:mod:`hpctrain.horovod.exchange`, which
-waits without spinning, so cycles do not take the training thread's core).
-A cycle follows at once while requests arrive; while a request is open
-somewhere but none came in the last cycle, the pause doubles from 1 ms up to
-``HOROVOD_CYCLE_TIME`` (ms, default 5); a rank that starts a request wakes
-its thread at once.  A rank that has started every open request it belongs
-to skips the pause and waits inside the exchange, so a request completes as
-soon as its last rank starts it, not up to a pause later.  When the last
-cycle left nothing open (the table is empty, the same on every rank), no
-rank cycles: each waits for a request of its own or for a doorbell
-(:meth:`CycleExchange.ring`), checked at the same growing pause, and the
-rank that starts the next request rings the others; a rank that will
-start that request itself waits up to 50 ms for it before answering, so
-ranks a few milliseconds apart in a training step run one cycle per
-request instead of idle cycles until the last one starts it.
-So a training step's forward pass runs without cycles, and a rank that
-starts nothing (joined, or outside the request's process set) still enters
-the next cycle within ``HOROVOD_CYCLE_TIME`` (within 40 ms when the waits
-before ended with requests of its own, as in a training loop: it then
-checks for bells less often).  Backends without doorbells (where Horovod
-carries the job: ``horovodrun --gloo``) cycle on the pause alone, which
-then grows to 20 ms while nothing is open (a request started then waits up
-to that long for the other ranks' next cycle); there the DistributedOptimizer's
-reductions do not wait for cycles at all: Horovod runs them by name
-(:mod:`hpctrain.horovod.negotiated`).
+waits without spinning).  A cycle follows at once while requests arrive;
+while a request is open the pause doubles from 1 ms to ``HOROVOD_CYCLE_TIME``
+(ms, default 5), and a rank that has started every open request it belongs
+to waits inside the exchange instead.  While nothing is open no rank cycles:
+each waits for a request of its own or a doorbell
+(:meth:`_wait_for_doorbell` says when it answers).  Backends without
+doorbells (``horovodrun --gloo``) cycle on the pause alone, up to 20 ms
+while nothing is open; there the DistributedOptimizer's reductions do not
+wait for cycles at all (:mod:`hpctrain.horovod.negotiated`).
 """
 from __future__ import annotations
 
@@ -61,10 +47,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import settings
 from ..comm.signature import format_ranks
-from ..errors import CollectiveMismatchError, HpctrainError
+from ..errors import HpctrainError
 from . import execute
 from .exchange import CycleExchange
 from .pending import Entry, HorovodInternalError, OpHandle, Request
+from .stalls import StallWatch, noname_counter, started_all_open
 
 __all__ = ["Controller"]
 
@@ -107,8 +94,8 @@ class Controller:
         self._waiting = False                        # started all it belongs to; only waits for others
         self._max_pause = float(settings.get("HOROVOD_CYCLE_TIME")) / 1000.0
         self._quiet_pause = self._max_pause         # the longest pause of the next wait for a doorbell
-        self._warn_s = world.config.stall_warning_s
-        self._timeout_s = world.config.stall_timeout_s
+        self._stalls = StallWatch(self.rank, world.config.stall_warning_s, world.config.stall_timeout_s)
+        self._blocked = 0                            # threads of this rank waiting on a request's handle
         self.error: Optional[BaseException] = None
         self._exchange = CycleExchange(world)
         self._thread = threading.Thread(target=self._loop, name="hpctrain-horovod", daemon=True)
@@ -137,7 +124,7 @@ class Controller:
         name = name if name is not None else self.auto_name(kind, ps)
         if ps:                           # names are per process set, as in Horovod
             name = f"{name}@set{ps}"
-        req = Request(name, kind, ps, sig, payload, labels)
+        req = Request(name, kind, ps, sig, payload, labels, owner=self)
         with self._cv:
             self._raise_if_stopped()
             if name in self._mine:
@@ -154,7 +141,7 @@ class Controller:
             self._raise_if_stopped()
             if self._join_handle is not None:
                 raise ValueError("join() is already in progress on this rank")
-            self._join_handle, self._join_sent = OpHandle("join"), False
+            self._join_handle, self._join_sent = OpHandle("join", self), False
             self._cv.notify()
             return self._join_handle
 
@@ -170,6 +157,11 @@ class Controller:
             self._cv.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def blocked(self, delta: int) -> None:
+        """A thread of this rank starts (+1) or stops (-1) waiting on a handle (the deadlock check's input)."""
+        with self._cv:
+            self._blocked += delta
 
     def direct_failure(self) -> Optional[BaseException]:
         """Why a reduction Horovod runs by name beside the negotiation can no longer complete (None: it can).
@@ -273,14 +265,15 @@ class Controller:
             joining = self._join_handle is not None and not self._join_sent
             self._join_sent = self._join_sent or joining
             stop = self._stop
-        msg = ([(r.name, r.kind, r.ps, r.sig) for r in new], joining, stop, time.time())
+            waiting = self._blocked > 0 and not new and not joining
+        msg = ([(r.name, r.kind, r.ps, r.sig) for r in new], joining, stop, time.time(), waiting)
         msgs = self._exchange.allgather(msg, poll=bool(self._mine or joining or stop))
         self._cycle += 1
         now = msgs[0][3]
         if self.timeline is not None:
             self.timeline.cycle()
         busy = False
-        for rank, (items, joining, _, _) in enumerate(msgs):
+        for rank, (items, joining, _, _, _) in enumerate(msgs):
             busy = busy or bool(items) or joining
             for name, kind, ps, sig in items:
                 entry = self._table.get(name)
@@ -294,62 +287,37 @@ class Controller:
             stops = [m[2] for m in msgs if m[2]]
             self._stopped_by = ("; ".join(why for why, _ in stops), next((s for _, s in stops if s), 1))
             return False
-        self._run_ready(now)
+        self._run_ready(now, [m[4] for m in msgs])
         self._finish_join()
         idle_limit = self._max_pause if self._exchange.has_doorbells else max(self._max_pause, _IDLE_PAUSE_S)
         self._pause = 0.0 if busy else min(max(2 * self._pause, 0.001), idle_limit)
         self._quiet = self._exchange.has_doorbells and not self._table
-        self._waiting = self._waits_for_others()
+        self._waiting = started_all_open(self._table, self.rank, self._members)
         return True
 
-    def _waits_for_others(self) -> bool:
-        """Whether some request is open and this rank has started every open one it belongs to.
+    def _members(self, ps: int) -> tuple:
+        return self.sets[ps][0] if ps in self.sets else ()
 
-        Such a rank cannot add anything: it enters the next cycle at once and
-        waits inside the exchange, so the cycle completes as soon as the last
-        rank starts the request (which wakes that rank's thread at once),
-        instead of up to ``HOROVOD_CYCLE_TIME`` later when this rank's pause
-        ends.  The ranks that have yet to start a request keep pausing, so
-        ranks that wait on each other's requests never spin.
-        """
-        waiting = False
-        for entry in self._table.values():
-            if self.rank not in (self.sets[entry.ps][0] if entry.ps in self.sets else ()):
-                continue
-            if self.rank not in entry.sigs:
-                return False
-            waiting = True
-        return waiting
-
-    def _run_ready(self, now: float) -> None:
+    def _run_ready(self, now: float, waiting: List[bool]) -> None:
         ready: List[Tuple[str, Entry, Optional[HpctrainError]]] = []
         for name, entry in self._table.items():
-            members = self.sets[entry.ps][0] if entry.ps in self.sets else ()
-            missing = [r for r in members if r not in entry.sigs]
+            missing = [r for r in self._members(entry.ps) if r not in entry.sigs]
             absent = [r for r in missing if r not in self._joined]
             if absent:
-                self._stalled(name, entry, absent, now, ready)
+                self._stalls.stalled(name, entry, absent, now, ready)
                 continue
             error = execute.verdict(name, entry, missing, self.sets)
             ready.append((name, entry, error))
+        stuck = self._stalls.deadlock(self._table, self._members, waiting, bool(ready), now)
+        for name, _, _ in stuck:              # the ranks that never started it skip its unnamed number
+            self._skip_counter(name)
+        ready += stuck
         if not ready:
             return
         for name, _, _ in ready:
             del self._table[name]
         for group in execute.plan(ready, self._mine, self.sets):
             self._run_group(group)
-
-    def _stalled(self, name: str, entry: Entry, absent: List[int], now: float, ready: list) -> None:
-        waited = now - entry.since
-        text = (f"{entry.kind} {name!r} was started by {format_ranks(sorted(entry.sigs))} "
-                f"but not by {format_ranks(absent)} for {waited:.0f} s")
-        if self._timeout_s and waited > self._timeout_s:
-            ready.append((name, entry, CollectiveMismatchError(text + " (HPCTRAIN_STALL_TIMEOUT_S)")))
-        elif self._warn_s and waited > self._warn_s and not entry.warned:
-            entry.warned = True
-            if self.rank == 0:
-                log.warning("hpctrain.horovod: %s; those ranks may have stopped early or call "
-                            "collectives in a different way", text)
 
     def _run_group(self, group: "execute.Group") -> None:
         mine = [self._mine.pop(name, None) for name in group.names]
@@ -382,11 +350,15 @@ class Controller:
         if self.rank not in self._joined:
             return
         for name in names:
-            kind, tag, ps, n = (name.split(".") + ["", "", ""])[:4]
-            if tag == "noname" and ps.isdigit() and n.isdigit():
-                key = (kind, int(ps))
-                with self._cv:
-                    self._noname[key] = max(self._noname.get(key, 0), int(n) + 1)
+            self._skip_counter(name)
+
+    def _skip_counter(self, name: str) -> None:
+        """Advance this rank's counter of unnamed requests past ``name``'s number (if it is an unnamed one)."""
+        counter = noname_counter(name)
+        if counter is not None:
+            key, n = counter
+            with self._cv:
+                self._noname[key] = max(self._noname.get(key, 0), n + 1)
 
     def _finish_join(self) -> None:
         if len(self._joined) < self.size:

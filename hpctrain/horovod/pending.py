@@ -20,10 +20,11 @@ class HorovodInternalError(HpctrainError):
 class OpHandle:
     """The pending result of one request: ``done()``, ``wait()``."""
 
-    __slots__ = ("_event", "_value", "_error", "name")
+    __slots__ = ("_event", "_value", "_error", "name", "owner")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, owner=None):
         self._event, self._value, self._error, self.name = threading.Event(), None, None, name
+        self.owner = owner          # told when a thread starts and stops waiting (``blocked(+1/-1)``)
 
     def done(self) -> bool:
         """Return whether the request has finished (successfully or not)."""
@@ -31,7 +32,14 @@ class OpHandle:
 
     def wait(self) -> Any:
         """Block until the request finishes; return its result or raise its error."""
-        self._event.wait()
+        if self.owner is not None and not self._event.is_set():
+            self.owner.blocked(1)
+            try:
+                self._event.wait()
+            finally:
+                self.owner.blocked(-1)
+        else:
+            self._event.wait()
         if self._error is not None:
             raise self._error
         return self._value
@@ -49,9 +57,9 @@ class Request:
 
     __slots__ = ("name", "kind", "ps", "sig", "payload", "handle", "labels")
 
-    def __init__(self, name: str, kind: str, ps: int, sig: tuple, payload: Any, labels: tuple = ()):
+    def __init__(self, name: str, kind: str, ps: int, sig: tuple, payload: Any, labels: tuple = (), owner=None):
         self.name, self.kind, self.ps, self.sig, self.payload = name, kind, ps, sig, payload
-        self.handle = OpHandle(name)
+        self.handle = OpHandle(name, owner)
         self.labels = labels or ((name, kind),)
 
 

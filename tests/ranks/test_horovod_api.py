@@ -375,3 +375,57 @@ def test_timeline_has_a_row_per_tensor_named_as_horovod_names_them(tmp_path_fact
             assert sum(v for (r, name, ph), v in seen.items() if r == row and name.endswith("_ALLREDUCE") and
                        not name.startswith("NEGOTIATE")
                        and ph == "B") == runs
+
+
+@pytest.mark.parametrize("case", ["sgd_momentum", "adamw_fp16"])
+def test_distributed_optimizer_with_adasum_combines_deltas(case):
+    """Horovod's ``DistributedOptimizer(op=hvd.Adasum)``: a local step, then Adasum of the parameter deltas
+    (the reference: n replicas simulated in one process, numpy Adasum per tensor)."""
+    import torch.nn.functional as F
+    from test_torch_training import batches, flat_params, make_model, adasum_reference_run
+    make_opt = {"sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                "adamw_fp16": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)}[case]
+    compression = hvd.Compression.fp16 if case.endswith("fp16") else hvd.Compression.none
+    n, r = hvd.size(), hvd.rank()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(), op=hvd.Adasum,
+                                   compression=compression)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batches(step, n)[r]
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    got, want = flat_params(model).double(), flat_params(adasum_reference_run(n, make_opt, 3, fp16=case.endswith("fp16")))
+    assert ((got - want.double()).abs().max() / want.abs().max()).item() <= 1e-6
+    digests = hvd.allgather_object(got.numpy().tobytes())
+    assert all(d == digests[0] for d in digests)
+    with pytest.raises(ValueError, match="summing compressor"):
+        hvd.DistributedOptimizer(make_opt(make_model()), op=hvd.Adasum, compression=hvd.Compression.hpctrain("topk"))
+
+
+def test_a_rank_leaving_a_loop_early_costs_its_peers_one_error_not_a_hang():
+    """The last rank leaves a loop of unnamed allreduces after one iteration (as a test that fails half-way
+    does) and waits in a barrier, while the others wait in the loop's next allreduce: every rank waits on a
+    request that cannot complete.  Within seconds the loop's allreduce fails on the ranks that started it,
+    naming the deadlock, and afterwards unnamed allreduces match again on every rank."""
+    import time
+    from hpctrain.errors import CollectiveMismatchError
+    n, r = hvd.size(), hvd.rank()
+    if n < 3:
+        pytest.skip("needs more ranks in the loop than out of it (with equal sides, which one fails is a guess)")
+    started, error = time.monotonic(), None
+    try:
+        for i in range(3):
+            if r == n - 1 and i == 1:
+                break
+            hvd.allreduce(torch.ones(3), op=hvd.Sum)
+    except CollectiveMismatchError as exc:
+        error = exc
+    hvd.barrier()
+    assert time.monotonic() - started < 30
+    if r == n - 1:
+        assert error is None
+    else:
+        assert error is not None and "deadlock" in str(error) and f"not by rank {n - 1}" in str(error), error
+    got = hvd.allreduce(torch.full((2,), float(r)), op=hvd.Sum)
+    assert got.tolist() == [float(sum(range(n)))] * 2
