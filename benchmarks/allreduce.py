@@ -15,7 +15,14 @@ auto with ``HPCTRAIN_CROSS_MEMORY=0`` (large one-node buffers staged through
 the shared arena instead of copied directly between ranks).  Writes JSON, a
 markdown table and a PNG.
 
+``--collective reduce_scatter`` or ``allgather`` times those instead, on the
+hpctrain peers (``auto``, ``native``; they have no in-place form yet) and
+mpi4py's (``Reduce_scatter_block`` / ``Allgather`` into a new array):
+the size is the whole buffer (the reduce-scatter's input, the allgather's
+output) and bus bandwidth is ``bytes / time * (n-1) / n``.
+
     python benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
+    python benchmarks/allreduce.py --collective reduce_scatter --peers hpctrain-auto hpctrain-native mpi4py
 """
 from __future__ import annotations
 
@@ -42,8 +49,42 @@ def human(nbytes: int) -> str:
 
 
 # ---------------------------------------------------------------- worker (one launch, one peer)
-def make_op(peer: str):
-    """Return (rank, size, barrier, allreduce(buffer)) for ``peer``."""
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+ONLY_ALLREDUCE = ("-inplace", "-shared", "-arena", "torch-gloo", "horovod")
+
+
+def make_other(peer: str, collective: str):
+    """Return (rank, size, barrier, op(whole buffer)) for a reduce-scatter or allgather of ``peer``."""
+    if peer.startswith("hpctrain"):
+        import hpctrain
+
+        comm = hpctrain.init("mpi")
+        alg = peer.split("-")[1]
+        if collective == "reduce_scatter":
+            return comm.rank, comm.size, comm.barrier, lambda x: comm.reduce_scatter(x, algorithm=alg)
+        return comm.rank, comm.size, comm.barrier, lambda x: comm.allgather(x[: x.size // comm.size],
+                                                                            algorithm=alg)
+    from mpi4py import MPI
+
+    c = MPI.COMM_WORLD
+
+    def op(x):
+        out = np.empty(x.size // c.size if collective == "reduce_scatter" else x.size // c.size * c.size,
+                       dtype=x.dtype)
+        if collective == "reduce_scatter":
+            c.Reduce_scatter_block(x[: out.size * c.size], out, op=MPI.SUM)
+        else:
+            c.Allgather(x[: x.size // c.size], out)
+        return out
+    return c.rank, c.size, c.Barrier, op
+
+
+def make_op(peer: str, collective: str = "allreduce"):
+    """Return (rank, size, barrier, op(buffer)) for ``peer``: its all-reduce, or ``collective``."""
+    if collective != "allreduce":
+        if peer.endswith(ONLY_ALLREDUCE) or not peer.startswith(("hpctrain", "mpi4py")):
+            raise ValueError(f"{peer} times only all-reduces")
+        return make_other(peer, collective)
     # "-inplace" peers reduce a persistent buffer of zeros in place (as a distributed optimizer does
     # with its gradient buckets): no result array is allocated, so no page faults per call.
     buffers = {}
@@ -109,8 +150,8 @@ def make_op(peer: str):
     raise ValueError(peer)
 
 
-def worker(peer: str, sizes, seconds: float) -> None:
-    rank, size, barrier, op = make_op(peer)
+def worker(peer: str, sizes, seconds: float, collective: str = "allreduce") -> None:
+    rank, size, barrier, op = make_op(peer, collective)
     results = {}
     for nbytes in sizes:
         x = np.ones(nbytes // 4, dtype=np.float32)
@@ -130,8 +171,9 @@ def worker(peer: str, sizes, seconds: float) -> None:
 
 
 # ---------------------------------------------------------------- driver
-def launch(peer: str, n: int, sizes, seconds: float) -> dict:
-    res = launch_worker(n, [__file__, "--worker", peer, "--seconds", str(seconds), "--sizes", *map(str, sizes)])
+def launch(peer: str, n: int, sizes, seconds: float, collective: str = "allreduce") -> dict:
+    res = launch_worker(n, [__file__, "--worker", peer, "--seconds", str(seconds), "--collective", collective,
+                            "--sizes", *map(str, sizes)])
     return {int(k): v for k, v in res["times"].items()}
 
 
@@ -158,13 +200,18 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0, help="time budget per size and launch")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds (the demo)")
     ap.add_argument("--out", default="results/allreduce")
+    ap.add_argument("--collective", choices=COLLECTIVES, default="allreduce")
+    ap.add_argument("--sizes", type=int, nargs="+", help="sizes in bytes (default: 4 KiB to 64 MiB by x4, 256 MiB)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.sizes, args.seconds)
+        worker(args.worker, args.sizes, args.seconds, args.collective)
         return
-    sizes = [4096 << (2 * i) for i in range(8)] + [256 * MIB]  # 4 KiB .. 64 MiB by x4, then 256 MiB
+    if args.collective != "allreduce":
+        bad = [p for p in args.peers if p.endswith(ONLY_ALLREDUCE) or not p.startswith(("hpctrain", "mpi4py"))]
+        if bad:
+            ap.error(f"--collective {args.collective} takes hpctrain-auto/-native/-shm/-ring and mpi4py, not {bad}")
+    sizes = args.sizes or [4096 << (2 * i) for i in range(8)] + [256 * MIB]
     if args.quick:
         sizes, args.rounds, args.seconds = [4096, 64 * 1024, MIB, 16 * MIB, 64 * MIB], 2, 0.5
     rows = []
@@ -174,18 +221,19 @@ def main() -> None:
             order = args.peers if rnd % 2 == 0 else list(reversed(args.peers))
             for peer in order:
                 print(f"[{n} ranks, round {rnd + 1}/{args.rounds}] {peer}", file=sys.stderr, flush=True)
-                runs[peer].append(launch(peer, n, sizes, args.seconds))
+                runs[peer].append(launch(peer, n, sizes, args.seconds, args.collective))
             runs["memcpy"].append(memcpy_times(sizes, args.seconds))
         for peer in args.peers + ["memcpy"]:
             for nbytes in sizes:
                 t = statistics.median(r[nbytes] for r in runs[peer])
-                busbw = nbytes / t * 2 * (n - 1) / n / 1e9 if n > 1 and peer != "memcpy" else 0.0
+                factor = 2 if args.collective == "allreduce" else 1
+                busbw = nbytes / t * factor * (n - 1) / n / 1e9 if n > 1 and peer != "memcpy" else 0.0
                 rows.append({"ranks": n, "peer": peer, "bytes": nbytes, "time_s": t, "busbw_GBps": busbw})
     write_outputs(rows, Path(args.out), args)
 
 
 def write_outputs(rows, out: Path, args) -> None:
-    data = {"rows": rows, "rounds": args.rounds}
+    data = {"rows": rows, "rounds": args.rounds, "collective": args.collective}
     peers = [p for p in dict.fromkeys(r["peer"] for r in rows) if p != "memcpy"]
     lines = []
 
@@ -229,11 +277,11 @@ def write_outputs(rows, out: Path, args) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("message size (bytes)")
             ax.set_ylabel("bus bandwidth (GB/s)")
-            ax.set_title(f"all-reduce, {n} ranks")
+            ax.set_title(f"{args.collective}, {n} ranks")
             ax.legend()
         return fig
 
-    write_results(out, "allreduce", data, table, draw)
+    write_results(out, args.collective, data, table, draw)
 
 
 if __name__ == "__main__":

