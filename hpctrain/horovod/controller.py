@@ -266,7 +266,7 @@ class Controller:
             self._join_sent = self._join_sent or joining
             stop = self._stop
             waiting = self._blocked > 0 and not new and not joining
-        msg = ([(r.name, r.kind, r.ps, r.sig) for r in new], joining, stop, time.time(), waiting)
+        msg = ([(r.name, r.kind, r.ps, r.sig, r.started) for r in new], joining, stop, time.time(), waiting)
         msgs = self._exchange.allgather(msg, poll=bool(self._mine or joining or stop))
         self._cycle += 1
         now = msgs[0][3]
@@ -275,11 +275,12 @@ class Controller:
         busy = False
         for rank, (items, joining, _, _, _) in enumerate(msgs):
             busy = busy or bool(items) or joining
-            for name, kind, ps, sig in items:
+            for name, kind, ps, sig, started in items:
                 entry = self._table.get(name)
                 if entry is None:
                     entry = self._table[name] = Entry(kind, ps, now)
                 entry.sigs[rank] = sig
+                entry.first = min(entry.first, started)
                 entry.arrived.setdefault(rank, now)
             if joining:
                 self._joined[rank] = self._cycle

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Optional
 
 from ..errors import HpctrainError
@@ -55,20 +56,23 @@ class Request:
     ``labels``: the timeline's rows for it, as ``(row, kind)`` (default: one row, its name and kind).
     """
 
-    __slots__ = ("name", "kind", "ps", "sig", "payload", "handle", "labels")
+    __slots__ = ("name", "kind", "ps", "sig", "payload", "handle", "labels", "started")
 
     def __init__(self, name: str, kind: str, ps: int, sig: tuple, payload: Any, labels: tuple = (), owner=None):
         self.name, self.kind, self.ps, self.sig, self.payload = name, kind, ps, sig, payload
         self.handle = OpHandle(name, owner)
         self.labels = labels or ((name, kind),)
+        self.started = time.time()      # when this rank started it (its own clock)
 
 
 class Entry:
-    """A name in the shared table: who started it, with which signature, since when (rank 0's clock), and
-    in which cycle each rank's request arrived (``arrived``: rank -> that cycle's time)."""
+    """A name in the shared table: who started it, with which signature, since when (rank 0's clock), in
+    which cycle each rank's request arrived (``arrived``: rank -> that cycle's time), and when the first
+    rank started it (``first``: that rank's clock, finer than a cycle)."""
 
-    __slots__ = ("kind", "ps", "sigs", "since", "warned", "arrived")
+    __slots__ = ("kind", "ps", "sigs", "since", "warned", "arrived", "first")
 
     def __init__(self, kind: str, ps: int, since: float):
         self.kind, self.ps, self.sigs, self.since, self.warned = kind, ps, {}, since, False
         self.arrived = {}
+        self.first = float("inf")

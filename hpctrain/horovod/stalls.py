@@ -10,15 +10,20 @@ reaches the same verdict in the same cycle:
 * a deadlock: every rank's program waits on a request (each message says
   so), nothing ran, and it stays that way for ``DEADLOCK_S``.  No rank can
   start anything more, so no request that some members lack can complete;
-  one of them fails at once on the ranks that started it, naming who waits
-  on what: the one started by the most ranks (programs are alike, so the
-  few that differ are likelier the ones that left the common path), the
-  oldest among equals.  Its ranks go on (their next requests may be what
-  the others wait for), and the ranks that never started it, if it is an
+  the oldest of them (by the cycle it arrived in, then by when its first
+  rank started it) fails at once on the ranks that started it, naming
+  who waits on what.  Its ranks go on (their next requests may be what the
+  others wait for), and the ranks that never started it, if it is an
   unnamed request, advance their counter past it, so that the next unnamed
-  requests of that kind match again.  A rank whose test failed half-way
-  through a loop of collectives (so its peers wait for iterations it
-  skipped) then costs its peers one error instead of a hang.
+  requests of that kind match again.  The oldest, because ranks that left
+  a loop of collectives early (a test that failed half-way through, on some
+  ranks only) reach their next request only after unwinding and reporting
+  the error, while the others asked for the loop's next iteration at once:
+  those fail, and everyone meets again at the leavers' request.  That is a
+  judgement on timing, not a proof: where the ranks that left are quicker,
+  they are the ones that fail, and they fail again at each request until
+  the others catch up; either way every wait ends with an error naming the
+  ranks, never a hang.
 
 Cost: nothing beyond one flag in each rank's cycle message.
 """
@@ -68,7 +73,7 @@ class StallWatch:
         if now - self._all_waiting_since < DEADLOCK_S:
             return []
         self._all_waiting_since = None
-        lacking = [(-len(entry.sigs), entry.since, name, entry) for name, entry in table.items()
+        lacking = [(entry.since, entry.first, name, entry) for name, entry in table.items()
                    if any(r not in entry.sigs for r in members(entry.ps))]
         if not lacking:
             return []
