@@ -2,6 +2,9 @@
 
 They run with checkpointing on; a second run of the same command resumes from
 the final checkpoint instead of training again and reports the same model.
+The two digits examples share the rank counts (torch at 2 and 4, Keras at 1
+and 3): what differs between rank counts is the adapters' business, which
+tests/ranks runs at every count for both frameworks.
 """
 import json
 import re
@@ -16,8 +19,8 @@ EXAMPLES = {"torch_digits.py": "resumed from the checkpoint of step {steps}",
             "tf_digits.py": "resumed from the checkpoint of epoch {epochs}"}
 
 
-@pytest.mark.parametrize("n", RANK_COUNTS)
-@pytest.mark.parametrize("example", sorted(EXAMPLES))
+@pytest.mark.parametrize("example, n", [("torch_digits.py", 2), ("torch_digits.py", 4), ("tf_digits.py", 1),
+                                        ("tf_digits.py", 3)])
 def test_digits_example_reaches_97_percent_and_resumes(example, n, tmp_path):
     out = tmp_path / "summary.json"
     cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / example),

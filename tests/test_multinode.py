@@ -21,6 +21,9 @@ import pytest
 from harness import REPO, assert_bit_identical, base_env, kill_tree, run, saved_arrays
 
 LAYOUTS = [(2, 1), (2, 2), (3, 1), (3, 2)]
+# The rank files run on the smallest layout and on the one that has both more than two nodes and more than
+# one rank a node (the node-loss test keeps all four).
+FILE_LAYOUTS = [(2, 1), (3, 2)]
 COLLECTIVES = ("(world_shape or own_shared_memory or test_allreduce or allgather or broadcast or reduce_scatter "
                "or alltoall or bit_identical or shm_refused or grouped_allreduce_equals or narrow_integer) and not 64mib")
 TRAINING = ["test_torch_training.py", "test_tf_training.py", "test_checkpoint.py"]
@@ -29,7 +32,7 @@ FILES = ["test_collectives.py"] + TRAINING
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("test_file", FILES)
-@pytest.mark.parametrize("nodes, per_node", LAYOUTS)
+@pytest.mark.parametrize("nodes, per_node", FILE_LAYOUTS)
 def test_across_nodes(nodes, per_node, test_file, cluster, rank_suites):
     # One launch a layout.  Temporary directories (the checkpoint tests' own) are in the shared file
     # system, as on a cluster; the node test still looks at each node's own /tmp.
@@ -88,7 +91,8 @@ def test_sigkill_of_a_whole_node_ends_the_job_naming_it_and_a_restart_resumes_bi
                      rf"lost\)", log), log[-4000:]
     assert not (where / "ckpt.npz").exists()
     committed = [int(d.name.split("-")[1]) for d in (where / "ckpt").iterdir() if re.fullmatch(r"step-\d+", d.name)]
-    assert committed and max(committed) in (3, 6), sorted((where / "ckpt").iterdir())
+    # (the kill lands a few steps after step 7 on a loaded machine: a save of step 9 may be committed by then)
+    assert committed and max(committed) in (3, 6, 9), sorted((where / "ckpt").iterdir())
     # The restart (no slowing) resumes from the newest committed checkpoint and ends where the
     # uninterrupted run did, bit for bit.
     resumed = run(train("ckpt"), env, 120)
