@@ -18,8 +18,9 @@ buffers (or on whatever tensors the communicator accepts):
 Formula: ``g = (1/N) sum_r g_r`` for ``op="avg"``, the plain sum for
 ``op="sum"``; ``op="adasum"`` combines the dense gradients with Adasum, tensor
 by tensor (:class:`hpctrain.adasum_updates.AdasumUpdates`; what a gradient
-tape offers: the optimizers combine their updates instead).  Cost of a dense all-reduce: ``2 (N-1)/N`` x the gradient bytes
-sent per rank for ring-like algorithms.
+tape offers: the optimizers combine their updates instead).  Cost of a dense
+all-reduce: ``2 (N-1)/N`` x the gradient bytes sent per rank for ring-like
+algorithms.
 
 Sparse gradients (PyTorch sparse COO gradients, e.g. from
 ``nn.Embedding(sparse=True)``; TensorFlow ``tf.IndexedSlices``, e.g. from
