@@ -39,7 +39,9 @@ __all__ = ["StallWatch", "DEADLOCK_S", "noname_counter", "started_all_open"]
 
 log = logging.getLogger("hpctrain")
 
-DEADLOCK_S = 2.0      # every rank waiting and nothing running for this long is a deadlock
+# Every rank waiting and nothing running for this long is a deadlock.  Not less: a thread of a rank may wait
+# while another thread of it still computes the request the others wait for (TensorFlow runs graph ops so).
+DEADLOCK_S = 5.0
 
 
 class StallWatch:
