@@ -86,7 +86,7 @@ def test_sigusr2_on_one_rank_checkpoints_every_rank_at_one_step_and_exits(n, tmp
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("written, restored", [(4, 2), (1, 3), (2, 4), (3, 1)])
+@pytest.mark.parametrize("written, restored", [(4, 2), (1, 3)])     # fewer ranks and more, every count once
 def test_restore_on_another_world_size(written, restored, tmp_path, tmp_path_factory):
     args = ("--dropout", "0")     # per-rank dropout streams cannot carry over to another world size
     ref = reference(written, tmp_path_factory, *args)
