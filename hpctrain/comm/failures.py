@@ -8,13 +8,15 @@ noticed rather than the process or node that was lost.  :class:`FailureDetector`
 asks on a communicator of its own: one ``Iprobe`` (which lets MPI take in
 failure notices) and ``MPI_Comm_get_failed``, both local calls.  The watchdog
 (:mod:`hpctrain.comm.runtime`) asks every period and ends the job naming the
-failed world ranks and their nodes; so does the exception hook when an MPI
+failed world ranks and their nodes, once no more failures came for a moment
+(:meth:`FailureDetector.settled`: a lost node's processes are reported one by one); so does the exception hook when an MPI
 call failed because of them.  Where the library lacks the extension (or the
 run was started without it) nothing is ever reported as failed.
 """
 from __future__ import annotations
 
 import threading
+import time
 from typing import Dict, List, Sequence
 
 __all__ = ["FailureDetector"]
@@ -59,6 +61,21 @@ class FailureDetector:
             finally:
                 group.Free()
             return list(self._known)
+
+    def settled(self, grace: float = 1.5, quiet: float = 0.3) -> List[int]:
+        """:meth:`failed`, and once something has failed, what failed by the time no news came for ``quiet``
+        seconds (at most ``grace``): a lost node's processes are reported one by one, and the message
+        should name them all."""
+        known = self.failed()
+        if not known:
+            return known
+        start = last = time.monotonic()
+        while time.monotonic() - start < grace and time.monotonic() - last < quiet:
+            time.sleep(0.05)
+            now = self.failed()
+            if len(now) > len(known):
+                known, last = now, time.monotonic()
+        return known
 
     def describe(self, ranks: Sequence[int]) -> str:
         """Name ``ranks`` with their nodes: "world ranks 2, 3 on node node2"."""

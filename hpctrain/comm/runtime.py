@@ -341,7 +341,7 @@ class Runtime:
     def failure_message(self) -> str:
         """Say which world ranks failed and on which nodes, and what this rank waits in ("" if none is known)."""
         detector = self.failures
-        failed = detector.failed() if detector is not None else []
+        failed = detector.settled() if detector is not None else []
         if failed and self.departures is not None:       # (survivors that left after naming them are no news)
             left = self.departures.update()
             failed = [r for r in failed if r not in left]
