@@ -374,24 +374,22 @@ def test_adasum_combines_the_ranks_deltas_as_horovod_does(comm, case):
     model = make_model()
     opt = ht.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(), op="adasum",
                                   backward_passes_per_step=passes, compression=compression)
-    for step in range(steps):
-        opt.zero_grad()
-        for k in range(passes):
-            x, y = batches(step * passes + k, n)[r]
-            F.cross_entropy(model(x), y).backward()
-        opt.step()
-        assert_identical_across_ranks(comm, model, f"after step {step}")
+    def train(m, o, check=False):
+        for step in range(steps):
+            o.zero_grad()
+            for k in range(passes):
+                x, y = batches(step * passes + k, n)[r]
+                F.cross_entropy(m(x), y).backward()
+            o.step()
+            if check:
+                assert_identical_across_ranks(comm, m, f"after step {step}")
+
+    train(model, opt, check=True)
     ref = adasum_reference_run(n, make_opt, steps, passes, fp16=compression == "fp16")
     assert_close(model, ref, rtol=1e-6)
     if n > 1:      # not the average of the gradients: a run with op="avg" ends elsewhere
         plain = make_model()
-        popt = ht.DistributedOptimizer(make_opt(plain), op="avg", backward_passes_per_step=passes)
-        for step in range(steps):
-            popt.zero_grad()
-            for k in range(passes):
-                x, y = batches(step * passes + k, n)[r]
-                F.cross_entropy(plain(x), y).backward()
-            popt.step()
+        train(plain, ht.DistributedOptimizer(make_opt(plain), op="avg", backward_passes_per_step=passes))
         assert (flat_params(plain) - flat_params(model)).abs().max() > 1e-4
     with pytest.raises(ValueError, match="summing compressor"):
         ht.DistributedOptimizer(make_opt(make_model()), op="adasum", compression="topk")
