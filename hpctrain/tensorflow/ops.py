@@ -7,11 +7,19 @@ program order and never prunes or reorders it): every rank traces the same
 graph, so every rank issues the same collectives in the same order.  Cost per
 call: the tensors go to host memory and back (free for CPU tensors, one
 device-host copy each way on a GPU) and the Python call holds the GIL while
-the collective runs.  XLA cannot compile a Python call: with
+the collective runs, and holds one of TensorFlow's inter-op threads while it
+waits for the other ranks.  Inside ``tf.function`` that is harmless (program
+order); in a TF1 session, independent collectives run concurrently, and if
+every inter-op thread of one rank waits in a collective that another rank
+has not reached because its own threads wait in others, no rank goes on.  So
+that the pool has room, importing this module sets ``TF_NUM_INTEROP_THREADS``
+(read when TensorFlow creates its pools, at the first session or eager op)
+to 64 unless it is set.  XLA cannot compile a Python call: with
 ``jit_compile=True`` the collectives raise an error that says so.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
@@ -22,6 +30,10 @@ from ..compression import Policy
 from ..gradients import GradientAverager
 from ..metrics import average_metrics
 from ..world import comm_or_world
+
+# Threads for collectives that block in a TF1 session (see the module docstring): one per concurrent collective.
+BLOCKING_ROOM = 64
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(max(BLOCKING_ROOM, os.cpu_count() or 1)))
 
 __all__ = ["allreduce", "reduce_gradients", "average_gradients", "broadcast_variables", "broadcast_arrays",
            "average_metrics", "host_call"]

@@ -65,6 +65,23 @@ def test_ops_inside_tf_function_and_a_tf1_session():
             np.testing.assert_array_equal(np.asarray(g), w)
 
 
+def test_a_tf1_session_runs_more_independent_collectives_than_the_pool_had_threads():
+    """Each graph collective holds an inter-op thread while it waits for the other ranks, and the ranks start
+    independent ones in their own orders; with TensorFlow's default pool (one thread per core) 24 of them in
+    one ``session.run`` wait on each other. Importing hpctrain's TensorFlow modules gave the pool room."""
+    r, n, k = hvd.rank(), hvd.size(), 24
+    assert int(os.environ["TF_NUM_INTEROP_THREADS"]) >= k
+
+    def build():
+        outs = []
+        for i in range(k):     # some work of its own before each collective, as a model's layers have
+            x = tf.reduce_sum(tf.random.uniform((200 + 50 * ((i * 7 + r) % 5), 64), seed=i), axis=0) * 0.0
+            outs.append(hvd.allreduce(x + float(i + r), op=hvd.Sum, name=f"independent.{i}"))
+        return outs
+    for i, got in enumerate(session_run(build)):
+        np.testing.assert_array_equal(got, np.full(64, float(n * i + n * (n - 1) // 2), np.float32))
+
+
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_indexed_slices_are_gathered_into_the_reduced_gradient(op):
     r, n = hvd.rank(), hvd.size()
