@@ -2,8 +2,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 RANKS ?= 2
-# pytest-xdist workers of `make test` (tests/conftest.py keeps a launch's tests and the clusters on one)
-TEST_WORKERS ?= 2
 
 .PHONY: setup demo allreduce-demo test test-fast bench clean
 
@@ -18,7 +16,7 @@ allreduce-demo: setup
 
 # Every test; ends with the launches' times, the slowest tests and the total wall time (set-up included).
 test:
-	@start=$$(date +%s); bash scripts/setup.sh && $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25; rc=$$?; \
+	@start=$$(date +%s); bash scripts/setup.sh && $(PY) -m pytest tests --durations=25; rc=$$?; \
 	echo "make test: total wall time $$(( $$(date +%s) - start )) s (set-up included), exit status $$rc"; exit $$rc
 
 # The edit-test loop (a few minutes): single-process tests, the collectives at 2 ranks, one 2-rank training.

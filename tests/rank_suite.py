@@ -283,23 +283,16 @@ class SuiteCache:
             self.suites[key] = RankSuite(n, files, **kw).run()
         return self.suites[key]
 
-    def summary(self, k: int = 10) -> dict:
-        """Return the launches' wall times (lines) and the ``k`` slowest inner tests as [seconds, what]."""
-        launches = [f"{suite.wall_s:8.1f} s  {name} at {n} rank(s): {len(suite.collected)} tests, "
-                    f"{suite.launches} launch(es)" for (name, n), suite in self.suites.items()]
-        slowest = sorted(([t, f"{tid} [{name}, {n} ranks]"] for (name, n), s in self.suites.items()
-                          for t, tid in s.slowest(k)), reverse=True)[:k]
-        return {"launches": launches, "slowest": slowest}
-
-
-def write_summaries(terminal, summaries: Sequence[dict], k: int = 10) -> None:
-    """Write the launches of one or more :meth:`SuiteCache.summary` (one per xdist worker) to the terminal."""
-    launches = [line for s in summaries for line in s["launches"]]
-    if not launches:
-        return
-    terminal.write_sep("=", f"multi-rank launches ({len(launches)} suites)")
-    for line in launches:
-        terminal.write_line(line)
-    terminal.write_sep("=", f"slowest {k} tests inside the launches (slowest rank)")
-    for t, what in sorted((row for s in summaries for row in s["slowest"]), reverse=True)[:k]:
-        terminal.write_line(f"{t:8.2f} s  {what}")
+    def report(self, terminal, k: int = 10) -> None:
+        """Write the launches' wall times and the ``k`` slowest inner tests to the terminal summary."""
+        if not self.suites:
+            return
+        terminal.write_sep("=", f"multi-rank launches ({len(self.suites)} suites)")
+        for (name, n), suite in self.suites.items():
+            terminal.write_line(f"{suite.wall_s:8.1f} s  {name} at {n} rank(s): {len(suite.collected)} tests, "
+                                f"{suite.launches} launch(es)")
+        terminal.write_sep("=", f"slowest {k} tests inside the launches (slowest rank)")
+        rows = sorted(((t, f"{tid} [{name}, {n} ranks]") for (name, n), s in self.suites.items()
+                       for t, tid in s.slowest(k)), reverse=True)[:k]
+        for t, what in rows:
+            terminal.write_line(f"{t:8.2f} s  {what}")
