@@ -4,14 +4,15 @@ They run with checkpointing on; a second run of the same command resumes from
 the final checkpoint instead of training again and reports the same model.
 The two digits examples share the rank counts (torch at 2 and 4, Keras at 1
 and 3): what differs between rank counts is the adapters' business, which
-tests/ranks runs at every count for both frameworks.
+tests/ranks runs at every count for both frameworks. The two hybrid examples and
+Horovod's two MNIST recipes share the counts in the same way (see each).
 """
 import json
 import re
 
 import pytest
 
-from harness import REPO, RANK_COUNTS, base_env, mpirun_cmd, run, BIN
+from harness import REPO, base_env, mpirun_cmd, run, BIN
 
 
 # example -> what a rerun says when it resumes from the final checkpoint ({} is the summary)
@@ -46,11 +47,12 @@ def test_digits_example_reaches_97_percent_and_resumes(example, n, tmp_path):
     assert json.loads(out.read_text())["test_accuracy"] == summary["test_accuracy"]
 
 
-HYBRID = {1: [[]], 2: [["--pp", "2"], ["--tp", "2"]], 3: [["--pp", "3"]],
-          4: [["--dp", "2", "--pp", "2"], ["--dp", "2", "--tp", "2"]]}
+HYBRID = {2: [["--pp", "2"], ["--tp", "2"]], 4: [["--dp", "2", "--pp", "2"], ["--dp", "2", "--tp", "2"]]}
 
 
-@pytest.mark.parametrize("n", RANK_COUNTS)
+# The two hybrid examples share the rank counts: torch at 2 and 4 (its pipeline and tensor-parallel layouts,
+# and each with data parallelism), Keras at 1 and 3 (a world of one, three pipeline stages).
+@pytest.mark.parametrize("n", [2, 4])
 def test_hybrid_example_trains_with_every_layout(n, tmp_path):
     """examples/hybrid_torch.py: pipeline and tensor-parallel layouts reach >= 93% and agree with each other."""
     accuracies = []
@@ -66,12 +68,12 @@ def test_hybrid_example_trains_with_every_layout(n, tmp_path):
     assert len(set(accuracies)) == 1, f"the same model split two ways trained differently: {accuracies}"
 
 
-HYBRID_TF = {1: [], 2: ["--pp", "2"], 3: ["--pp", "3"], 4: ["--dp", "2", "--pp", "2"]}
+HYBRID_TF = {1: [], 3: ["--pp", "3"]}
 
 
-@pytest.mark.parametrize("n", RANK_COUNTS)
+@pytest.mark.parametrize("n", [1, 3])
 def test_hybrid_tf_example_trains(n, tmp_path):
-    """examples/hybrid_tf.py: Keras pipeline stages (with data parallelism at 4 ranks) reach >= 93%."""
+    """examples/hybrid_tf.py: Keras pipeline stages reach >= 93% (data parallelism with stages: tests/ranks)."""
     out = tmp_path / "summary.json"
     cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / "hybrid_tf.py"),
                            "--min-accuracy", "0.93", "--out", str(out)] + HYBRID_TF[n]
@@ -82,7 +84,8 @@ def test_hybrid_tf_example_trains(n, tmp_path):
     assert summary["ranks"] == n and summary["pp"] == want_pp and summary["test_accuracy"] >= 0.93
 
 
-@pytest.mark.parametrize("n", RANK_COUNTS)
+# Horovod's two MNIST recipes share the rank counts: torch at 1 and 4, Keras at 2 (Keras 3) and 3 (tf-keras).
+@pytest.mark.parametrize("n", [1, 4])
 def test_horovod_style_mnist_example_reaches_95_percent(n):
     """examples/horovod/pytorch_mnist.py: Horovod's MNIST recipe on hpctrain.horovod, digits data, 8 epochs."""
     cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run",
@@ -93,11 +96,11 @@ def test_horovod_style_mnist_example_reaches_95_percent(n):
     assert accuracy >= 95.0
 
 
-@pytest.mark.parametrize("n", RANK_COUNTS)
+@pytest.mark.parametrize("n", [2, 3])
 def test_horovod_style_keras_mnist_example_reaches_95_percent(n):
     """examples/horovod/tensorflow2_keras_mnist.py: Horovod's Keras recipe on hpctrain.horovod, digits data.
 
-    Keras 3 at 2 and 4 ranks, Keras 2 (tf-keras, TF_USE_LEGACY_KERAS=1) at 1 and 3.
+    Keras 3 at 2 ranks, Keras 2 (tf-keras, TF_USE_LEGACY_KERAS=1) at 3.
     """
     env = dict(base_env(), **({"TF_USE_LEGACY_KERAS": "1"} if n % 2 else {}))
     cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run",

@@ -24,8 +24,10 @@ def test_horovod_is_installed_with_mpi_and_gloo():
 SMALL = "not 1000003 and not 64mib"
 
 
+# The two launchers of the Horovod backend share the rank counts (mpirun at 2 and 4, horovodrun --gloo at
+# 1 and 3): hpctrain's side of the backend is the same under both; what each launcher brings is tested at two.
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("n", RANK_COUNTS)
+@pytest.mark.parametrize("n", [2, 4])
 def test_collectives_on_horovod_under_mpirun(n, rank_suites):
     rank_suites.get("horovod-mpirun", n, ["test_collectives.py"], select="" if n <= 2 else SMALL,
                     HPCTRAIN_BACKEND="horovod",
@@ -41,7 +43,7 @@ def horovodrun_gloo(n):
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("n", RANK_COUNTS)
+@pytest.mark.parametrize("n", [1, 3])
 def test_collectives_under_horovodrun_gloo_pick_horovod(n, rank_suites):
     # No MPI launcher variables exist here, so backend "auto" must choose Horovod.
     rank_suites.get("horovodrun-gloo", n, ["test_collectives.py"], launcher=horovodrun_gloo,

@@ -46,7 +46,8 @@ def summary_of(path):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("n", RANK_COUNTS)
+# The two sbatch scripts share the rank counts: train.sbatch at 1 and 3, horovod.sbatch at 2 and 4.
+@pytest.mark.parametrize("n", [1, 3])
 def test_train_sbatch_trains_the_digits_example(slurm, tmp_path, n):
     out = tmp_path / "summary.json"
     info, log = sbatch(slurm, tmp_path, n, "train.sbatch", DIGITS + ["--out", str(out)])
@@ -128,7 +129,7 @@ def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("n", RANK_COUNTS)
+@pytest.mark.parametrize("n", [2, 4])
 def test_horovod_sbatch_runs_horovodrun_on_the_allocation(slurm, tmp_path, n):
     info, log = sbatch(slurm, tmp_path, n, "horovod.sbatch",
                        ["python", str(REPO / "tests" / "programs" / "hvd_check.py")])
