@@ -76,7 +76,8 @@ def horovodrun(n):
     return [str(BIN / "horovodrun"), "--gloo", "--gloo-timeout-seconds", "300", "-np", str(n), "-H", f"localhost:{n}"]
 
 
-@pytest.mark.parametrize("launcher, n, leaver, how", [("mpirun", *case) for case in LEAVERS]
+# On the Horovod backend, each rank count once (the ways of leaving and which rank leaves still vary).
+@pytest.mark.parametrize("launcher, n, leaver, how", [("mpirun", *LEAVERS[i]) for i in (0, 3, 4)]
                          + [("horovodrun", 2, "last", "exit"), ("horovodrun", 3, "first", "return")])
 def test_on_horovod_a_rank_that_leaves_early_ends_the_job_naming_it(launcher, n, leaver, how):
     victim = 0 if leaver == "first" else n - 1
