@@ -15,8 +15,8 @@ has not reached because its own threads wait in others, no rank goes on.  So
 that the pool has room, importing this module sets ``TF_NUM_INTEROP_THREADS``
 (read when TensorFlow creates its pools, at the first session or eager op)
 to 64 (the core count where larger) unless it is set.  XLA cannot compile a
-Python call: with
-``jit_compile=True`` the collectives raise an error that says so.
+Python call: with ``jit_compile=True`` the collectives raise an error that
+says so.
 """
 from __future__ import annotations
 
