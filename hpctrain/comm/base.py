@@ -33,6 +33,7 @@ from ..errors import CollectiveMismatchError
 from ..tensors import to_numpy
 from .comm_log import call_bytes
 from .exchanges import Exchanges
+from .lean import NOT_LEAN
 from .handle import Handle, Plan, Riding, Topology, done_handle, same as _same
 from .primitives import Primitives
 from .reductions import Reductions
@@ -117,10 +118,9 @@ class Communicator(Primitives):
         buffers the reduction then runs in ``x``'s own memory, saving a copy and
         an allocation of the buffer's size.  Do not touch ``x`` until it is done.
         """
-        if type(x) is np.ndarray and not inplace and not (self._rt.comm_log.on or self._rt.timeline.on):   # lean path
-            seen = self._reductions.seen.get((x.dtype, x.shape, op, algorithm))
-            if seen is not None and seen[2] is not None and x.flags.c_contiguous:
-                return seen[2](x)
+        out = self._lean(x, ("allreduce", op, algorithm, inplace))
+        if out is not NOT_LEAN:
+            return out
         return self._run(self._reductions.plan_allreduce(x, op, algorithm, inplace))
 
     def allreduce_async(self, x: Any, op: str = "sum", algorithm: str = "auto", inplace: bool = False) -> Handle:
@@ -156,7 +156,8 @@ class Communicator(Primitives):
         "shm" (MPI backend, one node: through shared memory) or "auto" (shm on
         one node from ``shm_min_bytes`` of output, else native).
         """
-        return self._run(self._exchanges.plan_allgather(x, algorithm))
+        out = self._lean(x, ("allgather", algorithm))
+        return out if out is not NOT_LEAN else self._run(self._exchanges.plan_allgather(x, algorithm))
 
     def allgather_async(self, x: Any, algorithm: str = "auto") -> Handle:
         """Start :meth:`allgather` and return a :class:`Handle`."""
@@ -176,7 +177,8 @@ class Communicator(Primitives):
         Dim 0 is split as ``numpy.array_split`` does: the first ``len(x) % n``
         ranks get one extra row.  Cost: ``(n-1)/n`` of the bytes sent per rank.
         """
-        return self._run(self._reductions.plan_reduce_scatter(x, op, algorithm))
+        out = self._lean(x, ("reduce_scatter", op, algorithm))
+        return out if out is not NOT_LEAN else self._run(self._reductions.plan_reduce_scatter(x, op, algorithm))
 
     def reduce_scatter_async(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Handle:
         """Start :meth:`reduce_scatter` and return a :class:`Handle`."""
@@ -326,7 +328,7 @@ class Communicator(Primitives):
 
     def free(self) -> None:
         """Release the backend resources of this communicator (not of the world)."""
-        self._reductions.seen.clear()       # (its lean paths hold the backend's shared memory)
+        self._reductions.forget()       # (its lean paths hold the backend's shared memory)
         self._free()
 
     # -- planning: validate, describe, bind the work ----------------------
@@ -343,6 +345,15 @@ class Communicator(Primitives):
             if not self._rt.config.check or self._size == 1:
                 raise
             return Call(kind, seq, error=f"{type(exc).__name__}: {exc}", **hints), None, _same
+
+    def _lean(self, x: Any, call: tuple) -> Any:
+        """Run ``call`` on ``x`` through its lean path (a repeated call, see :mod:`hpctrain.comm.lean`), or
+        return NOT_LEAN (none remembered, or the comm log or timeline is on: they observe planned calls)."""
+        red = self._reductions
+        if type(x) not in red.lean_types or self._rt.comm_log.on or self._rt.timeline.on:
+            return NOT_LEAN
+        lean = red.lean.get((type(x), x.dtype, x.shape) + call)
+        return NOT_LEAN if lean is None else lean(x)
 
     def _run(self, plan: Plan) -> Any:
         call, work, restore = plan

@@ -8,6 +8,7 @@ row counts first.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from ..collectives import registry
 from ..tensors import dtype_name, to_numpy
 from .handle import Plan, same as _same
+from .lean import copy_body
 from .signature import Call
 
 __all__ = ["Exchanges", "bytes_of"]
@@ -45,19 +47,42 @@ class Exchanges:
             if why:
                 raise ValueError(why)
             call = Call("allgather", seq, dtype_name(arr.dtype), arr.shape, algorithm=algorithm, free_dim0=True)
+            row_bytes = arr.itemsize * math.prod(arr.shape[1:])
+            c = self._c
+            if c._size == 1:
+                body = copy_body(arr, arr.shape)
+            else:
+                body = c._lean_gather(call, algorithm != "native",
+                                      lambda a, counts, parts: self._gathered(a, algorithm, counts, parts))
+            if row_bytes:
+                c._reductions.remember(x, arr, call, body, ("allgather", algorithm))
+            if c._size > 1 and row_bytes:     # the byte counts (and small inputs) ride the call check
+                riding = c._riding_gather(bytes_of(arr), algorithm != "native",
+                                          lambda counts, parts: self._gathered(arr, algorithm, counts, parts))
+                if riding is not None:
+                    return call, riding, restore
             return call, lambda: self._do_allgather(arr, algorithm), restore
         return self._c._build("allgather", build, algorithm=algorithm)
 
     def _do_allgather(self, arr: np.ndarray, algorithm: str = "auto") -> np.ndarray:
+        row_bytes = arr.itemsize * math.prod(arr.shape[1:])
         rows = self._c._allgather_ints(arr.shape[0])
-        row_bytes = arr.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64))
-        counts = [r * row_bytes for r in rows]
-        raw = None
-        if algorithm == "shm" or (algorithm == "auto" and sum(counts) >= self._c._rt.config.shm_min_bytes):
-            raw = self._c._allgather_shared(bytes_of(arr), counts)     # (None where the backend has none)
-        if raw is None:
-            raw = self._c._allgatherv(bytes_of(arr), counts)
-        return raw.view(arr.dtype).reshape((sum(rows),) + arr.shape[1:])
+        return self._gathered(arr, algorithm, [r * row_bytes for r in rows], rows=sum(rows))
+
+    def _gathered(self, arr: np.ndarray, algorithm: str, counts: List[int],
+                  parts: Optional[List[np.ndarray]] = None, rows: Optional[int] = None) -> np.ndarray:
+        """Return the all-gather of ``arr`` given every rank's byte count (and bytes, ``parts``, if they came)."""
+        if parts is not None:
+            raw = np.concatenate(parts)
+        else:
+            raw = None
+            if algorithm == "shm" or (algorithm == "auto" and sum(counts) >= self._c._rt.config.shm_min_bytes):
+                raw = self._c._allgather_shared(bytes_of(arr), counts)     # (None where the backend has none)
+            if raw is None:
+                raw = self._c._allgatherv(bytes_of(arr), counts)
+        if rows is None:      # (rows of no bytes travel with their counts: _do_allgather)
+            rows = sum(counts) // (arr.itemsize * math.prod(arr.shape[1:]))
+        return raw.view(arr.dtype).reshape((rows,) + arr.shape[1:])
 
     def plan_broadcast(self, x, root) -> Plan:
         def build(seq):
@@ -96,7 +121,7 @@ class Exchanges:
 
     def _do_alltoall(self, arr: np.ndarray, send: List[int]) -> np.ndarray:
         recv = self._c._alltoall_ints(send)
-        row_bytes = arr.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64))
+        row_bytes = arr.itemsize * math.prod(arr.shape[1:])
         raw = self._c._alltoallv(bytes_of(arr), [s * row_bytes for s in send], [s * row_bytes for s in recv])
         return raw.view(arr.dtype).reshape((sum(recv),) + arr.shape[1:])
 

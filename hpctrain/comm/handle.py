@@ -24,15 +24,18 @@ def same(x):
 class Riding:
     """Work whose input travels with the call check (one exchange instead of two; see :mod:`hpctrain.comm.mailbox`).
 
-    ``payload`` (any shape, cast to ``dtype`` on the way) is posted with the call;
-    ``finish()``, run once every rank's call and payload have arrived, returns
-    the result.
+    ``payload`` (any shape, cast to ``dtype`` on the way) is posted with the
+    call; where it is None, ``announce`` bytes are announced instead (what
+    the rank would have sent, for the peers to size the exchange that
+    follows).  ``finish()``, run once every rank's call and payload have
+    arrived, returns the result.
     """
 
-    __slots__ = ("payload", "dtype", "finish")
+    __slots__ = ("payload", "dtype", "finish", "announce")
 
-    def __init__(self, payload: np.ndarray, dtype: np.dtype, finish: Callable[[], Any]):
-        self.payload, self.dtype, self.finish = payload, dtype, finish
+    def __init__(self, payload: Optional[np.ndarray], dtype: Optional[np.dtype], finish: Callable[[], Any],
+                 announce: int = 0):
+        self.payload, self.dtype, self.finish, self.announce = payload, dtype, finish, announce
 
 
 def done_handle(value: Any = None) -> "Handle":

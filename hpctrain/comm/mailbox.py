@@ -107,13 +107,14 @@ class Mailbox:
                 [slot.ctypes.data for slot in slots], [slot.ctypes.data + _HEADER + DESC_BYTES for slot in slots])
 
     def exchange(self, key_hash: int, desc: bytes, payload: Optional[np.ndarray], dtype,
-                 note: Callable[[List[int]], None]) -> bool:
+                 note: Callable[[List[int]], None], announce: int = 0) -> bool:
         """Post this rank's call (and payload, cast to ``dtype``), wait for every rank's; return whether all match.
 
         The result is True when every rank posted ``key_hash``.
 
         ``payload`` has any shape; :meth:`payloads` with the same shape (or its
-        size) reads it back.  ``note(missing_ranks)`` is called when the wait
+        size) reads it back.  Without one, ``announce`` is posted as this rank's
+        payload bytes (:meth:`sizes`), and nothing is copied.  ``note(missing_ranks)`` is called when the wait
         runs past the first polls, and again whenever a rank arrives (the
         watchdog shows it).  After it returns, :meth:`payloads` and
         :meth:`calls` read this exchange until the next one.
@@ -123,7 +124,7 @@ class Mailbox:
         head = self._heads[s][self.rank]
         if desc is not self._descs[s]:                      # a loop repeats its calls: skip the copy
             self._write_desc(s, desc)
-        nbytes = 0
+        nbytes = announce
         if payload is not None:
             own = self._payload_views(s, payload.shape, dtype)[self.rank]
             own[...] = payload                              # (numpy assignment casts like casting="unsafe")
@@ -201,6 +202,15 @@ class Mailbox:
         """Return every rank's encoded call of the last exchange, in rank order."""
         s = self._posted & 1
         return [bytes(slot[_HEADER:_HEADER + int(h[3])]) for slot, h in zip(self._slots[s], self._heads[s])]
+
+    def sizes(self) -> List[int]:
+        """Return every rank's payload bytes of the last exchange (posted or announced), in rank order."""
+        return [int(h[2]) for h in self._heads[self._posted & 1]]
+
+    def raw_payloads(self, sizes: List[int]) -> List[np.ndarray]:
+        """Return every rank's payload of the last exchange as flat bytes, ``sizes[i]`` of rank i's."""
+        start = _HEADER + DESC_BYTES
+        return [slot[start:start + n] for slot, n in zip(self._slots[self._posted & 1], sizes)]
 
     def payloads(self, shape, dtype: np.dtype) -> List[np.ndarray]:
         """Return every rank's payload of the last exchange as arrays of ``shape`` (or a size) and ``dtype``."""

@@ -132,8 +132,9 @@ class MPICommunicator(Communicator):
 
     def _exchange_on_node(self, call: Call, riding: Optional[Riding]) -> str:
         key_hash, desc = encoded(call)
-        payload, dtype = (None, None) if riding is None else (riding.payload, riding.dtype)
-        if self._mailbox.exchange(key_hash, desc, payload, dtype, self._note_missing) and not call.error:
+        payload, dtype, announce = (None, None, 0) if riding is None else (riding.payload, riding.dtype,
+                                                                             riding.announce)
+        if self._mailbox.exchange(key_hash, desc, payload, dtype, self._note_missing, announce) and not call.error:
             return ""
         return self._mismatch(call.seq)
 
@@ -163,41 +164,95 @@ class MPICommunicator(Communicator):
             return finish(out, op, self._size, arr.dtype)
         return Riding(arr, acc, reduce)
 
-    def _lean_allreduce(self, call: Call, arr: np.ndarray, op: str, alg: str):
-        """The small all-reduce riding the call check (:meth:`_riding_allreduce`) with as little Python as it needs.
+    def _riding_reduce_scatter(self, arr: np.ndarray, bounds, op: str) -> Optional[Riding]:
+        acc = self._riding_dtype(arr)
+        if acc is None:
+            return None
+        own = self._own_block(arr, bounds, acc, op)
+        return Riding(arr, acc, own)
 
-No call object, plan or closure per call beyond the lane's; the call's
-        hash and encoding are computed once.  Sums of float32/float64/int32/int64
-        exchange and reduce in one call of the mailbox's C kernel
-        (:meth:`Mailbox.sum_small`); others, or without the kernel, in the
-        Python exchange.  Cost: one mailbox exchange and ``n`` reads of the
-        payload, without the planning of the general path (its figures are in
-        the README, from benchmarks/allreduce.py).
+    def _own_block(self, arr: np.ndarray, bounds, acc: np.dtype, op: str):
+        """Return ``f()``: this rank's block of the reduction of the payloads of the last exchange (flat)."""
+        mb, n, size, dtype = self._mailbox, self._size, arr.size, arr.dtype
+        lo, hi = int(bounds[self._rank]), int(bounds[self._rank + 1])
+
+        def own():
+            out = np.empty(hi - lo, dtype=acc)
+            shm_allreduce_small([p[lo:hi] for p in mb.payloads(size, acc)], out, op)
+            return finish(out, op, n, dtype)
+        return own
+
+    def _riding_gather(self, raw: np.ndarray, post: bool, then) -> Optional[Riding]:
+        mb = self._mailbox
+        if mb is None:
+            return None
+        fits = post and raw.nbytes <= mb.capacity
+
+        def gather():
+            sizes = mb.sizes()
+            return then(sizes, mb.raw_payloads(sizes) if post and max(sizes) <= mb.capacity else None)
+        return Riding(raw if fits else None, np.dtype(np.uint8) if fits else None, gather, raw.nbytes)
+
+    def _lean_reduce_scatter(self, call: Call, arr: np.ndarray, bounds, op: str, alg: str):
+        """The body of a lean reduce-scatter (:mod:`hpctrain.comm.lean`): the input rides the call check
+        (:meth:`_riding_reduce_scatter` without the planning); None where it cannot."""
+        mb, acc = self._mailbox, self._riding_dtype(arr)
+        if acc is None or alg not in ("shm", "hierarchical"):
+            return None
+        key_hash, desc = encoded(call)
+        own, note = self._own_block(arr, bounds, acc, op), self._note_missing
+
+        def body(a: np.ndarray, seq: int) -> np.ndarray:
+            if not mb.exchange(key_hash, desc, a, acc, note):
+                raise CollectiveMismatchError(self._mismatch(seq))
+            return own()
+        return body
+
+    def _lean_gather(self, call: Call, post: bool, then):
+        """The body of a lean all-gather: every rank's byte count, and where ``post`` and all fit their bytes,
+        ride the call check (:meth:`_riding_gather`); returns ``then(a, sizes, parts)``.  None without a mailbox."""
+        mb = self._mailbox
+        if mb is None:
+            return None
+        key_hash, desc = encoded(call)
+        note, capacity, u8 = self._note_missing, mb.capacity, np.dtype(np.uint8)
+
+        def body(a: np.ndarray, seq: int):
+            raw = a.reshape(-1).view(u8)
+            fits = post and raw.nbytes <= capacity
+            if not mb.exchange(key_hash, desc, raw if fits else None, u8, note, raw.nbytes):
+                raise CollectiveMismatchError(self._mismatch(seq))
+            sizes = mb.sizes()
+            return then(a, sizes, mb.raw_payloads(sizes) if post and max(sizes) <= capacity else None)
+        return body
+
+    def _lean_exchange(self, call: Call, arr: np.ndarray, op: str, alg: str):
+        """The exchange of a lean all-reduce (:mod:`hpctrain.comm.lean`): the payload rides the call check.
+
+        Returns ``exchange(x, out, seq)``, or None where it does not apply (no
+        mailbox, too big, not a shared-memory algorithm).  Sums of
+        float32/float64/int32/int64 exchange and reduce in one call of the
+        mailbox's C kernel (:meth:`Mailbox.sum_small`); others, or without the
+        kernel, in the Python exchange.  ``out`` may be ``x`` (each rank's input
+        is in its slot before any output is written).  Cost: one mailbox exchange
+        and ``n`` reads of the payload.
         """
         mb, acc = self._mailbox, self._riding_dtype(arr)
         if acc is None or alg not in ("shm", "hierarchical"):
             return None
         key_hash, desc = encoded(call)
-        shape, dtype, n, lane, note = arr.shape, arr.dtype, self._size, self._rt.collectives, self._note_missing
-        members = self.world_ranks
-        code = mb.sum_code(acc, op) if acc == dtype else None
+        shape, note = arr.shape, self._note_missing
+        code = mb.sum_code(acc, op) if acc == arr.dtype else None
 
-        def task(x: np.ndarray, seq: int) -> np.ndarray:
-            out = np.empty(shape, dtype=acc)
+        def exchange(x: np.ndarray, out: np.ndarray, seq: int) -> None:
             if code is not None:
                 if not mb.sum_small(key_hash, desc, x, out, code, note):
                     raise CollectiveMismatchError(self._mismatch(seq))
-            else:
-                if not mb.exchange(key_hash, desc, x, acc, note):
-                    raise CollectiveMismatchError(self._mismatch(seq))
-                shm_allreduce_small(mb.payloads(shape, acc), out, op)
-            return finish(out, op, n, dtype)
-
-        def allreduce(x: np.ndarray) -> np.ndarray:
-            self._seq += 1
-            seq = self._seq
-            return lane.run(lambda: task(x, seq), lambda: f"{call.text()} #{seq} on {self.name}", members)
-        return allreduce
+                return
+            if not mb.exchange(key_hash, desc, x, acc, note):
+                raise CollectiveMismatchError(self._mismatch(seq))
+            shm_allreduce_small(mb.payloads(shape, acc), out, op)
+        return exchange
 
     # -- buffer primitives -----------------------------------------------------
     def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:

@@ -63,12 +63,33 @@ class Primitives(abc.ABC):
         """Return the all-reduce of ``arr`` as work riding along with the call check, or None where it cannot."""
         return None
 
-    def _lean_allreduce(self, call: Call, arr: np.ndarray, op: str, alg: str) -> Optional[Callable[[np.ndarray], Any]]:
-        """Return ``f(x)``: :meth:`allreduce` of numpy arrays like ``arr`` in ``call`` (already checked once), or None.
+    def _riding_reduce_scatter(self, arr: np.ndarray, bounds, op: str) -> Optional[Riding]:
+        """Return the reduce-scatter of ``arr`` (rank i's block: flat elements ``bounds[i]:bounds[i+1]``) as
+        work riding the call check, giving this rank's flat block; or None where it cannot."""
+        return None
 
-        For the calls a loop repeats, where the fixed cost of planning a call
-        shows (small buffers); ``f`` still runs in the collective lane and
-        checks the call across ranks.
+    def _riding_gather(self, raw: np.ndarray, post: bool, then: Callable[[List[int], Optional[List[np.ndarray]]], Any]
+                       ) -> Optional[Riding]:
+        """Return work riding the call check that announces every rank's byte count of ``raw`` and, where
+        ``post`` and every rank's fits, carries the bytes too; it returns ``then(sizes, parts)`` (``parts``:
+        every rank's bytes, or None when they did not travel).  None where the backend cannot."""
+        return None
+
+    def _lean_reduce_scatter(self, call: Call, arr: np.ndarray, bounds, op: str, alg: str):
+        """Return ``body(a, seq)``: one exchange that checks ``call`` and returns this rank's flat block of the
+        reduce-scatter of ``a`` (like ``arr``); or None where the backend has none (see :mod:`hpctrain.comm.lean`)."""
+        return None
+
+    def _lean_gather(self, call: Call, post: bool, then):
+        """Return ``body(a, seq)``: one exchange that checks ``call`` and announces every rank's byte count of
+        ``a`` (with the bytes where ``post`` and all fit), returning ``then(a, sizes, parts)``; or None."""
+        return None
+
+    def _lean_exchange(self, call: Call, arr: np.ndarray, op: str, alg: str
+                       ) -> Optional[Callable[[np.ndarray, np.ndarray, int], None]]:
+        """Return ``exchange(x, out, seq)``: one exchange that checks ``call`` on every rank and leaves the
+        all-reduce of ``x`` (like ``arr``) in ``out``, raising CollectiveMismatchError when the calls differ; or
+        None where the backend has none (then repeated calls are planned each time; see :mod:`hpctrain.comm.lean`).
         """
         return None
 
@@ -76,7 +97,7 @@ class Primitives(abc.ABC):
     def _exchange_calls(self, call: Call, riding: Optional[Riding] = None) -> str:
         """Compare ``call`` across ranks; return "" if all agree, else the message for every rank.
 
-        ``riding`` (only from :meth:`_riding_allreduce`) carries a payload to post with the call.
+        ``riding`` (from the ``_riding_*`` methods) carries a payload to post with the call.
         """
 
     @abc.abstractmethod

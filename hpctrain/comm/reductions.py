@@ -11,6 +11,8 @@ conversion and one registry choice; a repeated numpy call skips both.
 """
 from __future__ import annotations
 
+import functools
+import math
 import zlib
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -23,6 +25,7 @@ from ..collectives.results import ResultBuffers
 from ..collectives.flat import Flat
 from ..tensors import dtype_name, framework_of, to_numpy
 from .handle import Plan, same as _same
+from .lean import allreduce_body, copy_body, lean_key, make_lean
 from .links import Links
 from .signature import Call
 
@@ -33,6 +36,13 @@ def _disjoint(arrays: Sequence[np.ndarray]) -> bool:
     """Return True if no two of ``arrays`` overlap in memory (then they can be reduced in place as one buffer)."""
     spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
     return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+@functools.lru_cache(maxsize=256)
+def _blocks(shape: tuple, n: int):
+    """Return (row offsets of the ``n`` blocks of dim 0, elements per row) for a reduce-scatter of ``shape``."""
+    rows = tuple(int(b) for b in segment_bounds(shape[0], n))
+    return rows, math.prod(shape[1:])
 
 
 def _copy_back_into(x: Any, arr: np.ndarray, restore: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -65,7 +75,9 @@ class Reductions:
 
     def __init__(self, comm):
         self._c = comm
-        self.seen: dict = {}               # (dtype, shape, op, algorithm) -> (checked call, algorithm, lean path)
+        self.seen: dict = {}               # (dtype, shape, op, algorithm) -> (checked call, algorithm)
+        self.lean: dict = {}               # lean.lean_key -> the call's lean path (see lean.py)
+        self.lean_types: set = set()       # the types of inputs in ``lean``
         self.seen_grouped: dict = {}       # (op, algorithm, dtypes and shapes) -> grouped_allreduce's plan
         self.algorithms: dict = {}         # name -> registry.Algorithm, as chosen here before
         self.chosen: dict = {}             # (algorithm asked for, bytes) -> registry.Algorithm
@@ -112,6 +124,7 @@ class Reductions:
         """Drop the remembered choices and plans of repeated calls (the registered algorithms changed)."""
         self.chosen.clear()
         self.seen.clear()
+        self.lean.clear()
         self.seen_grouped.clear()
 
     def shared_alg(self, alg: str) -> bool:
@@ -124,7 +137,7 @@ class Reductions:
         seen = (type(x) is np.ndarray and not inplace and x.flags.c_contiguous
                 and self.seen.get((x.dtype, x.shape, op, algorithm)))
         if seen:
-            call, alg, _ = seen
+            call, alg = seen
             return call.at(self._c._next_seq()), self._allreduce_work(x, op, alg, False), _same
 
         def build(seq):
@@ -143,10 +156,31 @@ class Reductions:
             if type(x) is np.ndarray and not inplace and x.flags.c_contiguous:
                 if len(self.seen) > 256:
                     self.seen.clear()
-                lean = self._c._lean_allreduce(call, arr, op, alg)
-                self.seen[(x.dtype, x.shape, op, algorithm)] = (call, alg, lean)
+                self.seen[(x.dtype, x.shape, op, algorithm)] = (call, alg)
+            self._remember_lean(x, arr, call, op, algorithm, alg, inplace)
             return call, self._allreduce_work(arr, op, alg, inplace), restore
         return self._c._build("allreduce", build, op=op, algorithm=algorithm)
+
+    def _remember_lean(self, x, arr: np.ndarray, call: Call, op: str, algorithm: str, alg: str,
+                       inplace: bool) -> None:
+        """Leave the lean path of all-reduces like this one (:mod:`hpctrain.comm.lean`) where one applies."""
+        c = self._c
+        exchange = c._lean_exchange(call, arr, op, alg) if c._size > 1 else None
+        body = allreduce_body(c, arr, op, inplace, exchange)
+        self.remember(x, arr, call, body, ("allreduce", op, algorithm, inplace), inplace)
+
+    def remember(self, x, arr: np.ndarray, call: Call, body, key: tuple, inplace: bool = False) -> None:
+        """Remember ``body`` as the lean path of calls like ``call`` on inputs like ``x`` (see lean.py)."""
+        kind = framework_of(x)
+        if body is None or (kind == "numpy" and type(x) is not np.ndarray):
+            return
+        lean = make_lean(self._c, call, kind, arr, body, inplace)
+        if lean is not None:
+            if len(self.lean) > 256:
+                self.lean.clear()
+                self.seen.clear()        # (a call found there is not planned again, so it would stay off ``lean``)
+            self.lean[lean_key(x, *key)] = lean
+            self.lean_types.add(type(x))
 
     def _allreduce_work(self, arr: np.ndarray, op: str, alg: str, inplace: bool):
         shared = self.shared_alg(alg) and self._c._size > 1
@@ -259,14 +293,27 @@ class Reductions:
             check_op(op, arr.dtype)
             alg = self.choose(algorithm, arr.nbytes)
             call = Call("reduce_scatter", seq, dtype_name(arr.dtype), arr.shape, op=op, algorithm=alg)
+            c = self._c
+            rows, row = _blocks(arr.shape, c._size)
+            shape = (rows[c._rank + 1] - rows[c._rank],) + arr.shape[1:]
+            bounds = [b * row for b in rows]
+            if c._size == 1:
+                body = copy_body(arr, shape)
+            else:
+                body = c._lean_reduce_scatter(call, arr, bounds, op, alg) if self.shared_alg(alg) else None
+                body = body and (lambda a, seq, own=body: own(a, seq).reshape(shape))
+            self.remember(x, arr, call, body, ("reduce_scatter", op, algorithm))
+            if c._size > 1 and self.shared_alg(alg):    # a small one rides the call check: one exchange
+                riding = c._riding_reduce_scatter(arr, bounds, op)
+                if riding is not None:
+                    return call, riding, lambda out: restore(out.reshape(shape))
             return call, lambda: self._do_reduce_scatter(arr, op, alg), restore
         return self._c._build("reduce_scatter", build, op=op, algorithm=algorithm)
 
     def _do_reduce_scatter(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
         n, r = self._c._size, self._c._rank
-        row = int(np.prod(arr.shape[1:], dtype=np.int64))
-        rows = segment_bounds(arr.shape[0], n)
-        bounds = rows * row
+        rows, row = _blocks(arr.shape, n)
+        bounds = np.asarray(rows, dtype=np.int64) * row
         if self.shared_alg(alg) and n > 1 and arr.size:
             if alg == "shm":
                 acc = self._c._reduce_scatter_shared(arr.reshape(-1), bounds, accumulation_dtype(arr.dtype), op)

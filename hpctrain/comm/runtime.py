@@ -151,10 +151,14 @@ class Lane:
         ``members``: the world ranks the call waits for (the watchdog's departures check).
         """
         if self._pending:                     # (no lock needed: this thread's earlier submits raised it)
-            with self._cv:
-                while self._pending:
-                    self._cv.wait()
+            self.wait_pending()
         return self._execute(fn, text, members)
+
+    def wait_pending(self) -> None:
+        """Wait until the asynchronous calls issued so far have run."""
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
 
     def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
                ) -> Future:

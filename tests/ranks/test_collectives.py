@@ -676,8 +676,116 @@ def test_repeated_small_allreduce_takes_the_lean_path_with_the_same_results(comm
                 first = out.tobytes() if first is None else first
                 assert out.tobytes() == first
             assert same_on_all_ranks(comm, out)
-            if getattr(comm, "_mailbox", None) is not None:    # (MPI on one node: the path under test ran)
-                assert comm._reductions.seen[(x.dtype, x.shape, op, "auto")][2] is not None
+            if lean_expected(comm):    # (the path under test ran)
+                assert (np.ndarray, x.dtype, x.shape, "allreduce", op, "auto", False) in comm._reductions.lean
+
+
+def lean_expected(comm):
+    """Whether repeated small all-reduces of ``comm`` take the lean path (MPI on one node, or one rank)."""
+    return comm.size == 1 or getattr(comm, "_mailbox", None) is not None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64, np.float16], ids=str)
+def test_repeated_small_inplace_allreduce_writes_into_the_input(comm, dtype):
+    """In place, repeated (the lean path after the first call): the reduction lands in the caller's array."""
+    n = comm.size
+    for op in OPS:
+        if not valid(dtype, op):
+            continue
+        for shape in [(5, 3), ()]:
+            x = np.empty(shape, dtype)
+            count = int(np.prod(shape))
+            for call in range(4):
+                xs = [data(r, count, dtype, op, seed=call, shape=shape) for r in range(n)]
+                x[...] = xs[comm.rank]
+                assert comm.allreduce(x, op=op, inplace=True) is x
+                assert x.tobytes() == reference(xs, op, n).tobytes()
+            if lean_expected(comm) and dtype != np.float16:       # (float16 widens: planned each time)
+                assert (np.ndarray, x.dtype, x.shape, "allreduce", op, "auto", True) in comm._reductions.lean
+    frozen = np.ones(4, dtype)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):         # (the lean path refuses it; planning explains)
+        comm.allreduce(frozen, inplace=True)
+
+
+def test_repeated_small_torch_allreduce_in_place_and_out(comm):
+    """torch CPU tensors on the lean path: in place (a plain tensor, one that requires grad, one whose memory
+    moved between calls), out of place, and a non-contiguous tensor (planned each time) all give the reference."""
+    torch = pytest.importorskip("torch")
+    n = comm.size
+    t = torch.zeros(6, 4)
+    p = torch.zeros(6, 4, requires_grad=True)
+    for op in ("sum", "avg", "max"):
+        for call in range(4):
+            xs = [data(r, 24, np.float32, op, seed=call, shape=(6, 4)) for r in range(n)]
+            expect = reference(xs, op, n)
+            if call == 2:
+                t.data = torch.zeros(6, 4)                # new memory for the same tensor object
+            t.copy_(torch.from_numpy(xs[comm.rank]))
+            assert comm.allreduce(t, op=op, inplace=True) is t
+            np.testing.assert_array_equal(t.numpy(), expect)
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(xs[comm.rank]))
+            assert comm.allreduce(p, op=op, inplace=True) is p
+            np.testing.assert_array_equal(p.detach().numpy(), expect)
+            out = comm.allreduce(torch.from_numpy(xs[comm.rank]), op=op)
+            assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
+            np.testing.assert_array_equal(out.numpy(), expect)
+            strided = torch.zeros(6, 8)[:, ::2]
+            strided.copy_(torch.from_numpy(xs[comm.rank]))
+            assert comm.allreduce(strided, op=op, inplace=True) is strided
+            np.testing.assert_array_equal(strided.numpy(), expect)
+    if lean_expected(comm):
+        assert (torch.Tensor, torch.float32, (6, 4), "allreduce", "max", "auto", True) in comm._reductions.lean
+
+
+def test_repeated_small_allreduce_waits_for_the_async_calls_before_it(comm):
+    """A lean call after asynchronous ones runs after them, on every rank (else ranks would pair different calls)."""
+    n = comm.size
+    x = np.ones(8, np.float32)
+    comm.allreduce(x, inplace=True)                  # (planned: the next ones are lean)
+    for i in range(5):
+        handles = [comm.allreduce_async(np.full(3000 * (k + 1), float(k + i), np.float32)) for k in range(3)]
+        x[...] = comm.rank + i
+        comm.allreduce(x, inplace=True)
+        np.testing.assert_array_equal(x, np.full(8, sum(r + i for r in range(n)), np.float32))
+        for k, h in enumerate(handles):
+            np.testing.assert_array_equal(h.wait(), np.full(3000 * (k + 1), float((k + i) * n), np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16], ids=str)
+def test_repeated_small_reduce_scatter_gives_each_rank_its_block(comm, dtype):
+    """Small reduce-scatters (on one node they ride the call check) and a large one, against numpy's blocks."""
+    n, r = comm.size, comm.rank
+    for op in ("sum", "avg", "max"):
+        if not valid(dtype, op):
+            continue
+        for rows in (2 * n + 1, 3, 90_001):
+            bounds = segment_bounds(rows, n)
+            for call in range(3):
+                xs = [data(k, rows * 3, dtype, op, seed=call, shape=(rows, 3)) for k in range(n)]
+                out = comm.reduce_scatter(xs[r], op=op)
+                expect = reference(xs, op, n)[bounds[r]:bounds[r + 1]]
+                assert out.dtype == dtype and out.shape == expect.shape
+                assert out.tobytes() == expect.tobytes()
+
+
+def test_repeated_small_allgather_with_uneven_and_oversized_inputs(comm):
+    """Allgathers whose byte counts ride the call check: uneven first dimensions, small inputs (their bytes
+    ride too), one rank's input too large to ride (every rank then gathers through MPI), ``native``, and
+    rows of no bytes; all against numpy's concatenation."""
+    n, r = comm.size, comm.rank
+    capacity = comm._mailbox.capacity if getattr(comm, "_mailbox", None) is not None else 1 << 16
+    cases = [lambda k: (k + 1, 5), lambda k: (0 if k == 1 else 2, 5),
+             lambda k: (capacity // 20 + 1 if k == 0 else 1, 5), lambda k: (k, 0)]
+    for case, shape_of in enumerate(cases):
+        for algorithm in ("auto", "native"):
+            for call in range(3):
+                xs = [data(k, int(np.prod(shape_of(k))), np.float32, seed=call, shape=shape_of(k)) for k in range(n)]
+                out = comm.allgather(xs[r], algorithm=algorithm)
+                expect = np.concatenate(xs)
+                assert out.shape == expect.shape, (case, algorithm)
+                assert out.tobytes() == expect.tobytes(), (case, algorithm)
 
 
 def uses_c_kernel(comm, x, op):
