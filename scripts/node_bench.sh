@@ -18,8 +18,10 @@
 #   pip install --no-index --no-deps --prefix /tmp/pfx .whl/*.whl                    # on the node
 #   export PATH=/tmp/pfx/bin:$PATH PYTHONPATH=/tmp/pfx/lib/python3.12/site-packages LD_LIBRARY_PATH=/tmp/pfx/lib
 # The C kernel of the small all-reduce is built in place when a compiler is there (else the Python path runs).
-# NODE_BENCH_PARTS (default "collectives scaling") picks parts, NODE_BENCH_ROUNDS (default 3) the rounds and
-# NODE_BENCH_SCALING_RANKS (default "1 8 16") the training rank counts, to split the sweep over shorter runs.
+# NODE_BENCH_PARTS (default "per_call collectives scaling") picks parts, NODE_BENCH_ROUNDS (default 3) the
+# rounds, NODE_BENCH_SIZES the collectives' sizes in bytes, NODE_BENCH_SCALING_RANKS (default "1 8 16") and
+# NODE_BENCH_SCALING_MODELS (default "resnet18 mlp") the training runs, to split the sweep over shorter runs.
+# per_call: benchmarks/per_call.py at 2, 8 and 16 ranks, 4 KiB and 64 KiB (the fixed cost of a repeated call).
 set -uo pipefail
 PY=${1:-python3}
 OUT=${2:-results/node}
@@ -30,16 +32,23 @@ command -v mpirun >/dev/null || { echo "no mpirun on PATH (see this script's hea
 "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "node_bench: no C kernel built (Python exchange)"
 echo "node_bench: $(nproc) cores, $("$PY" -c 'import platform; print(platform.processor() or platform.machine())')," \
      "$(mpirun --version | head -1)"
-SIZES="4096 65536 1048576 16777216 67108864 268435456"
-PARTS=${NODE_BENCH_PARTS:-collectives scaling}
+SIZES=${NODE_BENCH_SIZES:-4096 65536 1048576 16777216 67108864 268435456}
+PARTS=${NODE_BENCH_PARTS:-per_call collectives scaling}
 ROUNDS=${NODE_BENCH_ROUNDS:-3}
 SCALING_RANKS=${NODE_BENCH_SCALING_RANKS:-1 8 16}
+SCALING_MODELS=${NODE_BENCH_SCALING_MODELS:-resnet18 mlp}
 status=0
 step() {   # name, command...
   local name=$1; shift
   local t0=$SECONDS
   if "$@"; then echo "== $name: done in $((SECONDS - t0)) s"; else echo "== $name: FAILED"; status=1; fi
 }
+if [[ " $PARTS " == *" per_call "* ]]; then
+  for b in 4096 65536; do
+    step "per_call $b" "$PY" benchmarks/per_call.py --ranks 2 8 16 --bytes $b --rounds "$ROUNDS" --seconds 0.2 \
+        --out "$OUT/per_call_$b"
+  done
+fi
 if [[ " $PARTS " == *" collectives "* ]]; then
   # shellcheck disable=SC2086  # SIZES is a list
   step allreduce "$PY" benchmarks/allreduce.py --ranks 2 8 16 --rounds "$ROUNDS" --seconds 0.3 --sizes $SIZES \
@@ -52,7 +61,7 @@ if [[ " $PARTS " == *" collectives "* ]]; then
 fi
 if [[ " $PARTS " == *" scaling "* ]]; then
   # shellcheck disable=SC2086  # SCALING_RANKS is a list
-  step scaling "$PY" benchmarks/scaling.py --ranks $SCALING_RANKS --models resnet18 mlp \
+  step scaling "$PY" benchmarks/scaling.py --ranks $SCALING_RANKS --models $SCALING_MODELS \
       --peers torch hpctrain ddp independent --rounds "$ROUNDS" --windows 2 --steps 5 --overhead-windows 0 \
       --out "$OUT/scaling"
 fi

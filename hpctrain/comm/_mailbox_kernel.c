@@ -1,4 +1,5 @@
-/* The mailbox's small all-reduce in C: post, wait briefly, sum every rank's payload in rank order.
+/* The mailbox's small all-reduce in C: post, wait briefly, sum every rank's payload in rank order;
+ * and the same exchange without the sum (post, check), for the reduce-scatters and all-gathers that ride it.
  *
  * Optional.  hpctrain.comm.mailbox.Mailbox uses it when it was built and its
  * own Python exchange otherwise; both follow the same protocol on the same
@@ -263,11 +264,112 @@ Kernel_reduce(Kernel *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(rc);
 }
 
+/* Whether every rank's hash in slot s is key_hash (after every peer posted). */
+static int
+hashes_match(Kernel *self, Py_ssize_t s, int64_t key_hash)
+{
+    int64_t **heads = self->heads + s * self->size;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    for (Py_ssize_t r = 0; r < self->size; r++)
+        if (heads[r][HASH] != key_hash)
+            return 0;
+    return 1;
+}
+
+/* post(k, key_hash, desc_bytes, x or None, announce) -> 0 every rank here with this call, 1 calls differ,
+ * 2 peers not yet here (then check()).  x's bytes go into the own slot as they are; without x, announce is
+ * posted as the payload's bytes. */
+static PyObject *
+Kernel_post(Kernel *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "post(k, key_hash, desc_bytes, x or None, announce)");
+        return NULL;
+    }
+    int64_t k = PyLong_AsLongLong(args[0]), key_hash = PyLong_AsLongLong(args[1]);
+    int64_t desc = PyLong_AsLongLong(args[2]), nbytes = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t s = k & 1;
+    int64_t *head = self->heads[s * self->size + self->rank];
+    if (args[3] != Py_None) {
+        Py_buffer xv;
+        if (PyObject_GetBuffer(args[3], &xv, PyBUF_C_CONTIGUOUS) < 0)
+            return NULL;
+        if (xv.len > self->capacity) {
+            PyBuffer_Release(&xv);
+            PyErr_Format(PyExc_ValueError, "Kernel: a payload of at most %zd bytes", self->capacity);
+            return NULL;
+        }
+        memcpy(self->payloads[s * self->size + self->rank], xv.buf, xv.len);
+        nbytes = xv.len;
+        PyBuffer_Release(&xv);
+    }
+    head[HASH] = key_hash;
+    head[BYTES] = nbytes;
+    head[DESC] = desc;
+    __atomic_store_n(&head[FLAG], k, __ATOMIC_RELEASE);
+    if (!arrived(self, k, s))
+        return PyLong_FromLong(WAIT);
+    return PyLong_FromLong(hashes_match(self, s, key_hash) ? DONE : MISMATCH);
+}
+
+/* check(k, key_hash) -> 0 every rank posted key_hash in exchange k, 1 not: after every peer posted it. */
+static PyObject *
+Kernel_check(Kernel *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "check(k, key_hash)");
+        return NULL;
+    }
+    int64_t k = PyLong_AsLongLong(args[0]), key_hash = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLong(hashes_match(self, k & 1, key_hash) ? DONE : MISMATCH);
+}
+
+/* gather(k) -> bytearray of every rank's payload of exchange k in rank order, or None when a rank posted
+ * none (its announced bytes exceed the capacity): after every peer posted it. */
+static PyObject *
+Kernel_gather(Kernel *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "gather(k)");
+        return NULL;
+    }
+    int64_t k = PyLong_AsLongLong(args[0]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t s = k & 1, total = 0;
+    int64_t **heads = self->heads + s * self->size;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    for (Py_ssize_t r = 0; r < self->size; r++) {
+        if (heads[r][BYTES] < 0 || heads[r][BYTES] > self->capacity)
+            Py_RETURN_NONE;
+        total += (Py_ssize_t)heads[r][BYTES];
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, total);
+    if (out == NULL)
+        return NULL;
+    char *dst = PyByteArray_AS_STRING(out);
+    for (Py_ssize_t r = 0; r < self->size; r++) {
+        memcpy(dst, self->payloads[s * self->size + r], (size_t)heads[r][BYTES]);
+        dst += heads[r][BYTES];
+    }
+    return out;
+}
+
 static PyMethodDef Kernel_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))Kernel_allreduce, METH_FASTCALL,
      "allreduce(k, key_hash, desc_bytes, x, out, code) -> 0 done, 1 calls differ, 2 wait, then reduce()"},
     {"reduce", (PyCFunction)(void (*)(void))Kernel_reduce, METH_FASTCALL,
      "reduce(k, key_hash, out, code) -> 0 done, 1 calls differ"},
+    {"post", (PyCFunction)(void (*)(void))Kernel_post, METH_FASTCALL,
+     "post(k, key_hash, desc_bytes, x or None, announce) -> 0 all here, 1 calls differ, 2 wait, then check()"},
+    {"gather", (PyCFunction)(void (*)(void))Kernel_gather, METH_FASTCALL,
+     "gather(k) -> bytearray of every rank's payload in rank order, or None if one did not travel"},
+    {"check", (PyCFunction)(void (*)(void))Kernel_check, METH_FASTCALL,
+     "check(k, key_hash) -> 0 all posted key_hash, 1 not"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -172,6 +172,32 @@ class Mailbox:
             rc = self._kernel.reduce(k, key_hash, out, code)
         return rc == 0
 
+    def post(self, key_hash: int, desc: bytes, raw: Optional[np.ndarray], note: Callable[[List[int]], None],
+             announce: int = 0) -> bool:
+        """:meth:`exchange` of the bytes ``raw`` (a C-contiguous array, posted as they are; or None, then
+        ``announce`` is posted as the payload's bytes), in C where the kernel was built."""
+        if self._kernel is None:
+            return self.exchange(key_hash, desc, None if raw is None else raw.reshape(-1).view(np.uint8),
+                                 np.uint8, note, announce)
+        self._posted = k = self._posted + 1
+        s = k & 1
+        if desc is not self._descs[s]:
+            self._write_desc(s, desc)
+        rc = self._kernel.post(k, key_hash, len(desc), raw, announce)
+        if rc == 2:                                         # a peer is late: wait as exchange() does
+            self._wait(k, s, note)
+            rc = self._kernel.check(k, key_hash)
+        return rc == 0
+
+    def gathered(self) -> Optional[np.ndarray]:
+        """Return every rank's payload of the last exchange joined in rank order (a new writable uint8 array), or
+        None when a rank's announced bytes did not fit its slot (so it posted none)."""
+        if self._kernel is not None:
+            joined = self._kernel.gather(self._posted)
+            return None if joined is None else np.frombuffer(joined, dtype=np.uint8)
+        sizes = self.sizes()
+        return np.concatenate(self.raw_payloads(sizes)) if max(sizes) <= self.capacity else None
+
     def _write_desc(self, s: int, desc: bytes) -> None:
         self._slots[s][self.rank][_HEADER:_HEADER + len(desc)] = np.frombuffer(desc, dtype=np.uint8)
         self._descs[s] = desc

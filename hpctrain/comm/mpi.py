@@ -200,30 +200,34 @@ class MPICommunicator(Communicator):
         if acc is None or alg not in ("shm", "hierarchical"):
             return None
         key_hash, desc = encoded(call)
-        own, note = self._own_block(arr, bounds, acc, op), self._note_missing
+        own, note, raw = self._own_block(arr, bounds, acc, op), self._note_missing, acc == arr.dtype
 
         def body(a: np.ndarray, seq: int) -> np.ndarray:
-            if not mb.exchange(key_hash, desc, a, acc, note):
+            if not (mb.post(key_hash, desc, a, note) if raw else mb.exchange(key_hash, desc, a, acc, note)):
                 raise CollectiveMismatchError(self._mismatch(seq))
             return own()
         return body
 
     def _lean_gather(self, call: Call, post: bool, then):
         """The body of a lean all-gather: every rank's byte count, and where ``post`` and all fit their bytes,
-        ride the call check (:meth:`_riding_gather`); returns ``then(a, sizes, parts)``.  None without a mailbox."""
+        ride the call check (:meth:`_riding_gather`); returns ``then(a, sizes, None)`` when the bytes did not
+        travel, else the gathered array.  None without a mailbox."""
         mb = self._mailbox
         if mb is None:
             return None
         key_hash, desc = encoded(call)
         note, capacity, u8 = self._note_missing, mb.capacity, np.dtype(np.uint8)
+        as_bytes = call.dtype == "bfloat16"            # (no buffer protocol for ml_dtypes' dtype)
 
         def body(a: np.ndarray, seq: int):
-            raw = a.reshape(-1).view(u8)
-            fits = post and raw.nbytes <= capacity
-            if not mb.exchange(key_hash, desc, raw if fits else None, u8, note, raw.nbytes):
+            fits = post and a.nbytes <= capacity
+            if not mb.post(key_hash, desc, (a.reshape(-1).view(u8) if as_bytes else a) if fits else None, note,
+                           a.nbytes):
                 raise CollectiveMismatchError(self._mismatch(seq))
-            sizes = mb.sizes()
-            return then(a, sizes, mb.raw_payloads(sizes) if post and max(sizes) <= capacity else None)
+            joined = mb.gathered() if post else None
+            if joined is None:
+                return then(a, mb.sizes(), None)
+            return joined.view(a.dtype).reshape((-1,) + a.shape[1:])
         return body
 
     def _lean_exchange(self, call: Call, arr: np.ndarray, op: str, alg: str):

@@ -786,6 +786,11 @@ def test_repeated_small_allgather_with_uneven_and_oversized_inputs(comm):
                 expect = np.concatenate(xs)
                 assert out.shape == expect.shape, (case, algorithm)
                 assert out.tobytes() == expect.tobytes(), (case, algorithm)
+    for dtype in [np.float16, np.int8, np.bool_] + ([BFLOAT16] if BFLOAT16 is not None else []):
+        for call in range(3):
+            xs = [data(k, (k + 2) * 3, dtype, seed=call, shape=(k + 2, 3)) for k in range(n)]
+            out = comm.allgather(xs[r])
+            assert out.dtype == dtype and out.tobytes() == np.concatenate(xs).tobytes()
 
 
 def uses_c_kernel(comm, x, op):
