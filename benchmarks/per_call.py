@@ -12,6 +12,8 @@ work per call: conversion, the call's key, the lane, the watchdog's record
 
 * ``allreduce-inplace``: ``comm.allreduce(x, inplace=True)`` of a numpy
   array against ``MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, x)``;
+* ``allreduce-inplace-native``: the same with ``algorithm="native"`` (the
+  call check, then the library's call);
 * ``allreduce-inplace-torch``: the same of a CPU torch tensor (against the
   same mpi4py call on its numpy view);
 * ``allreduce``: out of place, against ``Allreduce(x, out)`` into a new array;
@@ -32,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import launch_worker, oversubscribed, write_results  # noqa: E402
 
-CASES = ("allreduce-inplace", "allreduce-inplace-torch", "allreduce", "reduce_scatter", "allgather")
+CASES = ("allreduce-inplace", "allreduce-inplace-native", "allreduce-inplace-torch", "allreduce", "reduce_scatter", "allgather")
 
 
 def worker(nbytes: int, rounds: int, seconds: float) -> None:
@@ -50,6 +52,8 @@ def worker(nbytes: int, rounds: int, seconds: float) -> None:
     whole = np.ones(count * n, np.float32)
     pairs = {   # case: (hpctrain's call, mpi4py's call of the same semantics)
         "allreduce-inplace": (lambda: comm.allreduce(x, inplace=True), lambda: mc.Allreduce(MPI.IN_PLACE, x)),
+        "allreduce-inplace-native": (lambda: comm.allreduce(x, inplace=True, algorithm="native"),
+                                     lambda: mc.Allreduce(MPI.IN_PLACE, x)),
         "allreduce-inplace-torch": (lambda: comm.allreduce(t, inplace=True),
                                     lambda: mc.Allreduce(MPI.IN_PLACE, t.numpy())),
         "allreduce": (lambda: comm.allreduce(x), lambda: mc.Allreduce(x, np.empty_like(x))),
