@@ -9,6 +9,7 @@ the same way.  A separate test uses real-valued floats with a tolerance and
 checks that all ranks get bit-identical bits.
 """
 import hashlib
+import itertools
 import os
 import socket
 import time
@@ -687,9 +688,10 @@ def lean_expected(comm):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64, np.float16], ids=str)
 def test_repeated_small_inplace_allreduce_writes_into_the_input(comm, dtype):
-    """In place, repeated (the lean path after the first call): the reduction lands in the caller's array."""
+    """In place, repeated (the lean path after the first call): the reduction lands in the caller's array,
+    through ``auto`` and through ``native`` (the call check, then the library's call)."""
     n = comm.size
-    for op in OPS:
+    for op, algorithm in itertools.product(OPS, ("auto", "native")):
         if not valid(dtype, op):
             continue
         for shape in [(5, 3), ()]:
@@ -698,10 +700,10 @@ def test_repeated_small_inplace_allreduce_writes_into_the_input(comm, dtype):
             for call in range(4):
                 xs = [data(r, count, dtype, op, seed=call, shape=shape) for r in range(n)]
                 x[...] = xs[comm.rank]
-                assert comm.allreduce(x, op=op, inplace=True) is x
+                assert comm.allreduce(x, op=op, inplace=True, algorithm=algorithm) is x
                 assert x.tobytes() == reference(xs, op, n).tobytes()
             if lean_expected(comm) and dtype != np.float16:       # (float16 widens: planned each time)
-                assert (np.ndarray, x.dtype, x.shape, "allreduce", op, "auto", True) in comm._reductions.lean
+                assert (np.ndarray, x.dtype, x.shape, "allreduce", op, algorithm, True) in comm._reductions.lean
     frozen = np.ones(4, dtype)
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="writable"):         # (the lean path refuses it; planning explains)
