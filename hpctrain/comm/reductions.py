@@ -65,7 +65,8 @@ def _copy_back_into(x: Any, arr: np.ndarray, restore: Callable[[Any], Any]) -> C
             if kind == "numpy":
                 np.copyto(x, result.reshape(x.shape))
             else:
-                x.copy_(restore(result).view(x.shape))   # torch on CUDA, or a widened dtype
+                x.detach().copy_(restore(result).view(x.shape))   # torch on CUDA, or a widened dtype (detached:
+                # the result lands in the memory as the CPU view does, not as an autograd op)
         return x
     return into
 
