@@ -67,7 +67,7 @@ def _numpy_view(kind: str, nbytes: int) -> Optional[Callable[[Any], Any]]:
     def view(t):
         if t is last[0] and t.data_ptr() == last[1]:
             return last[2]
-        if not t.is_cpu or not t.is_contiguous():
+        if not t.is_cpu or t.is_sparse or not t.is_contiguous():
             return None
         a = (t.detach() if t.requires_grad else t).numpy()
         if keep:

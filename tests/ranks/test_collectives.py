@@ -739,6 +739,8 @@ def test_repeated_small_torch_allreduce_in_place_and_out(comm):
             np.testing.assert_array_equal(strided.numpy(), expect)
     if lean_expected(comm):
         assert (torch.Tensor, torch.float32, (6, 4), "allreduce", "max", "auto", True) in comm._reductions.lean
+    with pytest.raises((TypeError, hpctrain.CollectiveMismatchError), match="sparse"):   # (same key, refused)
+        comm.allreduce(torch.zeros(6, 4).to_sparse(), op="max", inplace=True)
 
 
 def test_repeated_small_allreduce_waits_for_the_async_calls_before_it(comm):
