@@ -30,11 +30,11 @@ import numpy as np
 
 from ..collectives import registry
 from ..errors import CollectiveMismatchError
-from ..tensors import to_numpy
 from .comm_log import call_bytes
 from .exchanges import Exchanges
 from .lean import NOT_LEAN
 from .handle import Handle, Plan, Riding, Topology, done_handle, same as _same
+from .point_to_point import PointToPoint
 from .primitives import Primitives
 from .reductions import Reductions
 from .runtime import Runtime
@@ -43,7 +43,7 @@ from .signature import Call
 __all__ = ["Communicator", "Handle", "Riding", "Topology", "done_handle"]
 
 
-class Communicator(Primitives):
+class Communicator(PointToPoint, Primitives):
     """A group of ranks that run collectives together.
 
     Args:
@@ -218,57 +218,6 @@ class Communicator(Primitives):
     def allgather_object_async(self, obj: Any) -> Handle:
         """Start :meth:`allgather_object` and return a :class:`Handle`."""
         return self._submit(self._exchanges.plan_object("allgather_object", obj, None))
-
-    def send(self, x: Any, dest: int, tag: int = 0) -> None:
-        """Send ``x`` to rank ``dest`` (its shape and dtype travel with it); return when it may be reused."""
-        self.send_async(x, dest, tag).wait()
-
-    def send_async(self, x: Any, dest: int, tag: int = 0, header: bool = True, copy: bool = True) -> Handle:
-        """Start sending ``x`` (a copy, unless ``copy=False``) to ``dest``; return a :class:`Handle` (like MPI_Isend).
-
-        With ``header=False`` only the bytes travel (one message, no dtype or
-        shape): the receiver takes them with :meth:`recv_bytes` and must know
-        what they are.  For repeated messages of a known layout (pipeline
-        activations); cost is one message of ``x.nbytes`` instead of two.
-
-        With ``copy=False`` a CPU array or tensor is sent from its own memory
-        (no copy of ``x.nbytes``): the caller must not modify it until the
-        handle's ``wait()`` returns; the handle keeps it alive.  (A one-rank
-        communicator copies anyway: its message is the array it delivers.)
-        """
-        arr, _ = to_numpy(x)
-        self._check_rank(dest, "dest")
-        if copy or self._size == 1:
-            arr = np.array(arr, copy=True, order="C")
-        if header:
-            return self._isend(arr, int(dest), int(tag))
-        return self._isend_bytes(arr.reshape(-1).view(np.uint8), int(dest), int(tag))
-
-    def recv(self, source: int, tag: int = 0, like: Any = None) -> Any:
-        """Receive what rank ``source`` sent with ``tag``; a numpy array, or ``like``'s type if given.
-
-        Runs on the caller's thread, after the receives started before it with
-        :meth:`recv_async`: no hand-off to the receive thread (two thread
-        switches a message saved).
-        """
-        restore = to_numpy(like)[1] if like is not None else _same
-        return restore(self._rt.receives.run(*self._recv_call(source, tag)))
-
-    def recv_async(self, source: int, tag: int = 0, like: Any = None) -> Handle:
-        """Start :meth:`recv` and return a :class:`Handle`; receives complete in the order they were posted."""
-        restore = to_numpy(like)[1] if like is not None else _same
-        return Handle(self._rt.receives.submit(*self._recv_call(source, tag)), restore)
-
-    def _recv_call(self, source: int, tag: int):
-        """The receive of (``source``, ``tag``) as the receive lane takes it: ``(call, text for the watchdog)``."""
-        self._check_rank(source, "source")
-        return (lambda: self._recv(int(source), int(tag))), f"recv from rank {source} (tag {tag}) on {self.name}"
-
-    def recv_bytes(self, source: int, tag: int = 0) -> np.ndarray:
-        """Receive a message sent with ``send_async(..., header=False)``: its bytes, as a flat uint8 array."""
-        self._check_rank(source, "source")
-        text = f"recv of bytes from rank {source} (tag {tag}) on {self.name}"
-        return self._rt.receives.run(lambda: self._recv_bytes(int(source), int(tag)), text)
 
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
         """Return the sub-communicator of the ranks that passed the same ``color``, ordered by ``key``.

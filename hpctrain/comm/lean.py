@@ -35,7 +35,7 @@ import numpy as np
 
 from ..collectives.ops import accumulation_dtype, finish
 from ..tensors import BFLOAT16
-from .runtime import InFlight
+from .lane import InFlight
 
 __all__ = ["NOT_LEAN", "allreduce_body", "copy_body", "lean_key", "make_lean"]
 
