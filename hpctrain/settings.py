@@ -111,8 +111,10 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_STALL_TIMEOUT_S", "seconds", 600.0, "abort the whole job when a collective waits this "
             "long (0: never)", minimum=0),
     Setting("HPCTRAIN_RING_CHUNK_BYTES", "bytes", 1 * MIB, "piece size of the ring all-reduce", minimum=1),
-    Setting("HPCTRAIN_SHM_MIN_BYTES", "bytes", 256 * KIB, "from this size on, `auto` all-reduces through "
-            "shared memory on one node (also set by `hpctrain tune`)", minimum=0),
+    Setting("HPCTRAIN_SHM_MIN_BYTES", "bytes", 0, "from this size on, `auto` all-reduces, reduce-scatters and "
+            "all-gathers through shared memory on one node, below it through the library (also set by `hpctrain "
+            "tune`); 0: `auto` times both ways on the first calls of each size class above "
+            "HPCTRAIN_SHM_SMALL_BYTES and keeps the faster (hpctrain.comm.measured_choice)", minimum=0),
     Setting("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "bytes", 0, "from this size on, `auto` uses the hierarchical "
             "all-reduce across nodes (also set by `hpctrain tune`); 0: the cost model decides, from the three "
             "settings below", minimum=0),

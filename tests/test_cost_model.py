@@ -10,6 +10,7 @@ busiest link, summed over steps.
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from hpctrain.collectives import registry
@@ -113,3 +114,45 @@ def test_small_one_node_allreduces_ride_the_check_only_while_the_node_moves_litt
     assert registry.choose("allreduce", where(cfg, nodes=1, per_node=16), 64 << 20).name == "shm"
     monkeypatch.setattr(shm.os, "cpu_count", lambda: 2)     # 16 ranks on 2 cores
     assert registry.choose("allreduce", where(cfg, nodes=1, per_node=16), 65536).name == "shm"
+
+
+def test_a_measured_choice_probes_both_ways_then_keeps_the_one_the_slowest_rank_found_faster():
+    """auto's measured choice (HPCTRAIN_SHM_MIN_BYTES=0): the first call of a size class (powers of four)
+    first probes hpctrain's way and the library's alternately, 2 * (TRIALS + 1) times (the first pair
+    uncounted); the times are maxed over ranks, the lower median wins (ties: hpctrain's); that call and
+    every later one of the class run the winner only."""
+    from hpctrain.comm.measured_choice import TRIALS, MeasuredChoice, size_class
+
+    assert [size_class(n) for n in (1, 4, 5, 16, 1 << 20, (1 << 20) + 1, 4 << 20)] == [0, 1, 2, 2, 10, 11, 11]
+    now = [0.0]
+    cost = {True: 2.0, False: 1.0}          # probe(own) -> seconds
+    probed, ran = [], []
+
+    def probe(own):
+        probed.append(own)
+        now[0] += cost[own]
+
+    def way(name):
+        return lambda: ran.append(name) or name
+
+    other_rank = {}      # what a second rank measured, maxed in as the library all-reduce would
+
+    def agree(times):
+        return np.maximum(times, other_rank.get(len(times), np.zeros_like(times)))
+
+    m = MeasuredChoice(agree, min_bytes=1000, clock=lambda: now[0])
+    assert not m.applies(1000) and m.applies(1001)
+    assert m.run("allreduce", 5000, way("own"), way("library"), probe) == "library"
+    assert probed == [True, False] * (TRIALS + 1) and ran == ["library"]
+    assert m.own_is_faster("allreduce", 5000) is False and m.own_is_faster("allreduce", 4097) is False
+    probed.clear()
+    assert m.run("allreduce", 4500, way("own"), way("library"), probe) == "library" and probed == []
+    # another collective is measured on its own; a tie keeps hpctrain's way
+    cost.update({True: 1.0, False: 1.0})
+    assert m.run("allgather", 5000, way("own"), way("library"), probe) == "own"
+    assert m.own_is_faster("allgather", 5000) is True and m.own_is_faster("reduce_scatter", 5000) is None
+    # here hpctrain's way is faster, but the other rank found it slow there: the max over ranks decides
+    cost.update({True: 1.0, False: 3.0})
+    other_rank[2 * TRIALS] = np.array([9.0] * TRIALS + [0.0] * TRIALS)
+    assert m.run("allreduce", 1 << 20, way("own"), way("library"), probe) == "library"
+    assert m.own_is_faster("allreduce", 1 << 20) is False

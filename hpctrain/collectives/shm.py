@@ -346,7 +346,8 @@ def shm_allgather(raw: np.ndarray, counts, sh, phase: Phase = no_phase) -> np.nd
 
 # Both run inside the MPI backend on its node windows (``run`` None).  Their cost estimates are the
 # crossovers ``hpctrain tune`` measures against the library call: on one node "shm" is cheaper for
-# small buffers (one exchange through the mailbox) and from HPCTRAIN_SHM_MIN_BYTES on; across nodes
+# small buffers (one exchange through the mailbox) and from HPCTRAIN_SHM_MIN_BYTES on (its default, 0:
+# chosen here, then measured against the library on the first calls, hpctrain.comm.measured_choice); across nodes
 # "hierarchical" is cheaper from HPCTRAIN_HIERARCHICAL_MIN_BYTES on where that is set (measured), else
 # where the cost model says it is (cost_model.py, its constants from HPCTRAIN_LINK_GBIT,
 # HPCTRAIN_LINK_LATENCY_US and HPCTRAIN_MEMORY_GBPS).

@@ -363,5 +363,12 @@ class Communicator(PointToPoint, Primitives):
         return ("auto",) + tuple(a.name for a in registry.algorithms("allreduce", self.backend))
 
     def allreduce_algorithm(self, nbytes: int) -> str:
-        """Return the algorithm ``allreduce(algorithm="auto")`` runs here for a buffer of ``nbytes`` bytes."""
-        return registry.choose("allreduce", self._reductions.where(), int(nbytes)).name
+        """Return the algorithm ``allreduce(algorithm="auto")`` runs here for a buffer of ``nbytes`` bytes.
+
+        Where ``auto`` measures (:mod:`hpctrain.comm.measured_choice`), this is
+        "shm" until the size class has been measured, then the faster way.
+        """
+        red, nbytes = self._reductions, int(nbytes)
+        name = registry.choose("allreduce", red.where(), nbytes).name
+        faster = red.measured.own_is_faster("allreduce", nbytes) if red.measuring("auto", name, nbytes) else None
+        return "native" if faster is False else name

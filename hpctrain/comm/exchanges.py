@@ -8,6 +8,7 @@ row counts first.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, List, Optional
 
@@ -75,14 +76,30 @@ class Exchanges:
         if parts is not None:
             raw = np.concatenate(parts)
         else:
-            raw = None
-            if algorithm == "shm" or (algorithm == "auto" and sum(counts) >= self._c._rt.config.shm_min_bytes):
-                raw = self._c._allgather_shared(bytes_of(arr), counts)     # (None where the backend has none)
-            if raw is None:
-                raw = self._c._allgatherv(bytes_of(arr), counts)
+            raw = self._gather_bytes(bytes_of(arr), algorithm, counts)
         if rows is None:      # (rows of no bytes travel with their counts: _do_allgather)
             rows = sum(counts) // (arr.itemsize * math.prod(arr.shape[1:]))
         return raw.view(arr.dtype).reshape((rows,) + arr.shape[1:])
+
+    def _gather_bytes(self, raw: np.ndarray, algorithm: str, counts: List[int]) -> np.ndarray:
+        """Return every rank's bytes, concatenated: through shared memory ("shm", or "auto" where it is faster)
+        or the library's Allgatherv (see :mod:`hpctrain.comm.measured_choice` for how "auto" decides)."""
+        c, total = self._c, sum(counts)
+        library = functools.partial(c._allgatherv, raw, counts)
+        if algorithm == "native" or c._no_shared_memory() or c.topology.num_nodes > 1:
+            return library()
+        own = functools.partial(c._allgather_shared, raw, counts)
+        if algorithm == "auto":
+            measured = c._reductions.measured
+            if measured is not None:
+                if not measured.applies(total):
+                    return library()
+                by = {"shm": c._allgather_shared, "native": c._allgatherv}
+                return measured.run("allgather", total, own, library,
+                                    c._reductions._probe(raw.shape, raw.dtype, lambda a, way: by[way](a, counts)))
+            if total < c._rt.config.shm_min_bytes:
+                return library()
+        return own()
 
     def plan_broadcast(self, x, root) -> Plan:
         def build(seq):

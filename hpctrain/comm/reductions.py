@@ -27,6 +27,7 @@ from ..tensors import dtype_name, framework_of, to_numpy
 from .handle import Plan, same as _same
 from .lean import allreduce_body, copy_body, lean_key, make_lean
 from .links import Links
+from .measured_choice import MeasuredChoice
 from .signature import Call
 
 __all__ = ["Reductions"]
@@ -85,6 +86,10 @@ class Reductions:
         self.fusion = FusionBuffers()
         self.results = ResultBuffers()     # memory of large results, reused once the caller drops them
         self.links = Links(comm)
+        cfg = comm._rt.config
+        # (HPCTRAIN_SHM_MIN_BYTES=0, the default: mid-size one-node calls measure hpctrain's way against the library's)
+        self.measured = (MeasuredChoice(lambda times: comm._allreduce_native(times, "max"), cfg.shm_small_bytes)
+                         if cfg.shm_min_bytes == 0 else None)
         registry.on_change(self.forget)
 
     def where(self) -> registry.Where:
@@ -130,7 +135,7 @@ class Reductions:
 
     def shared_alg(self, alg: str) -> bool:
         """Return True if ``alg`` (chosen here before) runs on the backend's shared memory."""
-        return self.algorithms[alg].shared_memory
+        return self._algorithm(alg).shared_memory
 
     def plan_allreduce(self, x, op, algorithm, inplace=False) -> Plan:
         # A training loop repeats a few calls: a C-contiguous numpy input of a dtype, shape, op and
@@ -139,7 +144,7 @@ class Reductions:
                 and self.seen.get((x.dtype, x.shape, op, algorithm)))
         if seen:
             call, alg = seen
-            return call.at(self._c._next_seq()), self._allreduce_work(x, op, alg, False), _same
+            return call.at(self._c._next_seq()), self._allreduce_work(x, op, algorithm, alg, False), _same
 
         def build(seq):
             arr, restore = to_numpy(x)
@@ -159,7 +164,7 @@ class Reductions:
                     self.seen.clear()
                 self.seen[(x.dtype, x.shape, op, algorithm)] = (call, alg)
             self._remember_lean(x, arr, call, op, algorithm, alg, inplace)
-            return call, self._allreduce_work(arr, op, alg, inplace), restore
+            return call, self._allreduce_work(arr, op, algorithm, alg, inplace), restore
         return self._c._build("allreduce", build, op=op, algorithm=algorithm)
 
     def _remember_lean(self, x, arr: np.ndarray, call: Call, op: str, algorithm: str, alg: str,
@@ -183,12 +188,39 @@ class Reductions:
             self.lean[lean_key(x, *key)] = lean
             self.lean_types.add(type(x))
 
-    def _allreduce_work(self, arr: np.ndarray, op: str, alg: str, inplace: bool):
+    def _allreduce_work(self, arr: np.ndarray, op: str, asked: str, alg: str, inplace: bool):
         shared = self.shared_alg(alg) and self._c._size > 1
         riding = self._c._riding_allreduce(arr, op, alg, inplace) if shared else None
-        return riding if riding is not None else (lambda: self._do_allreduce(arr, op, alg, inplace))
+        measured = self.measuring(asked, alg, arr.nbytes)
+        return riding if riding is not None else (lambda: self._do_allreduce(arr, op, alg, inplace, measured))
 
-    def _do_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool = False) -> np.ndarray:
+    def measuring(self, asked: str, alg: str, nbytes: int) -> bool:
+        """Return True if a call that asked for ``asked`` and runs ``alg`` at ``nbytes`` runs the measured way
+        ("auto" chose "shm" on a communicator that measures, above HPCTRAIN_SHM_SMALL_BYTES)."""
+        return (asked == "auto" and alg == "shm" and self.measured is not None and self._c._size > 1
+                and self.measured.applies(nbytes))
+
+    def _do_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool = False,
+                      measured: bool = False) -> np.ndarray:
+        if measured:
+            return self.measured.run("allreduce", arr.nbytes, lambda: self._allreduce_by(arr, op, alg, inplace),
+                                     lambda: self._allreduce_by(arr, op, "native", inplace),
+                                     self._probe(arr.shape, arr.dtype, lambda a, way: self._allreduce_by(a, op, way, inplace)))
+        return self._allreduce_by(arr, op, alg, inplace)
+
+    @staticmethod
+    def _probe(shape: tuple, dtype, by: Callable[[np.ndarray, str], object]) -> Callable[[bool], object]:
+        """Return ``probe(own)`` for a measured choice: ``by(zeros, "shm" or "native")`` on one scratch
+        array of ``shape`` and ``dtype`` (made at the first probe, dropped with the probe)."""
+        scratch: List[np.ndarray] = []
+
+        def probe(own: bool):
+            if not scratch:
+                scratch.append(np.zeros(shape, dtype))
+            return by(scratch[0], "shm" if own else "native")
+        return probe
+
+    def _allreduce_by(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> np.ndarray:
         same = inplace and accumulation_dtype(arr.dtype) == arr.dtype
         if self.shared_alg(alg) and self._c._size > 1 and arr.size:
             # in place, the result goes straight into ``arr``: its parts are read before they are written
@@ -196,8 +228,15 @@ class Reductions:
             return finish(acc, op, 1, arr.dtype).reshape(arr.shape)   # (divided already)
         acc = arr.reshape(-1) if same else self._accumulator(arr)
         if self._c._size > 1 and acc.size:
-            acc = self.algorithms[alg].run(self.links, acc, op)
+            acc = self._algorithm(alg).run(self.links, acc, op)
         return finish(acc, op, self._c._size, arr.dtype).reshape(arr.shape)
+
+    def _algorithm(self, alg: str) -> registry.Algorithm:
+        """Return the algorithm ``alg`` (chosen here before, or "native", which a measured choice may run)."""
+        found = self.algorithms.get(alg)
+        if found is None:
+            found = self.algorithms[alg] = registry.lookup("allreduce", alg)
+        return found
 
     def _allreduce_shared_buffer(self, arr: np.ndarray, op: str) -> np.ndarray:
         """In-place all-reduce of a buffer from :meth:`shared_empty`: no copies in or out (see its docstring)."""
@@ -246,12 +285,12 @@ class Reductions:
             groups, algs, dtypes, total, layout = plan
             call = Call("grouped_allreduce", seq, dtypes, (total,), op=op, algorithm=algorithm, layout=layout)
             restores = [_copy_back_into(x, a, r) if inplace else r for x, (a, r) in zip(items, converted)]
-            return (call, lambda: self._do_grouped(arrs, groups, algs, op, inplace),
+            return (call, lambda: self._do_grouped(arrs, groups, algs, op, inplace, algorithm),
                     lambda outs: [r(o) for r, o in zip(restores, outs)])
         return self._c._build("grouped_allreduce", build, op=op, algorithm=algorithm)
 
     def _do_grouped(self, arrs: List[np.ndarray], groups, algs: List[str], op: str,
-                    inplace: bool = False) -> List[np.ndarray]:
+                    inplace: bool = False, asked: str = "auto") -> List[np.ndarray]:
         outs: List[Optional[np.ndarray]] = [None] * len(arrs)
         tl = self._c._rt.timeline
         for g, alg in zip(groups, algs):
@@ -259,13 +298,22 @@ class Reductions:
             if tl.on:
                 with tl.span("fusion buffer", "fusion", tensors=len(g.members), bytes=int(g.numel * dtype.itemsize),
                              dtype=str(dtype), algorithm=alg):
-                    self._do_group(arrs, outs, g, alg, dtype, op, inplace)
+                    self._do_group(arrs, outs, g, alg, dtype, op, inplace, asked)
             else:
-                self._do_group(arrs, outs, g, alg, dtype, op, inplace)
+                self._do_group(arrs, outs, g, alg, dtype, op, inplace, asked)
         return outs
 
-    def _do_group(self, arrs, outs, g, alg: str, dtype, op: str, inplace: bool) -> None:
+    def _do_group(self, arrs, outs, g, alg: str, dtype, op: str, inplace: bool, asked: str) -> None:
         """All-reduce one fusion group of ``arrs`` and put its members' results into ``outs``."""
+        nbytes = g.numel * dtype.itemsize
+        if self.measuring(asked, alg, nbytes):
+            self.measured.run("allreduce", nbytes, lambda: self._group_by(arrs, outs, g, alg, dtype, op, inplace),
+                              lambda: self._group_by(arrs, outs, g, "native", dtype, op, inplace),
+                              self._probe((g.numel,), dtype, lambda a, way: self._allreduce_by(a, op, way, True)))
+        else:
+            self._group_by(arrs, outs, g, alg, dtype, op, inplace)
+
+    def _group_by(self, arrs, outs, g, alg: str, dtype, op: str, inplace: bool) -> None:
         if self.shared_alg(alg) and self._c._size > 1:
             members = [arrs[i] for i in g.members]
             if inplace and accumulation_dtype(dtype) == dtype and _disjoint(members):
@@ -308,10 +356,18 @@ class Reductions:
                 riding = c._riding_reduce_scatter(arr, bounds, op)
                 if riding is not None:
                     return call, riding, lambda out: restore(out.reshape(shape))
-            return call, lambda: self._do_reduce_scatter(arr, op, alg), restore
+            measured = self.measuring(algorithm, alg, arr.nbytes) and arr.size > 0
+            return call, lambda: self._do_reduce_scatter(arr, op, alg, measured), restore
         return self._c._build("reduce_scatter", build, op=op, algorithm=algorithm)
 
-    def _do_reduce_scatter(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
+    def _do_reduce_scatter(self, arr: np.ndarray, op: str, alg: str, measured: bool = False) -> np.ndarray:
+        if measured:
+            return self.measured.run("reduce_scatter", arr.nbytes, lambda: self._reduce_scatter_by(arr, op, alg),
+                                     lambda: self._reduce_scatter_by(arr, op, "native"),
+                                     self._probe(arr.shape, arr.dtype, lambda a, way: self._reduce_scatter_by(a, op, way)))
+        return self._reduce_scatter_by(arr, op, alg)
+
+    def _reduce_scatter_by(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
         n, r = self._c._size, self._c._rank
         rows, row = _blocks(arr.shape, n)
         bounds = np.asarray(rows, dtype=np.int64) * row
@@ -324,7 +380,7 @@ class Reductions:
             return out.reshape((int(rows[r + 1] - rows[r]),) + arr.shape[1:])
         acc = to_accumulator(arr)
         if n > 1 and acc.size:
-            algorithm = self.algorithms[alg]
+            algorithm = self._algorithm(alg)
             if algorithm.reduce_scatter is not None:
                 acc = algorithm.reduce_scatter(self.links, acc, bounds, op)
             else:     # the full all-reduce, then the own block

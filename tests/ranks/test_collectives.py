@@ -933,21 +933,23 @@ def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype)
         assert same_on_all_ranks(comm, out)
 
     ops = ["sum", "max"] + (["avg"] if np.dtype(dtype).kind == "f" else [])
+    # (on one node, named: `auto` may measure the library faster here, and its sums go in an order of its own)
+    alg = "shm" if comm.backend == "mpi" and comm.topology.num_nodes == 1 and n > 1 else "auto"
     xs = inputs(1, count)                    # (no call below writes into them)
     for op in ops:
-        check(comm.allreduce(xs[comm.rank], op=op), xs, op)
+        check(comm.allreduce(xs[comm.rank], op=op, algorithm=alg), xs, op)
         y = xs[comm.rank].copy()
-        out = comm.allreduce(y, op=op, inplace=True)
+        out = comm.allreduce(y, op=op, inplace=True, algorithm=alg)
         check(y, xs, op)
         assert out is y or np.shares_memory(out, y)
     sizes = [5, count // 3, 1, count // 2 + 11, 3]          # one group: tensors across blocks and segments
     parts = [inputs(10 + i, s) for i, s in enumerate(sizes)]
-    outs = comm.grouped_allreduce([p[comm.rank] for p in parts], op="sum")
+    outs = comm.grouped_allreduce([p[comm.rank] for p in parts], op="sum", algorithm=alg)
     for out, p in zip(outs, parts):
         check(out, p, "sum")
     if np.dtype(dtype).kind == "f":           # the group in place: the average written back into each tensor
         ys = [p[comm.rank].copy() for p in parts]
-        outs = comm.grouped_allreduce(ys, op="avg", inplace=True)
+        outs = comm.grouped_allreduce(ys, op="avg", inplace=True, algorithm=alg)
         for out, y, p in zip(outs, ys, parts):
             assert out is y or np.shares_memory(out, y)
             check(y, p, "avg")
@@ -1044,3 +1046,41 @@ def test_comm_log_counts_bytes_and_bandwidths_of_every_call(comm):
             assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factors[key[0]])
         else:
             assert r["busbw_gbps"] is None
+
+
+def test_auto_measures_mid_size_calls_on_their_first_uses_and_every_rank_keeps_the_same_way(comm):
+    """With the default HPCTRAIN_SHM_MIN_BYTES (0), the first call of a mid-size class probes hpctrain's
+    shared-memory way and the library's on scratch and all ranks keep the faster (hpctrain.comm.measured_choice):
+    every result equals numpy's, a repeated sum of real floats gives the same bits from the first call on,
+    and every rank runs the same way for each collective."""
+    from hpctrain.comm.measured_choice import TRIALS
+
+    sub = comm.split(color=0, key=comm.rank)          # a new communicator: nothing measured on it yet
+    n, r = sub.size, sub.rank
+    count = (1 << 20) // 4 + 1000                     # just over 1 MiB of float32: the class (1, 4] MiB
+    measured = sub._reductions.measured
+    measures = measured is not None and n > 1 and sub.allreduce_algorithm(count * 4) == "shm"
+    if measures:
+        assert measured.decided == {}
+    bounds = segment_bounds(count, n)
+    for call in range(2 * (TRIALS + 1) + 2):
+        xs = [data(k, count, np.float32, seed=call) for k in range(n)]
+        summed = reference(xs, "sum", n)
+        y = xs[r].copy()
+        sub.allreduce(y, inplace=True)
+        assert y.tobytes() == summed.tobytes(), call
+        assert sub.allreduce(xs[r], op="max").tobytes() == reference(xs, "max", n).tobytes(), call
+        assert sub.reduce_scatter(xs[r]).tobytes() == summed[bounds[r]:bounds[r + 1]].tobytes(), call
+        assert sub.allgather(xs[r]).tobytes() == np.concatenate(xs).tobytes(), call
+    floats = np.random.default_rng([5, r]).standard_normal(4 * count).astype(np.float32)   # the next class: measured here
+    first = sub.allreduce(floats)
+    for _ in range(3):
+        assert sub.allreduce(floats).tobytes() == first.tobytes()
+    decided = dict(measured.decided) if measured is not None else {}
+    everyone = sub.allgather_object((sub.allreduce_algorithm(count * 4), sorted(decided.items())))
+    assert all(d == everyone[0] for d in everyone), everyone
+    if measures:
+        assert {c for c, _ in decided} == {"allreduce", "reduce_scatter", "allgather"}, decided
+        assert ("allreduce", 11) in decided and ("allreduce", 12) in decided, decided
+        assert sub.allreduce_algorithm(count * 4) == ("shm" if decided[("allreduce", 11)] else "native")
+    sub.free()
