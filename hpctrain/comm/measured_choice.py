@@ -15,7 +15,9 @@ on a scratch buffer of its size, alternating the two ways: own, library,
 own, library, ...; the first pair warms both up (windows, first touch) and
 is not counted.  Then every rank contributes its times to one library
 all-reduce (max: the slowest rank decides how long a collective takes),
-and all ranks keep the way whose median is lower (ties: hpctrain's).  The
+and all ranks keep the library only where its median time is under 0.9x
+hpctrain's (near-equal ways are noise: hpctrain's way, whose bits do not
+depend on the library, stays).  The
 probes run in the collective lane inside the call, so every rank probes at
 the same call and decides alike; the caller's data only ever goes the
 decided way, so a repeated call gives the same bits every time within a
@@ -24,7 +26,7 @@ name the algorithm, or set HPCTRAIN_SHM_MIN_BYTES, for bit-reproducible
 runs.)
 
 Cost: once per class and communicator, ``2 * (TRIALS + 1)`` extra calls of
-that size and one 6-float all-reduce; nothing afterwards (one dict lookup
+that size and one 10-float all-reduce; nothing afterwards (one dict lookup
 per call).  A set HPCTRAIN_SHM_MIN_BYTES, or a tuning file from
 ``hpctrain tune``, pins the threshold instead and nothing is measured.
 """
@@ -36,9 +38,12 @@ from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
-__all__ = ["MeasuredChoice", "size_class", "TRIALS"]
+__all__ = ["MeasuredChoice", "size_class", "TRIALS", "SWITCH_BELOW"]
 
-TRIALS = 3
+TRIALS = 5
+# the library must be this much faster (median time under this fraction of hpctrain's) to be chosen: a
+# choice between near-equal ways is left to hpctrain's, whose results are the same bits run after run
+SWITCH_BELOW = 0.9
 T = TypeVar("T")
 
 
@@ -91,4 +96,4 @@ class MeasuredChoice:
             if i >= 2:                              # the first pair warms both ways up
                 times[mine].append(self._clock() - t0)
         agreed = self._agree(np.array(times[True] + times[False], dtype=np.float64))
-        return bool(statistics.median(agreed[:TRIALS]) <= statistics.median(agreed[TRIALS:]))
+        return not statistics.median(agreed[TRIALS:]) < SWITCH_BELOW * statistics.median(agreed[:TRIALS])
