@@ -46,7 +46,7 @@ import numpy as np
 from .adasum_updates import AdasumUpdates
 from .collectives.buckets import Bucket
 from .compression import Policy, gradient_compressor, reducer_for
-from .compression.exchange import Pending
+from .compression.reducer import Pending
 
 __all__ = ["GradientAverager", "bucket_length", "no_rows"]
 

@@ -112,7 +112,7 @@ def test_cross_memory_copies_spans_end_to_end_and_names_the_process_it_cannot_re
     """process_vm_readv/writev through CrossMemory (on this process itself): spans in order, clear errors."""
     import os
 
-    from hpctrain.comm.cross_memory import CrossMemory
+    from hpctrain.comm.mpi.cross_memory import CrossMemory
     from hpctrain.collectives.flat import Flat
 
     xm = CrossMemory()
@@ -137,7 +137,7 @@ def test_cross_memory_copies_spans_end_to_end_and_names_the_process_it_cannot_re
 
 def test_the_c_kernel_was_built_and_refuses_bad_buffers():
     """The set-up builds the mailbox's C kernel (setup.py); a build that silently failed would cost ~3 µs a call."""
-    from hpctrain.comm import _mailbox_kernel
+    from hpctrain.comm.mpi import _mailbox_kernel
 
     slots = np.zeros((2, 2, 256), np.uint8)          # (slot, rank, bytes): header 64 + payload 192 here
     addrs = [slots[s, r].ctypes.data for s in range(2) for r in range(2)]

@@ -8,7 +8,7 @@ import pytest
 
 import hpctrain.compression as C
 from hpctrain.compression.base import Slot
-from hpctrain.compression.exchange import pack_payloads, unpack_payloads
+from hpctrain.compression.reducer import pack_payloads, unpack_payloads
 
 
 def round_trip(comp, x, slot=None):

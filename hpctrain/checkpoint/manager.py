@@ -48,9 +48,10 @@ from .. import settings
 from ..agreement import check_same
 from ..comm.timeline import span_of
 from ..errors import CheckpointError
-from .commit import BackgroundCommit, post_written, remove_markers
+from .commit import BackgroundCommit
+from .commit_steps import CommitSteps
 from .hostcopy import HostCopier, default_copy_threads
-from .layout import Sharded, by_rank, compare_replicas, write_files, write_manifest
+from .layout import Sharded, write_files
 from .restore import committed_steps, restore_newest, step_path
 from .state import encode
 
@@ -68,7 +69,7 @@ class _Pending:
         self.step, self.partial, self.future, self.committer = step, partial, future, committer
 
 
-class CheckpointManager:
+class CheckpointManager(CommitSteps):
     """Save and restore the training state of every rank together; keep the newest ``keep`` checkpoints.
 
     Typical loop (the same on every rank)::
@@ -332,74 +333,3 @@ class CheckpointManager:
                 fut.set_exception(exc)
             self._pending = _Pending(step, partial, fut)
             self._commit()
-
-    def _raise_any(self, step: int, partial: str, errors: List[Optional[str]]) -> None:
-        """Raise CheckpointError on every rank if any rank reported an error (rank 0 removes ``partial``)."""
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad:
-            if self.comm.rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)
-            raise CheckpointError(f"checkpoint of step {step} failed; nothing was committed:\n{by_rank(bad)}")
-
-    def _write(self, partial: str, jobs, meta: dict, marker: bool) -> dict:
-        """The write step of an asynchronous save (writer thread); with ``marker``, then tell rank 0 it is done."""
-        try:
-            result = write_files(partial, jobs, meta)
-        except Exception as exc:
-            if marker:
-                post_written(partial, self.comm.rank, None, f"{type(exc).__name__}: {exc}")
-            raise
-        if marker:
-            post_written(partial, self.comm.rank, result, None)
-        return result
-
-    def _finish_pending(self) -> None:
-        if self._pending is not None:
-            self._pending.future.exception()   # wait for this rank's write
-            self._commit()
-
-    def _commit(self) -> None:
-        """Gather every rank's write result; rank 0 commits (unless it did in the background); errors raise everywhere."""
-        pending, self._pending = self._pending, None
-        comm = self.comm
-        try:
-            result, err = pending.future.result(), None
-        except Exception as exc:  # noqa: BLE001 - reported on every rank
-            result, err = None, f"{type(exc).__name__}: {exc}"
-        results = comm.allgather_object((result, err))
-        verdict = None
-        if comm.rank == 0:
-            done, verdict = pending.committer.claim() if pending.committer is not None else ("claimed", None)
-            if done == "claimed":
-                empty = {"files": {}, "replica_crcs": {}, "meta": None}
-                verdict = self._finalize(pending.step, pending.partial, [res or empty for res, _ in results],
-                                         [e for _, e in results])
-        verdict = comm.broadcast_object(verdict)
-        if verdict:
-            raise CheckpointError(verdict)
-
-    def _finalize(self, step: int, partial: str, results: List[dict], errors: List[Optional[str]]) -> Optional[str]:
-        """Rank 0: commit the save of ``step`` from every rank's result, or remove it; return the error, if any."""
-        errors = list(errors)
-        replica_msg = compare_replicas(results)
-        if replica_msg and self.verify_replicas == "error":
-            errors[0] = errors[0] or replica_msg
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad:
-            shutil.rmtree(partial, ignore_errors=True)
-            return f"checkpoint of step {step} failed; nothing was committed:\n{by_rank(bad)}"
-        if replica_msg:
-            log.warning("hpctrain: checkpoint of step %d: %s", step, replica_msg)
-        try:
-            remove_markers(partial, range(self.comm.size))
-            write_manifest(partial, self.step_dir(step), step, self.comm.size,
-                           [res for res in results if res.get("meta") is not None])
-            self._prune()
-        except Exception as exc:  # noqa: BLE001 - reported on every rank
-            shutil.rmtree(partial, ignore_errors=True)
-            return f"committing the checkpoint of step {step} failed: {type(exc).__name__}: {exc}"
-        return None
-
-    def _prune(self) -> None:
-        for old in self.all_steps()[:-self.keep]:
-            shutil.rmtree(self.step_dir(old), ignore_errors=True)

@@ -1,7 +1,7 @@
 """Intra-node collectives over shared memory, and the hierarchical all-reduce built on them.
 
 The ranks of one node share a memory arena (an MPI-3 shared window, see
-:mod:`hpctrain.comm.mpi_node`): each rank has an *input* area of ``N`` elements
+:mod:`hpctrain.comm.mpi.node`): each rank has an *input* area of ``N`` elements
 and a *result* area of one segment.  With ``P`` reducing ranks and the buffer
 split into ``P`` segments (``segment_bounds``):
 
@@ -177,7 +177,7 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
 
     The form of :func:`shm_allreduce` for a node whose ranks can copy straight
     from and into each other's private memory (``xm``, a
-    :class:`hpctrain.comm.cross_memory.CrossMemory`): nothing is staged in
+    :class:`hpctrain.comm.mpi.cross_memory.CrossMemory`): nothing is staged in
     the arena.  Reducing rank ``p`` takes segment ``p`` in blocks of
     ``block_bytes``: it reads the block of every peer's input into a scratch
     block (one kernel copy each), reduces them in rank order (its own input
@@ -239,7 +239,7 @@ def shm_allreduce_small(inputs: Sequence[np.ndarray], out: np.ndarray, op: str) 
     """Write ``inputs[0] (op) inputs[1] (op) ...`` (every local rank's buffer, in rank order) into ``out``.
 
     The all-reduce of small buffers on one node: the inputs arrived in shared
-    memory with the call check (:class:`hpctrain.comm.mailbox.Mailbox`), and
+    memory with the call check (:class:`hpctrain.comm.mpi.mailbox.Mailbox`), and
     every rank reduces all of them itself instead of one segment each, which
     saves both fences and the copy of the results.  Same order, so the same
     bits as :func:`shm_allreduce`.  Cost per rank for ``N`` elements on ``L``

@@ -22,7 +22,7 @@ def same(x):
 
 
 class Riding:
-    """Work whose input travels with the call check (one exchange instead of two; see :mod:`hpctrain.comm.mailbox`).
+    """Work whose input travels with the call check (one exchange instead of two; see :mod:`hpctrain.comm.mpi.mailbox`).
 
     ``payload`` (any shape, cast to ``dtype`` on the way) is posted with the
     call; where it is None, ``announce`` bytes are announced instead (what

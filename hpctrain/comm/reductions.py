@@ -13,30 +13,25 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 import numpy as np
 
 from ..collectives import registry
-from ..collectives.fusion import FusionBuffers, fusion_groups
+from ..collectives.fusion import FusionBuffers
 from ..collectives.ops import accumulation_dtype, check_op, finish, segment_bounds, to_accumulator
 from ..collectives.results import ResultBuffers
 from ..collectives.flat import Flat
 from ..tensors import dtype_name, framework_of, to_numpy
 from .handle import Plan, same as _same
 from .lean import allreduce_body, copy_body, lean_key, make_lean
-from .links import Links
+from .algorithm_links import Links
+from .grouped import GroupedReductions
+from .inplace import copy_back_into as _copy_back_into
 from .measured_choice import MeasuredChoice
 from .signature import Call
 
 __all__ = ["Reductions"]
-
-
-def _disjoint(arrays: Sequence[np.ndarray]) -> bool:
-    """Return True if no two of ``arrays`` overlap in memory (then they can be reduced in place as one buffer)."""
-    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
-    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 @functools.lru_cache(maxsize=256)
@@ -46,33 +41,7 @@ def _blocks(shape: tuple, n: int):
     return rows, math.prod(shape[1:])
 
 
-def _copy_back_into(x: Any, arr: np.ndarray, restore: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Return a restore function that leaves the result in ``x`` (``arr`` is x's numpy form) and returns ``x``.
-
-    Raises ValueError (at planning time, so every rank hears of it) when ``x``
-    cannot be written: TensorFlow tensors, read-only or non-contiguous arrays.
-    """
-    kind = framework_of(x)
-    if kind == "tensorflow":
-        raise ValueError("allreduce(inplace=True) cannot write into a TensorFlow tensor (they are immutable)")
-    if kind == "numpy" and not (isinstance(x, np.ndarray) and x.flags.writeable
-                                and (x.size == 0 or np.may_share_memory(arr, x))):
-        raise ValueError("allreduce(inplace=True) needs a writable C-contiguous numpy array")
-
-    view = kind == "numpy" or (x.device.type == "cpu" and x.is_contiguous())  # is ``arr`` x's memory?
-
-    def into(result: np.ndarray) -> Any:
-        if not (view and np.may_share_memory(result, arr)):
-            if kind == "numpy":
-                np.copyto(x, result.reshape(x.shape))
-            else:
-                x.detach().copy_(restore(result).view(x.shape))   # torch on CUDA, or a widened dtype (detached:
-                # the result lands in the memory as the CPU view does, not as an autograd op)
-        return x
-    return into
-
-
-class Reductions:
+class Reductions(GroupedReductions):
     """The reductions of one communicator ``comm`` and what they remember between calls."""
 
     def __init__(self, comm):
@@ -259,80 +228,6 @@ class Reductions:
     def _divisor(self, op: str) -> int:
         """What the shared-memory algorithms divide their results by: the world size for ``avg``, else 1."""
         return self._c._size if op == "avg" else 1
-
-    def plan_grouped(self, xs, op, algorithm, inplace) -> Plan:
-        def build(seq):
-            if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
-                raise TypeError(f"grouped_allreduce needs a list of tensors, got {type(xs).__name__}")
-            items = list(xs)
-            converted = [to_numpy(x) for x in items]
-            arrs = [a for a, _ in converted]
-            # a training loop repeats one list: its plan depends only on the dtypes, shapes, op and algorithm
-            key = (op, algorithm, tuple((a.dtype, a.shape) for a in arrs))
-            plan = self.seen_grouped.get(key)
-            if plan is None:
-                dtype_set = {a.dtype for a in arrs}
-                for d in dtype_set:
-                    check_op(op, d)
-                groups = fusion_groups(arrs, self._c._rt.config.fusion_threshold)
-                algs = [self.choose(algorithm, g.numel * arrs[g.members[0]].itemsize) for g in groups]
-                shapes = repr([(a.dtype.str, a.shape) for a in arrs]).encode()
-                plan = (groups, algs, "+".join(sorted(str(d) for d in dtype_set)), sum(a.size for a in arrs),
-                        f"{len(arrs)} tensors/{zlib.crc32(shapes):08x}")
-                if len(self.seen_grouped) > 64:
-                    self.seen_grouped.clear()
-                self.seen_grouped[key] = plan
-            groups, algs, dtypes, total, layout = plan
-            call = Call("grouped_allreduce", seq, dtypes, (total,), op=op, algorithm=algorithm, layout=layout)
-            restores = [_copy_back_into(x, a, r) if inplace else r for x, (a, r) in zip(items, converted)]
-            return (call, lambda: self._do_grouped(arrs, groups, algs, op, inplace, algorithm),
-                    lambda outs: [r(o) for r, o in zip(restores, outs)])
-        return self._c._build("grouped_allreduce", build, op=op, algorithm=algorithm)
-
-    def _do_grouped(self, arrs: List[np.ndarray], groups, algs: List[str], op: str,
-                    inplace: bool = False, asked: str = "auto") -> List[np.ndarray]:
-        outs: List[Optional[np.ndarray]] = [None] * len(arrs)
-        tl = self._c._rt.timeline
-        for g, alg in zip(groups, algs):
-            dtype = arrs[g.members[0]].dtype
-            if tl.on:
-                with tl.span("fusion buffer", "fusion", tensors=len(g.members), bytes=int(g.numel * dtype.itemsize),
-                             dtype=str(dtype), algorithm=alg):
-                    self._do_group(arrs, outs, g, alg, dtype, op, inplace, asked)
-            else:
-                self._do_group(arrs, outs, g, alg, dtype, op, inplace, asked)
-        return outs
-
-    def _do_group(self, arrs, outs, g, alg: str, dtype, op: str, inplace: bool, asked: str) -> None:
-        """All-reduce one fusion group of ``arrs`` and put its members' results into ``outs``."""
-        nbytes = g.numel * dtype.itemsize
-        if self.measuring(asked, alg, nbytes):
-            self.measured.run("allreduce", nbytes, lambda: self._group_by(arrs, outs, g, alg, dtype, op, inplace),
-                              lambda: self._group_by(arrs, outs, g, "native", dtype, op, inplace),
-                              self._probe((g.numel,), dtype, lambda a, way: self._allreduce_by(a, op, way, True)))
-        else:
-            self._group_by(arrs, outs, g, alg, dtype, op, inplace)
-
-    def _group_by(self, arrs, outs, g, alg: str, dtype, op: str, inplace: bool) -> None:
-        if self.shared_alg(alg) and self._c._size > 1:
-            members = [arrs[i] for i in g.members]
-            if inplace and accumulation_dtype(dtype) == dtype and _disjoint(members):
-                # the results go straight into the inputs (each part is read before it is written):
-                # no result buffer and nothing to copy back; with direct copies, no copy at all
-                self._c._allreduce_shared(Flat(members), Flat(members), op, alg, self._divisor(op))
-                for i in g.members:
-                    outs[i] = arrs[i]
-                return
-            # the results are views of one buffer from the result pool: no page faults once it is warm,
-            # and the buffer is reused only when the caller has dropped all of them
-            acc = self.results.empty(g.numel, accumulation_dtype(dtype))
-            self._c._allreduce_shared(Flat(members), Flat([acc]), op, alg, self._divisor(op))
-            for i, off, n in zip(g.members, g.offsets, g.numels):
-                outs[i] = finish(acc[off:off + n], op, 1, dtype).reshape(arrs[i].shape)   # (divided already)
-            return
-        flat = self._do_allreduce(self.fusion.pack(arrs, g), op, alg, inplace=True)
-        for i, off, n in zip(g.members, g.offsets, g.numels):
-            outs[i] = flat[off:off + n].reshape(arrs[i].shape).copy()
 
     def plan_reduce_scatter(self, x, op, algorithm) -> Plan:
         def build(seq):

@@ -6,7 +6,7 @@ to :func:`hpctrain.torch.DistributedOptimizer`,
 :func:`hpctrain.tensorflow.keras.DistributedOptimizer` or
 :func:`hpctrain.tensorflow.reduce_gradients`.  The protocol is in
 :mod:`hpctrain.compression.base`, the collectives in
-:mod:`hpctrain.compression.exchange`.  A compressor's state (error-feedback
+:mod:`hpctrain.compression.reducer`.  A compressor's state (error-feedback
 residuals, PowerSGD's ``Q``, DGC's velocities) differs per rank: save it with
 ``CheckpointManager`` as ``Sharded(compressor)``.
 """
@@ -16,7 +16,7 @@ from typing import Dict, Optional, Type, Union
 
 from .base import DEFAULT_SKIP_PATTERNS, Compressor, Policy, Slot
 from .cast import BF16, FP16, NoCompression
-from .exchange import CompressedReducer
+from .reducer import CompressedReducer
 from .powersgd import PowerSGD
 from .quantize import QSGD, TernGrad
 from .sign import EFSignSGD, OneBit, SignSGD

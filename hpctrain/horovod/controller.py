@@ -27,7 +27,7 @@ after ``HPCTRAIN_STALL_TIMEOUT_S``; when every rank waits on a request that
 cannot complete, the oldest such request fails within seconds instead
 (:mod:`hpctrain.horovod.stalls`).
 
-Cost: one small allgather per cycle (:mod:`hpctrain.horovod.exchange`, which
+Cost: one small allgather per cycle (:mod:`hpctrain.horovod.cycle_exchange`, which
 waits without spinning).  A cycle follows at once while requests arrive;
 while a request is open the pause doubles from 1 ms to ``HOROVOD_CYCLE_TIME``
 (ms, default 5), and a rank that has started every open request it belongs
@@ -47,11 +47,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import settings
 from ..comm.signature import format_ranks
-from ..errors import HpctrainError
-from . import execute
-from .exchange import CycleExchange
+from .cycle_exchange import CycleExchange
 from .pending import Entry, HorovodInternalError, OpHandle, Request
-from .stalls import StallWatch, noname_counter, started_all_open
+from .ready_requests import ReadyRequests
+from .stalls import StallWatch, started_all_open
 
 __all__ = ["Controller"]
 
@@ -62,7 +61,7 @@ _QUIET_PAUSE_S = 0.04     # the longest pause between checks for bells once none
 _IDLE_PAUSE_S = 0.02      # without doorbells (Horovod carries the job): the longest pause between idle cycles
 
 
-class Controller:
+class Controller(ReadyRequests):
     """The negotiation thread of one rank over the world communicator ``world``.
 
     Args:
@@ -298,79 +297,6 @@ class Controller:
 
     def _members(self, ps: int) -> tuple:
         return self.sets[ps][0] if ps in self.sets else ()
-
-    def _run_ready(self, now: float, waiting: List[bool]) -> None:
-        ready: List[Tuple[str, Entry, Optional[HpctrainError]]] = []
-        for name, entry in self._table.items():
-            missing = [r for r in self._members(entry.ps) if r not in entry.sigs]
-            absent = [r for r in missing if r not in self._joined]
-            if absent:
-                self._stalls.stalled(name, entry, absent, now, ready)
-                continue
-            error = execute.verdict(name, entry, missing, self.sets)
-            ready.append((name, entry, error))
-        stuck = self._stalls.deadlock(self._table, self._members, waiting, bool(ready), now)
-        for name, _, _ in stuck:              # the ranks that never started it skip its unnamed number
-            self._skip_counter(name)
-        ready += stuck
-        if not ready:
-            return
-        for name, _, _ in ready:
-            del self._table[name]
-        for group in execute.plan(ready, self._mine, self.sets):
-            self._run_group(group)
-
-    def _run_group(self, group: "execute.Group") -> None:
-        mine = [self._mine.pop(name, None) for name in group.names]
-        if group.error is not None:
-            for req in mine:
-                if req is not None:
-                    req.handle._finish(error=group.error)
-            self._count_joined(group.names)
-            return
-        if self.rank not in group.members:
-            return
-        if any(req is None and self.rank not in self._joined for req in mine):
-            raise RuntimeError(f"internal error: {group.kind} {group.names} is ready but rank {self.rank} "
-                               f"has no request for it")
-        started = time.time()
-        try:
-            results = group.run(mine, self)
-            error = None
-        except (ValueError, TypeError, ArithmeticError) as exc:   # a bad argument the signature did not show
-            results, error = [None] * len(mine), exc
-        if self.timeline is not None:
-            self.timeline.ran(group, mine, started, time.time(), self.world.backend)
-        for req, value in zip(mine, results):
-            if req is not None:
-                req.handle._finish(value, error)
-        self._count_joined(group.names)
-
-    def _count_joined(self, names: List[str]) -> None:
-        """A joined rank took part in unnamed requests: advance its counters as if it had started them."""
-        if self.rank not in self._joined:
-            return
-        for name in names:
-            self._skip_counter(name)
-
-    def _skip_counter(self, name: str) -> None:
-        """Advance this rank's counter of unnamed requests past ``name``'s number (if it is an unnamed one)."""
-        counter = noname_counter(name)
-        if counter is not None:
-            key, n = counter
-            with self._cv:
-                self._noname[key] = max(self._noname.get(key, 0), n + 1)
-
-    def _finish_join(self) -> None:
-        if len(self._joined) < self.size:
-            return
-        last = max(self._joined.values())
-        last_rank = max(r for r, c in self._joined.items() if c == last)
-        self._joined.clear()
-        with self._cv:
-            handle, self._join_handle = self._join_handle, None
-        if handle is not None:
-            handle._finish(last_rank)
 
     # -- helpers for execute ----------------------------------------------------
     def add_set(self, ranks: Tuple[int, ...], comm) -> int:

@@ -1,7 +1,7 @@
 """Direct copies between the ranks of one node for large all-reduces (the MPI backend's use of cross_memory.py).
 
 Where the kernel lets the ranks of a node read and write each other's private
-memory (:class:`~hpctrain.comm.cross_memory.CrossMemory`), a one-node
+memory (:class:`~hpctrain.comm.mpi.cross_memory.CrossMemory`), a one-node
 all-reduce of ``DIRECT_MIN_BYTES`` or more skips the shared arena:
 :func:`~hpctrain.collectives.shm.shm_allreduce_direct` has each rank read its
 segment of every peer's input and write the reduced segment into every
@@ -16,8 +16,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..collectives.flat import Flat
-from ..collectives.shm import shm_allreduce_direct
+from ...collectives.flat import Flat
+from ...collectives.shm import shm_allreduce_direct
 from .cross_memory import CrossMemory
 from .mailbox import cores_per_rank_at_least_one
 
@@ -35,7 +35,7 @@ class DirectCopies:
     """Whether, and from which size, the ranks of a node copy straight between each other's memory.
 
     Args:
-        nodes: the communicator's :class:`~hpctrain.comm.mpi_node.NodeGroups` (one node).
+        nodes: the communicator's :class:`~hpctrain.comm.mpi.node.NodeGroups` (one node).
         MPI: the ``mpi4py.MPI`` module.
         runtime: the communicator's runtime; its ``config.cross_memory`` is read when probing.
     """

@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from .handle import Handle
+from ..handle import Handle
 
 __all__ = ["RingTransport", "RequestHandle", "TAG_RING"]
 

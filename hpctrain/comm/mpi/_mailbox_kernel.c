@@ -1,9 +1,9 @@
 /* The mailbox's small all-reduce in C: post, wait briefly, sum every rank's payload in rank order;
  * and the same exchange without the sum (post, check), for the reduce-scatters and all-gathers that ride it.
  *
- * Optional.  hpctrain.comm.mailbox.Mailbox uses it when it was built and its
+ * Optional.  hpctrain.comm.mpi.mailbox.Mailbox uses it when it was built and its
  * own Python exchange otherwise; both follow the same protocol on the same
- * shared window (see the module docstring of hpctrain/comm/mailbox.py), so
+ * shared window (see the module docstring of hpctrain/comm/mpi/mailbox.py), so
  * ranks on either path meet, and both reduce in rank order, so the bits are
  * the same as numpy's:
  *
@@ -376,7 +376,7 @@ static PyMethodDef Kernel_methods[] = {
 static PyTypeObject KernelType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "hpctrain.comm._mailbox_kernel.Kernel",
-    .tp_doc = "The mailbox's small all-reduce over one shared window (see hpctrain/comm/mailbox.py).",
+    .tp_doc = "The mailbox's small all-reduce over one shared window (see hpctrain/comm/mpi/mailbox.py).",
     .tp_basicsize = sizeof(Kernel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -387,7 +387,7 @@ static PyTypeObject KernelType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_mailbox_kernel",
-    "The mailbox's small all-reduce in C (optional; see hpctrain/comm/mailbox.py).", -1,
+    "The mailbox's small all-reduce in C (optional; see hpctrain/comm/mpi/mailbox.py).", -1,
     NULL, NULL, NULL, NULL, NULL,
 };
 

@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .. import settings
+from ... import settings
 
 __all__ = ["NodeGroups", "SharedArena", "SharedBuffer", "shared_window", "release_window"]
 

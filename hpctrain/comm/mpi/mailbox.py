@@ -40,8 +40,8 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from .mpi_node import release_window, shared_window
-from .signature import DESC_BYTES
+from .node import release_window, shared_window
+from ..signature import DESC_BYTES
 
 try:
     from . import _mailbox_kernel

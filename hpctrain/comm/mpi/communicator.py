@@ -3,14 +3,14 @@
 Each communicator duplicates its MPI communicator three times so that the
 call check, hpctrain's algorithms and the user's point-to-point messages can
 never match each other's messages.  On one node the call check is one
-exchange through shared memory (:mod:`hpctrain.comm.mailbox`), which small
-inputs ride along with (:mod:`hpctrain.comm.mpi_riding`).  Across nodes it is a gather to rank 0 and
+exchange through shared memory (:mod:`hpctrain.comm.mpi.mailbox`), which small
+inputs ride along with (:mod:`hpctrain.comm.mpi.riding`).  Across nodes it is a gather to rank 0 and
 a reply (``2 (n-1)`` messages of at most 512 bytes), done with non-blocking
 receives so that rank 0 always knows which ranks have not joined yet.  Either
 way the watchdog shows the ranks not yet joined when a collective stalls.
 
 Large all-reduces on one node copy straight between the ranks' memory where
-the kernel allows it (:mod:`hpctrain.comm.cross_memory`, probed once per
+the kernel allows it (:mod:`hpctrain.comm.mpi.cross_memory`, probed once per
 communicator, all local ranks agreeing), else stage through the node's
 shared-memory arena (:mod:`hpctrain.collectives.shm`).
 """
@@ -22,22 +22,22 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..env import detect_launcher
-from ..errors import BackendUnavailableError
-from ..tensors import dtype_from_name
-from ..collectives.flat import Flat
-from ..collectives.shm import shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
-from .mpi_direct import DIRECT_MIN_BYTES, DirectCopies
-from .mpi_requests import RequestHandle, RingTransport
-from .abort import abort_job
-from .base import Communicator, Handle, Riding, Topology
-from .departures import Departures, MPINotices
-from .failures import FailureDetector
+from ...env import detect_launcher
+from ...errors import BackendUnavailableError
+from ...tensors import dtype_from_name
+from ...collectives.flat import Flat
+from ...collectives.shm import shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
+from .direct import DIRECT_MIN_BYTES, DirectCopies
+from .requests import RequestHandle, RingTransport
+from ..abort import abort_job
+from ..base import Communicator, Handle, Riding, Topology
+from ..departures import Departures, MPINotices
+from ..failures import FailureDetector
 from .mailbox import Mailbox
-from .mpi_riding import RidingOnNode
-from .mpi_node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
-from .runtime import Config, Runtime
-from .signature import DESC_BYTES, Call, encoded, format_ranks, judge
+from .riding import RidingOnNode
+from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
+from ..runtime import Config, Runtime
+from ..signature import DESC_BYTES, Call, encoded, format_ranks, judge
 
 __all__ = ["MPICommunicator", "init_world"]
 

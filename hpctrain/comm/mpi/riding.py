@@ -1,6 +1,6 @@
 """The MPI backend's small one-node collectives that ride the call check through the mailbox.
 
-Two forms of the same exchange (:mod:`hpctrain.comm.mailbox`): ``_riding_*``
+Two forms of the same exchange (:mod:`hpctrain.comm.mpi.mailbox`): ``_riding_*``
 give a planned call's work as a :class:`~hpctrain.comm.handle.Riding`, posted
 by the call check itself; ``_lean_*`` give the bodies of repeated calls
 (:mod:`hpctrain.comm.lean`), which post and check in one call of the
@@ -15,11 +15,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..collectives.ops import accumulation_dtype, finish
-from ..collectives.shm import shm_allreduce_small
-from ..errors import CollectiveMismatchError
-from .handle import Riding
-from .signature import Call, encoded
+from ...collectives.ops import accumulation_dtype, finish
+from ...collectives.shm import shm_allreduce_small
+from ...errors import CollectiveMismatchError
+from ..handle import Riding
+from ..signature import Call, encoded
 
 __all__ = ["RidingOnNode"]
 

@@ -1,0 +1,13 @@
+"""The MPI backend: its communicator and the one-node machinery under it.
+
+- ``communicator.py``: :class:`MPICommunicator` and ``init_world`` (collectives through mpi4py, the
+  call check, hpctrain's algorithms over MPI messages and windows);
+- ``node.py``: the ranks of each node and their shared-memory windows (the arena, shared buffers);
+- ``mailbox.py`` (+ ``_mailbox_kernel.c``): the one-node call check and the small inputs that ride it;
+- ``riding.py``: the collectives whose inputs ride the call check;
+- ``direct.py``, ``cross_memory.py``: large one-node all-reduces by direct copies between processes;
+- ``requests.py``: non-blocking requests and the ring's point-to-point transport.
+"""
+from .communicator import MPICommunicator, init_world
+
+__all__ = ["MPICommunicator", "init_world"]
