@@ -19,10 +19,16 @@ markdown table and a PNG.
 hpctrain peers (``auto``, ``native``; they have no in-place form yet) and
 mpi4py's (``Reduce_scatter_block`` / ``Allgather`` into a new array):
 the size is the whole buffer (the reduce-scatter's input, the allgather's
-output) and bus bandwidth is ``bytes / time * (n-1) / n``.
+output) and bus bandwidth is ``bytes / time * (n-1) / n``.  Several
+collectives time one after the other in each launch (a third of the
+launches of one run per collective), each written to OUT/<collective>; an
+"-inplace" peer times the plain form of the collectives that have no other
+(and is named so in their tables).
 
     python benchmarks/allreduce.py --ranks 2 4 --out results/allreduce
     python benchmarks/allreduce.py --collective reduce_scatter --peers hpctrain-auto hpctrain-native mpi4py
+    python benchmarks/allreduce.py --collective allreduce reduce_scatter allgather \
+        --peers hpctrain-auto-inplace hpctrain-native mpi4py-inplace --out results/collectives
 """
 from __future__ import annotations
 
@@ -77,6 +83,12 @@ def make_other(peer: str, collective: str):
             c.Allgather(x[: x.size // c.size], out)
         return out
     return c.rank, c.size, c.Barrier, op
+
+
+def peer_for(peer: str, collective: str) -> str:
+    """Return what ``peer`` runs for ``collective``: itself, or for a collective without an in-place form
+    (reduce-scatter, allgather) the plain form of an "-inplace" peer."""
+    return peer[:-len("-inplace")] if collective != "allreduce" and peer.endswith("-inplace") else peer
 
 
 def make_op(peer: str, collective: str = "allreduce"):
@@ -150,8 +162,18 @@ def make_op(peer: str, collective: str = "allreduce"):
     raise ValueError(peer)
 
 
-def worker(peer: str, sizes, seconds: float, collective: str = "allreduce") -> None:
-    rank, size, barrier, op = make_op(peer, collective)
+def worker(peer: str, sizes, seconds: float, collectives=("allreduce",)) -> None:
+    results = {}
+    for collective in collectives:
+        rank, size, barrier, op = make_op(peer_for(peer, collective), collective)
+        results[collective] = time_sizes(op, barrier, sizes, seconds)
+    if rank == 0:
+        print("RESULT " + json.dumps({"peer": peer, "size": size, "times": results}), flush=True)
+
+
+def time_sizes(op, barrier, sizes, seconds: float) -> dict:
+    """Return the median time of ``op`` at each size (after two warm-up calls: hpctrain's first call of a
+    size class measures its choice there)."""
     results = {}
     for nbytes in sizes:
         x = np.ones(nbytes // 4, dtype=np.float32)
@@ -166,15 +188,15 @@ def worker(peer: str, sizes, seconds: float, collective: str = "allreduce") -> N
             op(x)
             times.append(time.perf_counter() - t0)
         results[nbytes] = statistics.median(times)
-    if rank == 0:
-        print("RESULT " + json.dumps({"peer": peer, "size": size, "times": results}), flush=True)
+    return results
 
 
 # ---------------------------------------------------------------- driver
-def launch(peer: str, n: int, sizes, seconds: float, collective: str = "allreduce") -> dict:
-    res = launch_worker(n, [__file__, "--worker", peer, "--seconds", str(seconds), "--collective", collective,
+def launch(peer: str, n: int, sizes, seconds: float, collectives=("allreduce",)) -> dict:
+    """Return {collective: {bytes: median seconds}} of one launch of ``peer`` on ``n`` ranks."""
+    res = launch_worker(n, [__file__, "--worker", peer, "--seconds", str(seconds), "--collective", *collectives,
                             "--sizes", *map(str, sizes)])
-    return {int(k): v for k, v in res["times"].items()}
+    return {c: {int(k): v for k, v in times.items()} for c, times in res["times"].items()}
 
 
 def memcpy_times(sizes, seconds: float) -> dict:
@@ -200,40 +222,48 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0, help="time budget per size and launch")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds (the demo)")
     ap.add_argument("--out", default="results/allreduce")
-    ap.add_argument("--collective", choices=COLLECTIVES, default="allreduce")
+    ap.add_argument("--collective", nargs="+", choices=COLLECTIVES, default=["allreduce"],
+                    help="one or more, timed one after the other in each launch")
     ap.add_argument("--sizes", type=int, nargs="+", help="sizes in bytes (default: 4 KiB to 64 MiB by x4, 256 MiB)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.sizes, args.seconds, args.collective)
         return
-    if args.collective != "allreduce":
-        bad = [p for p in args.peers if p.endswith(ONLY_ALLREDUCE) or not p.startswith(("hpctrain", "mpi4py"))]
-        if bad:
-            ap.error(f"--collective {args.collective} takes hpctrain-auto/-native/-shm/-ring and mpi4py, not {bad}")
+    for c in args.collective:
+        if c != "allreduce":
+            bad = [p for p in args.peers if peer_for(p, c).endswith(ONLY_ALLREDUCE)
+                   or not p.startswith(("hpctrain", "mpi4py"))]
+            if bad:
+                ap.error(f"--collective {c} takes hpctrain-auto/-native/-shm/-ring and mpi4py, not {bad}")
     sizes = args.sizes or [4096 << (2 * i) for i in range(8)] + [256 * MIB]
     if args.quick:
         sizes, args.rounds, args.seconds = [4096, 64 * 1024, MIB, 16 * MIB, 64 * MIB], 2, 0.5
-    rows = []
+    rows = {c: [] for c in args.collective}
     for n in args.ranks:
-        runs = {p: [] for p in args.peers + ["memcpy"]}
+        runs = {p: [] for p in args.peers}
+        copies = []
         for rnd in range(args.rounds):
             order = args.peers if rnd % 2 == 0 else list(reversed(args.peers))
             for peer in order:
                 print(f"[{n} ranks, round {rnd + 1}/{args.rounds}] {peer}", file=sys.stderr, flush=True)
                 runs[peer].append(launch(peer, n, sizes, args.seconds, args.collective))
-            runs["memcpy"].append(memcpy_times(sizes, args.seconds))
-        for peer in args.peers + ["memcpy"]:
-            for nbytes in sizes:
-                t = statistics.median(r[nbytes] for r in runs[peer])
-                factor = 2 if args.collective == "allreduce" else 1
-                busbw = nbytes / t * factor * (n - 1) / n / 1e9 if n > 1 and peer != "memcpy" else 0.0
-                rows.append({"ranks": n, "peer": peer, "bytes": nbytes, "time_s": t, "busbw_GBps": busbw})
-    write_outputs(rows, Path(args.out), args)
+            copies.append(memcpy_times(sizes, args.seconds))
+        for c in args.collective:
+            for peer in args.peers + ["memcpy"]:
+                for nbytes in sizes:
+                    t = statistics.median(r[nbytes] for r in (copies if peer == "memcpy"
+                                                              else [run[c] for run in runs[peer]]))
+                    factor = 2 if c == "allreduce" else 1
+                    busbw = nbytes / t * factor * (n - 1) / n / 1e9 if n > 1 and peer != "memcpy" else 0.0
+                    rows[c].append({"ranks": n, "peer": peer_for(peer, c), "bytes": nbytes, "time_s": t,
+                                    "busbw_GBps": busbw})
+    for c in args.collective:
+        write_outputs(rows[c], Path(args.out) / c if len(args.collective) > 1 else Path(args.out), args, c)
 
 
-def write_outputs(rows, out: Path, args) -> None:
-    data = {"rows": rows, "rounds": args.rounds, "collective": args.collective}
+def write_outputs(rows, out: Path, args, collective: str) -> None:
+    data = {"rows": rows, "rounds": args.rounds, "collective": collective}
     peers = [p for p in dict.fromkeys(r["peer"] for r in rows) if p != "memcpy"]
     lines = []
 
@@ -241,7 +271,8 @@ def write_outputs(rows, out: Path, args) -> None:
         return a / b if a and b else float("nan")
 
     for n in sorted({r["ranks"] for r in rows}):
-        lines += [f"\n### {n} ranks{oversubscribed(n)}: bus bandwidth GB/s (median of {args.rounds} rounds)\n",
+        lines += [f"\n### {collective}, {n} ranks{oversubscribed(n)}: bus bandwidth GB/s "
+                  f"(median of {args.rounds} rounds)\n",
                   "auto/mpi4py and auto/horovod: hpctrain auto's bus bandwidth over theirs (higher is better); "
                   "in-place: the same for the -inplace peers; time/memcpy: time over a single-process memcpy of "
                   "the same bytes (lower is better)\n",
@@ -258,7 +289,7 @@ def write_outputs(rows, out: Path, args) -> None:
             lines.append(f"| {human(nbytes)} | " + " | ".join(f"{cell[p]['busbw_GBps']:.2f}" for p in peers)
                          + f" | {ratio(auto, mpi):.2f} | {ratio(auto, hvd):.2f} | {ratio(t_auto, t_copy):.2f}"
                          + f" | {ratio(ip, mpi_ip):.2f} | {ratio(t_ip, t_copy):.2f} | {ratio(t_sh, t_copy):.2f} |")
-        lines += ["", f"latency in microseconds ({n} ranks)\n", "| size | " + " | ".join(peers)
+        lines += ["", f"latency in microseconds ({collective}, {n} ranks)\n", "| size | " + " | ".join(peers)
                   + " | auto/mpi4py time |", "|---" * (len(peers) + 2) + "|"]
         for nbytes in sorted({r["bytes"] for r in rows if r["bytes"] <= 64 * 1024}):
             cell = {r["peer"]: r for r in rows if r["ranks"] == n and r["bytes"] == nbytes}
@@ -277,11 +308,11 @@ def write_outputs(rows, out: Path, args) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("message size (bytes)")
             ax.set_ylabel("bus bandwidth (GB/s)")
-            ax.set_title(f"{args.collective}, {n} ranks")
+            ax.set_title(f"{collective}, {n} ranks")
             ax.legend()
         return fig
 
-    write_results(out, args.collective, data, table, draw)
+    write_results(out, collective, data, table, draw)
 
 
 if __name__ == "__main__":

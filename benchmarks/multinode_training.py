@@ -54,7 +54,7 @@ def measure(args) -> dict:
                                    per_node=args.per_node, timeout=900, BENCH_MASTER="198.18.0.1",
                                    BENCH_PORT=str(free_port()),
                                    OMPI_MCA_threads_pthreads_yield_strategy="nanosleep")
-                steps[peer] += [ranks * batch / t for t in res["throughput"]]
+                steps[peer] += [ranks * batch / t for t in res["throughput"][args.model]]
                 print(f"round {r} {peer}: median step {statistics.median(steps[peer][-args.windows:]) * 1e3:.2f} ms",
                       flush=True)
     finally:

@@ -77,7 +77,9 @@ def _resnet18(num_classes: int):
 
 
 # ---------------------------------------------------------------- worker (one launch, one peer)
-def worker(peer: str, model_name: str, batch: int, steps: int, windows: int) -> None:
+def worker(peer: str, model_names, batches, steps: int, windows: int) -> None:
+    """Train each of ``model_names`` in turn as ``peer`` on this launch's ranks (one process-group setup for
+    all); rank 0 prints RESULT {"throughput": {model: [samples/s of each window]}}."""
     import torch
     import torch.nn.functional as F
     from mpi4py import MPI
@@ -85,52 +87,58 @@ def worker(peer: str, model_name: str, batch: int, steps: int, windows: int) -> 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    torch.manual_seed(0)
-    model, shape, classes = build(model_name)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if peer == "hpctrain":
         import hpctrain
         import hpctrain.torch as ht
 
         hpctrain.init("mpi")
-        optimizer = ht.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-        ht.broadcast_parameters(model.state_dict())
     elif peer == "ddp":
         import torch.distributed as dist
 
         master = os.environ.get("BENCH_MASTER", "127.0.0.1")       # (rank 0's address: node1's across nodes)
         dist.init_process_group("gloo", init_method=f"tcp://{master}:{os.environ['BENCH_PORT']}",
                                 rank=rank, world_size=size)
-        model = torch.nn.parallel.DistributedDataParallel(model)
     elif peer == "horovod":
         import horovod.torch as hvd
 
         hvd.init()
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     elif peer == "torch" and size != 1:
         raise SystemExit("the plain torch loop runs on one rank only")
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, *shape, generator=g)
-    y = torch.randint(0, classes, (batch,), generator=g)
+    results = {}
+    for model_name, batch in zip(model_names, batches):
+        torch.manual_seed(0)
+        model, shape, classes = build(model_name)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if peer == "hpctrain":
+            optimizer = ht.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+            ht.broadcast_parameters(model.state_dict())
+        elif peer == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        elif peer == "horovod":
+            optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(batch, *shape, generator=g)
+        y = torch.randint(0, classes, (batch,), generator=g)
 
-    def step():
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
+        def step():
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
 
-    for _ in range(3):   # warm-up: allocator, buckets, Horovod's response cache
-        step()
-    times = []
-    for _ in range(windows):
-        world.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(3):   # warm-up: allocator, buckets, Horovod's response cache
             step()
-        world.Barrier()
-        times.append(time.perf_counter() - t0)
+        times = []
+        for _ in range(windows):
+            world.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            world.Barrier()
+            times.append(time.perf_counter() - t0)
+        results[model_name] = [size * batch * steps / t for t in times]
     if rank == 0:
-        print("RESULT " + json.dumps({"throughput": [size * batch * steps / t for t in times]}), flush=True)
+        print("RESULT " + json.dumps({"throughput": results}), flush=True)
 
 
 def overhead_worker(model_name: str, batch: int, steps: int, windows: int) -> None:
@@ -187,8 +195,12 @@ def main() -> None:
         mod.overhead_worker(args.model, models[args.model], args.steps, args.windows)
         return
     if args.worker:
-        batch = DIGITS_BATCH if args.model == "digits" and args.framework == "torch" else models[args.model]
-        mod.worker(args.worker, args.model, batch, args.steps, args.windows)
+        if args.framework == "torch":     # several models, one after the other in one launch
+            names = args.model.split(",")
+            mod.worker(args.worker, names, [DIGITS_BATCH if m == "digits" else models[m] for m in names],
+                       args.steps, args.windows)
+        else:
+            mod.worker(args.worker, args.model, models[args.model], args.steps, args.windows)
         return
     args.models, args.peers = args.models or list(models), args.peers or list(all_peers)
     for what, given, known in (("model", args.models, models), ("peer", args.peers, all_peers)):
@@ -198,29 +210,38 @@ def main() -> None:
     if 1 not in args.ranks:
         ap.error("--ranks must include 1 (efficiency is relative to one rank)")
     rows, failures = [], {}
-    for model in args.models:
+    # torch: every model in one launch per (ranks, round, peer); Keras: a launch per model
+    groups = [args.models] if args.framework == "torch" else [[m] for m in args.models]
+    samples = {}
+    for group in groups:
         for n in sorted(args.ranks):
             peers = [p for p in args.peers if p != baseline or n == 1]
-            samples = {p: [] for p in peers}
             for rnd in range(args.rounds):
                 for peer in (peers if rnd % 2 == 0 else peers[::-1]):
-                    if (model, peer) in failures:
+                    if any((m, peer) in failures for m in group):
                         continue
-                    print(f"[{model}, {n} ranks, round {rnd + 1}/{args.rounds}] {peer}", file=sys.stderr, flush=True)
+                    print(f"[{', '.join(group)}, {n} ranks, round {rnd + 1}/{args.rounds}] {peer}", file=sys.stderr,
+                          flush=True)
                     try:
                         res = launch_worker(n, [__file__, "--framework", args.framework, "--worker", peer, "--model",
-                                                model, "--steps", str(args.steps), "--windows", str(args.windows)])
+                                                ",".join(group), "--steps", str(args.steps), "--windows",
+                                                str(args.windows)])
                     except RuntimeError as exc:
                         if peer == "hpctrain":
                             raise
-                        failures[(model, peer)] = str(exc)
+                        failures.update({(m, peer): str(exc) for m in group})
                         print(f"  {peer} failed; reported as failed:\n{str(exc)[-600:]}", file=sys.stderr)
                         continue
-                    samples[peer] += res["throughput"]
-            for peer in peers:
-                if samples[peer]:
+                    got = res["throughput"]
+                    for m in group:
+                        samples.setdefault((m, n, peer), []).extend(got[m] if isinstance(got, dict) else got)
+    for model in args.models:
+        for n in sorted(args.ranks):
+            for peer in [p for p in args.peers if p != baseline or n == 1]:
+                if samples.get((model, n, peer)):
                     rows.append({"model": model, "ranks": n, "peer": peer, "batch_per_rank": models[model],
-                                 "throughput": statistics.median(samples[peer]), "samples": samples[peer]})
+                                 "throughput": statistics.median(samples[(model, n, peer)]),
+                                 "samples": samples[(model, n, peer)]})
     overhead = {}
     for model in args.models:
         if args.overhead_windows and "hpctrain" in args.peers:
