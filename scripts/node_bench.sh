@@ -21,8 +21,9 @@
 #   export PATH=/tmp/pfx/bin:$PATH PYTHONPATH=/tmp/pfx/lib/python3.12/site-packages LD_LIBRARY_PATH=/tmp/pfx/lib
 # The C kernel of the small all-reduce is built in place when a compiler is there (else the Python path runs).
 # NODE_BENCH_PARTS (default "per_call collectives scaling") picks parts, NODE_BENCH_ROUNDS (default 3) the
-# rounds, NODE_BENCH_SIZES the collectives' sizes in bytes, NODE_BENCH_SCALING_RANKS (default "1 8 16") and
-# NODE_BENCH_SCALING_MODELS (default "resnet18 mlp") the training runs, to split the sweep over shorter runs.
+# rounds, NODE_BENCH_RANKS (default "2 8 16") the ranks of per_call and the collectives, NODE_BENCH_SIZES
+# their sizes in bytes, NODE_BENCH_SCALING_RANKS (default "1 8 16") and NODE_BENCH_SCALING_MODELS (default
+# "resnet18 mlp") the training runs: to split the sweep over shorter runs, or to try it small on any machine.
 # per_call: benchmarks/per_call.py at 2, 8 and 16 ranks, 4 KiB and 64 KiB (the fixed cost of a repeated call).
 set -uo pipefail
 PY=${1:-python3}
@@ -32,11 +33,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBU
 "$PY" -c "import mpi4py, numpy, torch, psutil, tqdm, matplotlib, safetensors" || exit 1
 command -v mpirun >/dev/null || { echo "no mpirun on PATH (see this script's header)"; exit 1; }
 "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "node_bench: no C kernel built (Python exchange)"
-echo "node_bench: $(nproc) cores, $("$PY" -c 'import platform; print(platform.processor() or platform.machine())')," \
+echo "node_bench: $(nproc --all) cores, $("$PY" -c 'import platform; print(platform.processor() or platform.machine())')," \
      "$(mpirun --version | head -1)"
 SIZES=${NODE_BENCH_SIZES:-4096 65536 1048576 16777216 67108864 268435456}
 PARTS=${NODE_BENCH_PARTS:-per_call collectives scaling}
 ROUNDS=${NODE_BENCH_ROUNDS:-3}
+RANKS=${NODE_BENCH_RANKS:-2 8 16}
 SCALING_RANKS=${NODE_BENCH_SCALING_RANKS:-1 8 16}
 SCALING_MODELS=${NODE_BENCH_SCALING_MODELS:-resnet18 mlp}
 status=0
@@ -47,7 +49,7 @@ step() {   # name, command...
 }
 if [[ " $PARTS " == *" per_call "* ]]; then
   for b in 4096 65536; do
-    step "per_call $b" "$PY" benchmarks/per_call.py --ranks 2 8 16 --bytes $b --rounds "$ROUNDS" --seconds 0.2 \
+    step "per_call $b" "$PY" benchmarks/per_call.py --ranks $RANKS --bytes $b --rounds "$ROUNDS" --seconds 0.2 \
         --out "$OUT/per_call_$b"
   done
 fi
@@ -56,7 +58,7 @@ if [[ " $PARTS " == *" collectives "* ]]; then
   # the -inplace peers time reduce-scatter and allgather in their plain form (neither has an in-place one)
   # shellcheck disable=SC2086  # SIZES is a list
   step collectives "$PY" benchmarks/allreduce.py --collective allreduce reduce_scatter allgather \
-      --ranks 2 8 16 --rounds "$ROUNDS" --seconds 0.3 --sizes $SIZES \
+      --ranks $RANKS --rounds "$ROUNDS" --seconds 0.3 --sizes $SIZES \
       --peers hpctrain-auto-inplace hpctrain-native mpi4py-inplace --out "$OUT"
 fi
 if [[ " $PARTS " == *" scaling "* ]]; then
