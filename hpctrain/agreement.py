@@ -6,7 +6,7 @@ from typing import Any
 
 from .comm.signature import format_ranks
 
-__all__ = ["check_same", "check_writable", "writable"]
+__all__ = ["check_same", "check_writable", "disagreeing_settings", "writable"]
 
 
 def check_same(comm, what: str, value: Any, shown: Any = None) -> None:
@@ -66,3 +66,23 @@ def check_writable(comm, path: str, writer: int = 0) -> str:
     why = writable(path) if comm.rank == writer else None
     why = comm.broadcast_object(why, root=writer)
     return f"on rank {writer}, {why}" if why else ""
+
+
+def disagreeing_settings(allgather_object, values: dict) -> str:
+    """Return, on every rank, which of ``values`` (setting name -> this rank's value) differ across ranks ("" none).
+
+    Collective: ``allgather_object(obj) -> every rank's obj``, the backend's
+    own (unchecked) one, since the call check may be among the settings that
+    differ.  One line per setting that differs,
+    the ranks grouped by the value they hold.
+    """
+    everyone = allgather_object(values)
+    lines = []
+    for name in values:
+        groups: dict = {}
+        for rank, theirs in enumerate(everyone):
+            groups.setdefault(repr(theirs.get(name)), []).append(rank)
+        if len(groups) > 1:
+            held = "; ".join(f"{format_ranks(ranks)}: {value}" for value, ranks in groups.items())
+            lines.append(f"{name} ({held})")
+    return " | ".join(lines)

@@ -15,9 +15,9 @@ import traceback
 from typing import Optional
 
 from . import settings
-from .agreement import check_writable
+from .agreement import check_writable, disagreeing_settings
 from .comm.base import Communicator
-from .comm.runtime import Config
+from .comm.runtime import SHARED_SETTINGS, Config
 from .env import detect_launcher
 from .errors import NotInitializedError
 from .memory import keep_freed_memory
@@ -96,6 +96,16 @@ def init(backend: str = "auto") -> Communicator:
         else:
             from .comm import local as impl
         w = impl.init_world(config)
+        if w.size > 1:
+            # settings that decide which algorithm runs and whether calls are checked: ranks that differ would
+            # run different collectives (a hang, or a measured choice read as data), so they are an error here
+            differ = disagreeing_settings(w._allgather_object,
+                                          {f"HPCTRAIN_{f.upper()}": getattr(config, f) for f in SHARED_SETTINGS})
+            if differ:
+                w.close()
+                _install_setting_error_hook()
+                raise settings.SettingError(f"ranks of {w.name} disagree on settings every rank must share "
+                                            f"(set them alike for all ranks; a tuning file counts): {differ}")
         if config.timeline:       # every rank's timeline, merged into one file by rank 0 at shutdown
             from .comm.timeline import write_trace
 

@@ -154,6 +154,26 @@ def test_under_the_horovod_api_a_rank_that_exits_early_is_named_with_its_status(
     assert result.returncode == (3 if launcher == "mpirun" else 1)     # (horovodrun exits 1 whatever failed)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ranks_whose_algorithm_settings_differ_stop_at_init_with_one_line_naming_each_setting_and_rank(n):
+    """Settings that decide which collective runs must be alike on every rank (else a hang, or one rank's
+    measured choice read as another's data): HPCTRAIN_SHM_MIN_BYTES set on rank 0 only and HPCTRAIN_CHECK=0
+    on the last rank end the job at init(), every setting named with the ranks that hold each value."""
+    die = [sys.executable, str(PROGRAMS / "die.py"), "return", "-1"]
+    cmd = (mpirun_cmd(1) + ["env", "HPCTRAIN_SHM_MIN_BYTES=1MiB", *die]
+           + ([":", "-n", str(n - 2), *die] if n > 2 else []) + [":", "-n", "1", "env", "HPCTRAIN_CHECK=0", *die])
+    start = time.monotonic()
+    result = run(cmd, base_env(), 90)
+    took = time.monotonic() - start
+    lines = [line for line in result.stdout.splitlines() if "hpctrain" in line or "Traceback" in line]
+    assert result.returncode != 0 and "steps done" not in result.stdout and took < 30, result.stdout[-3000:]
+    assert len(lines) == 1 and "hpctrain: error: ranks of world disagree on settings" in lines[0], result.stdout
+    others = "rank 1" if n == 2 else f"ranks 1-{n - 1}"
+    firsts = "rank 0" if n == 2 else f"ranks 0-{n - 2}"
+    assert f"HPCTRAIN_SHM_MIN_BYTES (rank 0: 1048576; {others}: 0)" in lines[0], lines[0]
+    assert f"HPCTRAIN_CHECK ({firsts}: True; rank {n - 1}: False)" in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("variable, value, said", [
     ("HPCTRAIN_STALL_TIMEOUT_S", "soon", "HPCTRAIN_STALL_TIMEOUT_S='soon': expected seconds, at least 0"),
     ("HPCTRAIN_TIMELINE", "/proc/no-such-folder/trace.json", "HPCTRAIN_TIMELINE='/proc/no-such-folder/trace.json': "

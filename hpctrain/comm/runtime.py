@@ -77,6 +77,12 @@ class Config:
         return cls(**values)
 
 
+# The settings every rank of a world must hold alike (``init()`` compares them): they decide which algorithm
+# a collective runs, how it splits its buffers and whether calls are checked, so ranks that differ would run
+# different collectives.  (Others may differ: stall times, output paths, HPCTRAIN_CROSS_MEMORY, the C kernel.)
+SHARED_SETTINGS = ("check", "ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "link_gbit",
+                   "link_latency_us", "memory_gbps", "shm_small_bytes", "fusion_threshold", "shm_arena_bytes")
+
 TUNABLE = ("ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "shm_small_bytes", "fusion_threshold",
            "shm_arena_bytes")
 
