@@ -100,7 +100,8 @@ def init(backend: str = "auto") -> Communicator:
             # settings that decide which algorithm runs and whether calls are checked: ranks that differ would
             # run different collectives (a hang, or a measured choice read as data), so they are an error here
             differ = disagreeing_settings(w._allgather_object,
-                                          {f"HPCTRAIN_{f.upper()}": getattr(config, f) for f in SHARED_SETTINGS})
+                                          {settings.setting("HPCTRAIN_" + f.upper()).name: getattr(config, f)
+                                           for f in SHARED_SETTINGS})
             if differ:
                 w.close()
                 _install_setting_error_hook()
