@@ -73,8 +73,8 @@ def disagreeing_settings(allgather_object, values: dict) -> str:
 
     Collective: ``allgather_object(obj) -> every rank's obj``, the backend's
     own (unchecked) one, since the call check may be among the settings that
-    differ.  One line per setting that differs,
-    the ranks grouped by the value they hold.
+    differ.  Each setting that differs, with the ranks grouped by the value
+    they hold, joined by " | " (one line for the job's one error line).
     """
     everyone = allgather_object(values)
     lines = []

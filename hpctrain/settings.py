@@ -113,8 +113,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_RING_CHUNK_BYTES", "bytes", 1 * MIB, "piece size of the ring all-reduce", minimum=1),
     Setting("HPCTRAIN_SHM_MIN_BYTES", "bytes", 0, "from this size on, `auto` all-reduces, reduce-scatters and "
             "all-gathers through shared memory on one node, below it through the library (also set by `hpctrain "
-            "tune`); 0: `auto` times both ways on the first calls of each size class above "
-            "HPCTRAIN_SHM_SMALL_BYTES and keeps the faster (hpctrain.comm.measured_choice)", minimum=0),
+            "tune`); 0: `auto` times both ways at the first call of each size class above "
+            "HPCTRAIN_SHM_SMALL_BYTES, up to 64 MiB, and keeps the faster (hpctrain.comm.measured_choice)", minimum=0),
     Setting("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "bytes", 0, "from this size on, `auto` uses the hierarchical "
             "all-reduce across nodes (also set by `hpctrain tune`); 0: the cost model decides, from the three "
             "settings below", minimum=0),

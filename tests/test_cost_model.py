@@ -121,7 +121,7 @@ def test_a_measured_choice_probes_both_ways_then_keeps_the_one_the_slowest_rank_
     first probes hpctrain's way and the library's alternately, 2 * (TRIALS + 1) times (the first pair
     uncounted); the times are maxed over ranks, and the library is kept only where its median is under
     SWITCH_BELOW of hpctrain's; that call and every later one of the class run the winner only."""
-    from hpctrain.comm.measured_choice import SWITCH_BELOW, TRIALS, MeasuredChoice, size_class
+    from hpctrain.comm.measured_choice import MEASURED_MAX_BYTES, SWITCH_BELOW, TRIALS, MeasuredChoice, size_class
 
     assert [size_class(n) for n in (1, 4, 5, 16, 1 << 20, (1 << 20) + 1, 4 << 20)] == [0, 1, 2, 2, 10, 11, 11]
     now = [0.0]
@@ -142,6 +142,7 @@ def test_a_measured_choice_probes_both_ways_then_keeps_the_one_the_slowest_rank_
 
     m = MeasuredChoice(agree, min_bytes=1000, clock=lambda: now[0])
     assert not m.applies(1000) and m.applies(1001)
+    assert m.applies(MEASURED_MAX_BYTES) and not m.applies(MEASURED_MAX_BYTES + 1)    # (hpctrain's way above)
     assert m.run("allreduce", 5000, way("own"), way("library"), probe) == "library"
     assert probed == [True, False] * (TRIALS + 1) and ran == ["library"]
     assert m.own_is_faster("allreduce", 5000) is False and m.own_is_faster("allreduce", 4097) is False

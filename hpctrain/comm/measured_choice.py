@@ -10,7 +10,8 @@ its default (0), ``auto`` measures instead of guessing.
 
 Sizes are grouped in classes of powers of four (``(4**(k-1), 4**k]``
 bytes).  The first call of a class above HPCTRAIN_SHM_SMALL_BYTES (below it
-the small calls ride the call check) first runs ``2 * (TRIALS + 1)`` probes
+the small calls ride the call check) and up to 64 MiB (above it hpctrain's
+way always runs: see ``MEASURED_MAX_BYTES``) first runs ``2 * (TRIALS + 1)`` probes
 on a scratch buffer of its size, alternating the two ways: own, library,
 own, library, ...; the first pair warms both up (windows, first touch) and
 is not counted.  Then every rank contributes its times to one library
@@ -38,12 +39,16 @@ from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
-__all__ = ["MeasuredChoice", "size_class", "TRIALS", "SWITCH_BELOW"]
+__all__ = ["MeasuredChoice", "size_class", "TRIALS", "SWITCH_BELOW", "MEASURED_MAX_BYTES"]
 
 TRIALS = 5
 # the library must be this much faster (median time under this fraction of hpctrain's) to be chosen: a
 # choice between near-equal ways is left to hpctrain's, whose results are the same bits run after run
 SWITCH_BELOW = 0.9
+# Above this, nothing is measured and hpctrain's way runs: on every machine measured so far it wins there (a
+# 16-core node: 1.5-1.9x MPI_Allreduce's bus bandwidth at 64 MiB, 2-16 ranks), and a probe would need a
+# scratch buffer as large as the call's.
+MEASURED_MAX_BYTES = 64 << 20
 T = TypeVar("T")
 
 
@@ -70,8 +75,9 @@ class MeasuredChoice:
         self.decided: Dict[Tuple[str, int], bool] = {}     # (collective, class) -> hpctrain's way is faster
 
     def applies(self, nbytes: int) -> bool:
-        """Return True if a call of ``nbytes`` bytes is run the measured way."""
-        return nbytes > self.min_bytes
+        """Return True if a call of ``nbytes`` bytes is run the measured way (above ``min_bytes``, up to
+        MEASURED_MAX_BYTES)."""
+        return self.min_bytes < nbytes <= MEASURED_MAX_BYTES
 
     def own_is_faster(self, collective: str, nbytes: int) -> Optional[bool]:
         """Return the decision for ``collective`` at ``nbytes`` (None: not measured yet)."""

@@ -174,7 +174,8 @@ class Reductions(GroupedReductions):
         if measured:
             return self.measured.run("allreduce", arr.nbytes, lambda: self._allreduce_by(arr, op, alg, inplace),
                                      lambda: self._allreduce_by(arr, op, "native", inplace),
-                                     self._probe(arr.shape, arr.dtype, lambda a, way: self._allreduce_by(a, op, way, inplace)))
+                                     self._probe(arr.shape, arr.dtype,
+                                                 lambda a, way: self._allreduce_by(a, op, way, inplace)))
         return self._allreduce_by(arr, op, alg, inplace)
 
     @staticmethod
@@ -259,7 +260,8 @@ class Reductions(GroupedReductions):
         if measured:
             return self.measured.run("reduce_scatter", arr.nbytes, lambda: self._reduce_scatter_by(arr, op, alg),
                                      lambda: self._reduce_scatter_by(arr, op, "native"),
-                                     self._probe(arr.shape, arr.dtype, lambda a, way: self._reduce_scatter_by(a, op, way)))
+                                     self._probe(arr.shape, arr.dtype,
+                                                 lambda a, way: self._reduce_scatter_by(a, op, way)))
         return self._reduce_scatter_by(arr, op, alg)
 
     def _reduce_scatter_by(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
