@@ -118,22 +118,26 @@ def test_small_one_node_allreduces_ride_the_check_only_while_the_node_moves_litt
 
 def test_a_measured_choice_probes_both_ways_then_keeps_the_one_the_slowest_rank_found_faster():
     """auto's measured choice (HPCTRAIN_SHM_MIN_BYTES=0): the first call of a size class (powers of four)
-    first probes hpctrain's way and the library's alternately, 2 * (TRIALS + 1) times (the first pair
-    uncounted); the times are maxed over ranks, and the library is kept only where its median is under
+    first probes hpctrain's way and the library's alternately on zeros, 2 * (TRIALS + 1) times (the first
+    pair uncounted); the times are maxed over ranks, and the library is kept only where its median is under
     SWITCH_BELOW of hpctrain's; that call and every later one of the class run the winner only."""
-    from hpctrain.comm.measured_choice import MEASURED_MAX_BYTES, SWITCH_BELOW, TRIALS, MeasuredChoice, size_class
+    from hpctrain.comm.measured_choice import (LIBRARY, MEASURED_MAX_BYTES, OWN, SWITCH_BELOW, TRIALS,
+                                               MeasuredChoice, size_class)
 
     assert [size_class(n) for n in (1, 4, 5, 16, 1 << 20, (1 << 20) + 1, 4 << 20)] == [0, 1, 2, 2, 10, 11, 11]
     now = [0.0]
-    cost = {True: 2.0, False: 1.0}          # probe(own) -> seconds
+    cost = {OWN: 2.0, LIBRARY: 1.0}          # seconds a probe of each way takes
     probed, ran = [], []
+    like = ((3, 5), np.float32)
 
-    def probe(own):
-        probed.append(own)
-        now[0] += cost[own]
+    def probe(scratch, name):
+        assert scratch.shape == (3, 5) and scratch.dtype == np.float32 and not scratch.any()
+        probed.append(name)
+        now[0] += cost[name]
 
     def way(name):
-        return lambda: ran.append(name) or name
+        ran.append(name)
+        return name
 
     other_rank = {}      # what a second rank measured, maxed in as the library all-reduce would
 
@@ -143,17 +147,17 @@ def test_a_measured_choice_probes_both_ways_then_keeps_the_one_the_slowest_rank_
     m = MeasuredChoice(agree, min_bytes=1000, clock=lambda: now[0])
     assert not m.applies(1000) and m.applies(1001)
     assert m.applies(MEASURED_MAX_BYTES) and not m.applies(MEASURED_MAX_BYTES + 1)    # (hpctrain's way above)
-    assert m.run("allreduce", 5000, way("own"), way("library"), probe) == "library"
-    assert probed == [True, False] * (TRIALS + 1) and ran == ["library"]
+    assert m.run("allreduce", 5000, way, probe, like) == LIBRARY
+    assert probed == [OWN, LIBRARY] * (TRIALS + 1) and ran == [LIBRARY]
     assert m.own_is_faster("allreduce", 5000) is False and m.own_is_faster("allreduce", 4097) is False
     probed.clear()
-    assert m.run("allreduce", 4500, way("own"), way("library"), probe) == "library" and probed == []
+    assert m.run("allreduce", 4500, way, probe, like) == LIBRARY and probed == []
     # another collective is measured on its own; a library only a little faster leaves hpctrain's way
-    cost.update({True: 1.0, False: (1 + SWITCH_BELOW) / 2})
-    assert m.run("allgather", 5000, way("own"), way("library"), probe) == "own"
+    cost.update({OWN: 1.0, LIBRARY: (1 + SWITCH_BELOW) / 2})
+    assert m.run("allgather", 5000, way, probe, like) == OWN
     assert m.own_is_faster("allgather", 5000) is True and m.own_is_faster("reduce_scatter", 5000) is None
     # here hpctrain's way is faster, but the other rank found it slow there: the max over ranks decides
-    cost.update({True: 1.0, False: 3.0})
+    cost.update({OWN: 1.0, LIBRARY: 3.0})
     other_rank[2 * TRIALS] = np.array([9.0] * TRIALS + [0.0] * TRIALS)
-    assert m.run("allreduce", 1 << 20, way("own"), way("library"), probe) == "library"
+    assert m.run("allreduce", 1 << 20, way, probe, like) == LIBRARY
     assert m.own_is_faster("allreduce", 1 << 20) is False

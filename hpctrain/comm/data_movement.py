@@ -8,7 +8,6 @@ row counts first.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, List, Optional
 
@@ -85,21 +84,22 @@ class Exchanges:
         """Return every rank's bytes, concatenated: through shared memory ("shm", or "auto" where it is faster)
         or the library's Allgatherv (see :mod:`hpctrain.comm.measured_choice` for how "auto" decides)."""
         c, total = self._c, sum(counts)
-        library = functools.partial(c._allgatherv, raw, counts)
+        ways = {"shm": c._allgather_shared, "native": c._allgatherv}
+
+        def by(a: np.ndarray, way: str) -> np.ndarray:
+            return ways[way](a, counts)
         if algorithm == "native" or c._no_shared_memory() or c.topology.num_nodes > 1:
-            return library()
-        own = functools.partial(c._allgather_shared, raw, counts)
+            return by(raw, "native")
         if algorithm == "auto":
             measured = c._reductions.measured
-            if measured is not None:
-                if not measured.applies(total):
-                    return library()
-                by = {"shm": c._allgather_shared, "native": c._allgatherv}
-                return measured.run("allgather", total, own, library,
-                                    c._reductions._probe(raw.shape, raw.dtype, lambda a, way: by[way](a, counts)))
-            if total < c._rt.config.shm_min_bytes:
-                return library()
-        return own()
+            if measured is None:                   # a threshold was set
+                if total < c._rt.config.shm_min_bytes:
+                    return by(raw, "native")
+            elif measured.applies(total):
+                return measured.run("allgather", total, lambda way: by(raw, way), by, (raw.shape, raw.dtype))
+            elif total <= measured.min_bytes:      # (above MEASURED_MAX_BYTES: shared memory)
+                return by(raw, "native")
+        return by(raw, "shm")
 
     def plan_broadcast(self, x, root) -> Plan:
         def build(seq):

@@ -83,9 +83,9 @@ class GroupedReductions:
         """All-reduce one fusion group of ``arrs`` and put its members' results into ``outs``."""
         nbytes = g.numel * dtype.itemsize
         if self.measuring(asked, alg, nbytes):
-            self.measured.run("allreduce", nbytes, lambda: self._group_by(arrs, outs, g, alg, dtype, op, inplace),
-                              lambda: self._group_by(arrs, outs, g, "native", dtype, op, inplace),
-                              self._probe((g.numel,), dtype, lambda a, way: self._allreduce_by(a, op, way, True)))
+            # (probed as one all-reduce of the group's packed size)
+            self.measured.run("allreduce", nbytes, lambda way: self._group_by(arrs, outs, g, way, dtype, op, inplace),
+                              lambda a, way: self._allreduce_by(a, op, way, True), ((g.numel,), dtype))
         else:
             self._group_by(arrs, outs, g, alg, dtype, op, inplace)
 

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
-__all__ = ["MeasuredChoice", "size_class", "TRIALS", "SWITCH_BELOW", "MEASURED_MAX_BYTES"]
+__all__ = ["MeasuredChoice", "size_class", "TRIALS", "SWITCH_BELOW", "MEASURED_MAX_BYTES", "OWN", "LIBRARY"]
 
 TRIALS = 5
+OWN, LIBRARY = "shm", "native"      # the two ways, as the algorithms are named
 # the library must be this much faster (median time under this fraction of hpctrain's) to be chosen: a
 # choice between near-equal ways is left to hpctrain's, whose results are the same bits run after run
 SWITCH_BELOW = 0.9
@@ -83,22 +84,26 @@ class MeasuredChoice:
         """Return the decision for ``collective`` at ``nbytes`` (None: not measured yet)."""
         return self.decided.get((collective, size_class(nbytes)))
 
-    def run(self, collective: str, nbytes: int, own: Callable[[], T], library: Callable[[], T],
-            probe: Callable[[bool], object]) -> T:
-        """Return ``own()`` or ``library()``, the way decided for this size class; the first call of a
-        class decides it first, timing ``probe(True)`` (hpctrain's way) against ``probe(False)`` on scratch."""
+    def run(self, collective: str, nbytes: int, way: Callable[[str], T],
+            probe: Callable[[np.ndarray, str], object], like: Tuple[tuple, Any]) -> T:
+        """Return ``way(OWN)`` or ``way(LIBRARY)`` (the caller's data), as decided for this size class.
+
+        The first call of a class decides it first: ``probe(scratch, OWN)``
+        against ``probe(scratch, LIBRARY)`` on one array of zeros of ``like``
+        (shape, dtype), dropped afterwards.
+        """
         key = (collective, size_class(nbytes))
         decided = self.decided.get(key)
         if decided is None:
-            decided = self.decided[key] = self._measure(probe)
-        return own() if decided else library()
+            decided = self.decided[key] = self._measure(probe, np.zeros(*like))
+        return way(OWN if decided else LIBRARY)
 
-    def _measure(self, probe: Callable[[bool], object]) -> bool:
+    def _measure(self, probe: Callable[[np.ndarray, str], object], scratch: np.ndarray) -> bool:
         times: Dict[bool, List[float]] = {True: [], False: []}
         for i in range(2 * (TRIALS + 1)):
             mine = i % 2 == 0
             t0 = self._clock()
-            probe(mine)
+            probe(scratch, OWN if mine else LIBRARY)
             if i >= 2:                              # the first pair warms both ways up
                 times[mine].append(self._clock() - t0)
         agreed = self._agree(np.array(times[True] + times[False], dtype=np.float64))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, List, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -160,8 +160,10 @@ class Reductions(GroupedReductions):
     def _allreduce_work(self, arr: np.ndarray, op: str, asked: str, alg: str, inplace: bool):
         shared = self.shared_alg(alg) and self._c._size > 1
         riding = self._c._riding_allreduce(arr, op, alg, inplace) if shared else None
+        if riding is not None:
+            return riding
         measured = self.measuring(asked, alg, arr.nbytes)
-        return riding if riding is not None else (lambda: self._do_allreduce(arr, op, alg, inplace, measured))
+        return lambda: self._do_allreduce(arr, op, alg, inplace, measured)
 
     def measuring(self, asked: str, alg: str, nbytes: int) -> bool:
         """Return True if a call that asked for ``asked`` and runs ``alg`` at ``nbytes`` runs the measured way
@@ -172,23 +174,10 @@ class Reductions(GroupedReductions):
     def _do_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool = False,
                       measured: bool = False) -> np.ndarray:
         if measured:
-            return self.measured.run("allreduce", arr.nbytes, lambda: self._allreduce_by(arr, op, alg, inplace),
-                                     lambda: self._allreduce_by(arr, op, "native", inplace),
-                                     self._probe(arr.shape, arr.dtype,
-                                                 lambda a, way: self._allreduce_by(a, op, way, inplace)))
+            def by(a, way):
+                return self._allreduce_by(a, op, way, inplace)
+            return self.measured.run("allreduce", arr.nbytes, lambda way: by(arr, way), by, (arr.shape, arr.dtype))
         return self._allreduce_by(arr, op, alg, inplace)
-
-    @staticmethod
-    def _probe(shape: tuple, dtype, by: Callable[[np.ndarray, str], object]) -> Callable[[bool], object]:
-        """Return ``probe(own)`` for a measured choice: ``by(zeros, "shm" or "native")`` on one scratch
-        array of ``shape`` and ``dtype`` (made at the first probe, dropped with the probe)."""
-        scratch: List[np.ndarray] = []
-
-        def probe(own: bool):
-            if not scratch:
-                scratch.append(np.zeros(shape, dtype))
-            return by(scratch[0], "shm" if own else "native")
-        return probe
 
     def _allreduce_by(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> np.ndarray:
         same = inplace and accumulation_dtype(arr.dtype) == arr.dtype
@@ -258,10 +247,10 @@ class Reductions(GroupedReductions):
 
     def _do_reduce_scatter(self, arr: np.ndarray, op: str, alg: str, measured: bool = False) -> np.ndarray:
         if measured:
-            return self.measured.run("reduce_scatter", arr.nbytes, lambda: self._reduce_scatter_by(arr, op, alg),
-                                     lambda: self._reduce_scatter_by(arr, op, "native"),
-                                     self._probe(arr.shape, arr.dtype,
-                                                 lambda a, way: self._reduce_scatter_by(a, op, way)))
+            def by(a, way):
+                return self._reduce_scatter_by(a, op, way)
+            return self.measured.run("reduce_scatter", arr.nbytes, lambda way: by(arr, way), by,
+                                     (arr.shape, arr.dtype))
         return self._reduce_scatter_by(arr, op, alg)
 
     def _reduce_scatter_by(self, arr: np.ndarray, op: str, alg: str) -> np.ndarray:
