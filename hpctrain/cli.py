@@ -20,7 +20,7 @@ def _launch(args) -> int:
         print("hpctrain launch: --start-timeout applies to --gloo launches (horovodrun's); mpirun and srun "
               "use their own start-up timeouts", file=sys.stderr)
     cmd = build_command(args.n, argv, hosts=args.hosts, hostfile=args.hostfile, gloo=args.gloo,
-                        start_timeout=args.start_timeout)
+                        start_timeout=args.start_timeout, elastic=args.elastic, min_np=args.min_np)
     _check_before_launch(argv)
     if args.dry_run or args.verbose:
         print(" ".join(cmd), flush=True)
@@ -116,6 +116,9 @@ def main(argv=None) -> int:
     p.add_argument("--gloo", action="store_true", help="start the ranks with horovodrun --gloo")
     p.add_argument("--mpi", action="store_true", help="start the ranks with mpirun (the default; srun in Slurm)")
     p.add_argument("--start-timeout", type=float, help="seconds for the ranks to start (--gloo launches)")
+    p.add_argument("--elastic", action="store_true", help="survive failed ranks: the survivors re-form the world "
+                   "and go on (hpctrain.elastic; Open MPI with ULFM)")
+    p.add_argument("--min-np", type=int, help="with --elastic: the fewest ranks to go on with (default 1)")
     p.add_argument("--verbose", action="store_true", help="print the command before running it")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("program", nargs=argparse.REMAINDER, help="script.py args..., or a command")

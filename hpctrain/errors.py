@@ -1,7 +1,7 @@
 """Exceptions raised by hpctrain."""
 
 __all__ = ["HpctrainError", "CollectiveMismatchError", "InvalidCollectiveError", "NotInitializedError", "BackendUnavailableError",
-           "CheckpointError", "ShutdownError"]
+           "CheckpointError", "ShutdownError", "WorldFailedError"]
 
 
 class HpctrainError(RuntimeError):
@@ -37,3 +37,17 @@ class ShutdownError(HpctrainError):
 
     Raised after the rest of the shutdown ran and the rank left with the others.
     """
+
+
+class WorldFailedError(HpctrainError):
+    """Ranks of the world failed (their process died or their node was lost) during a collective.
+
+    Raised, in elastic mode only (``HPCTRAIN_ELASTIC``), by the collective a
+    survivor was in or calls next; ``failed`` holds the failed world ranks.
+    :func:`hpctrain.elastic.run` catches it and re-forms the world; outside
+    elastic mode a failed rank ends the job instead.
+    """
+
+    def __init__(self, message: str, failed=()):
+        super().__init__(message)
+        self.failed = list(failed)

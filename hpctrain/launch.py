@@ -167,7 +167,8 @@ def _program(argv: List[str]) -> List[str]:
 
 def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = None,
                   cores: Optional[int] = None, hosts: Optional[str] = None, hostfile: Optional[str] = None,
-                  gloo: bool = False, start_timeout: Optional[float] = None) -> List[str]:
+                  gloo: bool = False, start_timeout: Optional[float] = None, elastic: bool = False,
+                  min_np: Optional[int] = None) -> List[str]:
     """Return the full command line that starts ``argv`` on ``n`` ranks.
 
     Args:
@@ -179,11 +180,20 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
         hostfile: a file of ``host slots=N`` lines (mpirun's and horovodrun's ``--hostfile``).
         gloo: start the ranks with ``horovodrun --gloo`` (hpctrain then runs on its Horovod backend).
         start_timeout: horovodrun's ``--start-timeout`` (only with ``gloo``: mpirun has no equivalent).
+        elastic: elastic mode (:mod:`hpctrain.elastic`): Open MPI's fault-tolerance extension on, and
+            HPCTRAIN_ELASTIC=1 for the ranks; needs Open MPI with ULFM (the venv's wheel has it).
+        min_np: with ``elastic``, the fewest ranks to go on with (HPCTRAIN_ELASTIC_MIN_NP; default 1).
     """
     if hosts and hostfile:
         raise ValueError("give -H/--hosts or --hostfile, not both")
     if gloo:
+        if elastic:
+            raise ValueError("--elastic runs on mpirun (Open MPI's ULFM), not on --gloo")
         return _gloo_command(n, argv, hosts, hostfile, start_timeout)
+    if min_np is not None and not elastic:
+        raise ValueError("--min-np applies to --elastic launches")
+    if elastic and min_np is not None and not 1 <= min_np <= n:
+        raise ValueError(f"--min-np must be between 1 and -n ({n}), got {min_np}")
     if n < 1:
         raise ValueError(f"the number of ranks must be at least 1, got {n}")
     if not argv:
@@ -196,6 +206,9 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
     if choice == "srun" or (not choice and env.get("SLURM_JOB_ID") and srun):
         if not srun:
             raise FileNotFoundError("HPCTRAIN_LAUNCHER=srun but srun is not on PATH")
+        if elastic:
+            raise ValueError("--elastic needs mpirun (Open MPI's ULFM): srun ends the step when a task dies; "
+                             "set HPCTRAIN_LAUNCHER=mpirun inside the allocation")
         return [srun, "-n", str(n), "--mpi=" + settings.get("HPCTRAIN_SRUN_MPI", env)] + program
     mpirun = find_mpirun()
     if mpirun is None:
@@ -212,8 +225,13 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
         if n > cores:
             cmd.append("--oversubscribe")
         cmd += ["--bind-to", "none", "--mca", "osc", "^ucx"]
-        if _several_hosts(hosts, hostfile) and ulfm_supported(mpirun):
+        if elastic and not ulfm_supported(mpirun):
+            raise ValueError(f"--elastic needs Open MPI built with its fault-tolerance extension (ULFM); "
+                             f"{mpirun} has none (`ompi_info | grep 'FT MPI support'`)")
+        if elastic or (_several_hosts(hosts, hostfile) and ulfm_supported(mpirun)):
             cmd += ["--with-ft", "ulfm"]
+        if elastic:
+            cmd += ["-x", "HPCTRAIN_ELASTIC=1", "-x", f"HPCTRAIN_ELASTIC_MIN_NP={min_np or 1}"]
         if "OMP_NUM_THREADS" not in env:
             cmd += ["-x", f"OMP_NUM_THREADS={max(1, cores // n)}"]
         if "TF_CPP_MIN_LOG_LEVEL" not in env:      # TensorFlow's start-up banners (INFO), once per rank otherwise

@@ -150,6 +150,13 @@ SETTINGS: Tuple[Setting, ...] = (
             "(set by `slurm/preemptible.sbatch`)"),
     Setting("HPCTRAIN_START_FRESH_IF_INVALID", "flag", False, "when every checkpoint in the directory is refused, "
             "`CheckpointManager.restore` starts from scratch (moving them to `refused/`) instead of raising"),
+    Setting("HPCTRAIN_ELASTIC", "flag", False, "elastic mode (set by `hpctrain launch --elastic`): a failed rank "
+            "raises WorldFailedError in the survivors' collectives instead of ending the job, and "
+            "`hpctrain.elastic.run` re-forms the world without it (hpctrain.elastic)"),
+    Setting("HPCTRAIN_ELASTIC_MIN_NP", "int", 1, "elastic mode: the fewest ranks to go on with; below it the job "
+            "ends naming what was lost (set by `hpctrain launch --min-np`)", minimum=1),
+    Setting("HPCTRAIN_ELASTIC_RESET_LIMIT", "int", 0, "elastic mode: the most times the world may re-form in "
+            "one run (0: no limit)", minimum=0),
     Setting("HPCTRAIN_LAUNCHER", "choice", "", "launcher of `hpctrain launch` and the sbatch scripts (empty: "
             "srun inside a Slurm allocation, else mpirun)", choices=("", "mpirun", "srun")),
     Setting("HPCTRAIN_SRUN_MPI", "text", "pmix", "the `--mpi=` plugin of srun launches"),

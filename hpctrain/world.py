@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 from . import settings
 from .agreement import check_writable, disagreeing_settings
@@ -22,7 +22,7 @@ from .env import detect_launcher
 from .errors import NotInitializedError
 from .memory import keep_freed_memory
 
-__all__ = ["init", "shutdown", "is_initialized", "world", "resolve_backend", "BACKENDS"]
+__all__ = ["init", "shutdown", "is_initialized", "world", "resolve_backend", "BACKENDS", "on_reform", "generation"]
 
 BACKENDS = ("auto", "mpi", "horovod", "local")
 
@@ -31,6 +31,8 @@ _world: Optional[Communicator] = None
 _saved_excepthook = None
 _atexit_installed = False
 _exit_status = [0]          # what sys.exit() was last called with, after init() (see _install_atexit)
+_generation = [0]           # how many times the world re-formed (elastic mode) since the process started
+_reform_hooks: list = []    # callables given the new world after a re-forming (see on_reform)
 _SAY_IT_S = 2.0             # how long other ranks wait before exiting on a bad setting, so rank 0's line is seen
 
 
@@ -193,7 +195,7 @@ def _shutdown_at_exit() -> None:
         os._exit(code or 1)
 
 
-def _install_excepthook(comm: Communicator) -> None:
+def _install_excepthook(comm: Communicator, previous=None) -> None:
     """Make an uncaught exception print its traceback and abort every rank.
 
     A :class:`~hpctrain.settings.SettingError` is the exception: hpctrain raises
@@ -205,7 +207,7 @@ def _install_excepthook(comm: Communicator) -> None:
     aborted: the exception ends the process as Python would.
     """
     global _saved_excepthook
-    previous = _saved_excepthook = sys.excepthook
+    previous = _saved_excepthook = sys.excepthook if previous is None else previous
 
     def hook(kind, value, tb):
         if issubclass(kind, settings.SettingError):
@@ -284,6 +286,41 @@ def world() -> Communicator:
     if _world is None:
         raise NotInitializedError("hpctrain is not initialised: call hpctrain.init() first")
     return _world
+
+
+def generation() -> int:
+    """How many times the world re-formed in this process (elastic mode: :mod:`hpctrain.elastic`); 0 before."""
+    return _generation[0]
+
+
+def on_reform(callback: Callable[[Communicator], object]) -> Callable[[], None]:
+    """Call ``callback(new_world)`` each time the world re-forms (elastic mode), on every surviving rank, in the
+    order registered; return a function that takes it back.
+
+    For whatever holds the world communicator (an optimizer's gradient
+    buckets, a checkpoint manager): the old communicator is gone after a
+    re-forming, so they rebuild on the new one here (collectives inside the
+    callback meet: every survivor runs the same callbacks in the same order).
+    """
+    _reform_hooks.append(callback)
+
+    def remove() -> None:
+        if callback in _reform_hooks:
+            _reform_hooks.remove(callback)
+    return remove
+
+
+def _replace_world(new: Communicator) -> None:
+    """Make ``new`` the world (the survivors' one, :func:`hpctrain.elastic.reform`) and run the re-form hooks."""
+    global _world
+    with _lock:
+        if _world is None:
+            raise NotInitializedError("hpctrain is not initialised: there is no world to re-form")
+        _world = new
+        _generation[0] += 1
+        _install_excepthook(new, previous=_saved_excepthook)
+    for hook in list(_reform_hooks):
+        hook(new)
 
 
 def comm_or_world(comm: Optional[Communicator]) -> Communicator:

@@ -40,6 +40,13 @@ def test_build_command_flags():
         build_command(0, ["x.py"], env=env)
     with pytest.raises(ValueError):
         build_command(2, [], env=env)
+    elastic = build_command(3, ["x.py"], env=env, cores=2, elastic=True, min_np=2)
+    assert elastic[elastic.index("--with-ft") + 1] == "ulfm" and "--with-ft" not in cmd
+    assert "HPCTRAIN_ELASTIC=1" in elastic and "HPCTRAIN_ELASTIC_MIN_NP=2" in elastic
+    for bad, said in (({"min_np": 2}, "--elastic"), ({"elastic": True, "min_np": 4}, "between 1 and"),
+                      ({"elastic": True, "gloo": True}, "mpirun")):
+        with pytest.raises(ValueError, match=said):
+            build_command(3, ["x.py"], env=env, cores=2, **bad)
 
 
 def test_hpctrain_launch_prints_every_rank():

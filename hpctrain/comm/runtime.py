@@ -62,6 +62,7 @@ class Config:
     shm_arena_bytes: int = settings.default("HPCTRAIN_SHM_ARENA_BYTES")
     native_kernel: bool = settings.default("HPCTRAIN_NATIVE_KERNEL")
     cross_memory: bool = settings.default("HPCTRAIN_CROSS_MEMORY")
+    elastic: bool = settings.default("HPCTRAIN_ELASTIC")
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -81,7 +82,8 @@ class Config:
 # a collective runs, how it splits its buffers and whether calls are checked, so ranks that differ would run
 # different collectives.  (Others may differ: stall times, output paths, HPCTRAIN_CROSS_MEMORY, the C kernel.)
 SHARED_SETTINGS = ("check", "ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "link_gbit",
-                   "link_latency_us", "memory_gbps", "shm_small_bytes", "fusion_threshold", "shm_arena_bytes")
+                   "link_latency_us", "memory_gbps", "shm_small_bytes", "fusion_threshold", "shm_arena_bytes",
+                   "elastic")
 
 TUNABLE = ("ring_chunk_bytes", "shm_min_bytes", "hierarchical_min_bytes", "shm_small_bytes", "fusion_threshold",
            "shm_arena_bytes")
@@ -143,6 +145,11 @@ class Runtime:
         self.departures = None         # a departures.Departures where the backend sends leaving notices
         self.failures = None           # a failures.FailureDetector where the backend can name failed ranks
         self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
+        # elastic mode's failure policy: a failed rank revokes every communicator (so no survivor stays blocked)
+        # and collectives raise WorldFailedError instead of the job ending (see world_failed)
+        self.revokers: list = []       # callables that revoke one communicator's MPI communicators
+        self.is_failure: Callable[[BaseException], bool] = lambda exc: False   # the backend's "a rank failed"
+        self.failed: list = []         # world ranks known to have failed, once world_failed ran
         self.comm_log = CommLog(on=config.comm_log)     # see comm_log.py
         self.timeline = Timeline(on=bool(config.timeline))   # see timeline.py
         self._closed = False
@@ -154,6 +161,8 @@ class Runtime:
         """Run a collective now, after the asynchronous ones issued before it."""
         if self.owner is not None:
             self._check_owner()
+        if self.config.elastic:
+            return self.collectives.run(self._guarded(fn), text, members)
         return self.collectives.run(fn, text, members)
 
     def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
@@ -161,7 +170,46 @@ class Runtime:
         """Queue a collective for the background thread and return a Future of its result."""
         if self.owner is not None:
             self._check_owner()
+        if self.config.elastic:
+            return self.collectives.submit(self._guarded(fn), text, members)
         return self.collectives.submit(fn, text, members)
+
+    # -- elastic mode: failures raise ------------------------------------------
+    def _guarded(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` that raises WorldFailedError once ranks failed, or when it failed because they did."""
+        def guarded():
+            if self.failed:
+                raise self._failed_error()
+            try:
+                return fn()
+            except Exception as exc:
+                if not self.failed and not self.is_failure(exc):
+                    detector = self.failures          # (a revoked or broken call also ends in other errors)
+                    if detector is None or not detector.failed():
+                        raise
+                self.world_failed(self.failures.settled() if self.failures is not None else [])
+                raise self._failed_error() from exc
+        return guarded
+
+    def world_failed(self, ranks) -> None:
+        """Ranks failed (elastic mode): remember them and revoke every communicator, once, so that every
+        survivor's collective in flight ends (with WorldFailedError) instead of waiting for them."""
+        if self.failed:
+            return
+        self.failed = sorted(ranks) or [-1]
+        for revoke in list(self.revokers):
+            try:
+                revoke()
+            except Exception:  # noqa: BLE001 - one communicator that cannot be revoked must not stop the others
+                pass
+
+    def _failed_error(self):
+        from ..errors import WorldFailedError
+
+        known = [r for r in self.failed if r >= 0]
+        said = self.failures.describe(known) if known and self.failures is not None else "a rank"
+        return WorldFailedError(f"hpctrain: rank {self.world_rank}: {said} failed (the process died or its node "
+                                f"was lost); the world must re-form (hpctrain.elastic.run does)", known)
 
     def _check_owner(self) -> None:
         """Refuse a collective from another thread than ``owner`` (hpctrain.horovod's negotiation thread)."""
@@ -244,6 +292,19 @@ class Runtime:
             said = "; ".join(f"{what} failed at shutdown: {type(exc).__name__}: {exc}" for what, exc in failures)
             raise ShutdownError(f"rank {self.world_rank}: {said}") from failures[0][1]
 
+    def discard(self) -> None:
+        """Stop this runtime without leaving (elastic mode: the world re-forms without ranks that failed).
+
+        The lanes stop after their queued calls, which raise at once since
+        ranks failed; the watchdog stops; nothing is announced to the other
+        ranks and no ``on_close`` callback runs (they hold the old world).
+        """
+        self._closed = True
+        self._on_close = []
+        self.collectives.close(drain=True)
+        self.receives.close(drain=False)
+        self.departures = self.failures = None      # (their communicators are left to the old world's end)
+
     def abort(self, message: str, code: int = 1) -> None:
         """End the whole job with ``message`` and exit status ``code`` (never returns)."""
         self._abort(message, code)
@@ -292,9 +353,13 @@ class Runtime:
         period = max(0.05, min(1.0, cfg.stall_warning_s / 4))
         while not self._closed:
             time.sleep(period)
-            failed = self.failure_message() if not self._closed else ""
-            if failed:
-                self.exit_after_failure(failed)
+            if cfg.elastic:         # (a failure is the survivors' to handle: their collectives raise)
+                if not self.failed and self.failures is not None and not self._closed and self.failures.failed():
+                    self.world_failed(self.failures.settled())
+            else:
+                failed = self.failure_message() if not self._closed else ""
+                if failed:
+                    self.exit_after_failure(failed)
             self._check_departures()
             for lane in (self.collectives, self.receives):
                 cur = lane.inflight

@@ -40,6 +40,7 @@ staged through a float32 host copy for the compressor.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, Iterable, Optional
 
 import torch
@@ -121,6 +122,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
                             int(bucket_mb * 2 ** 20))
         optimizer.__class__ = cls
         optimizer._hpctrain = sync
+        if comm is None:
+            _follow_the_world(optimizer, (op, compression, compression_policy, sparse_as_dense),
+                              backward_passes_per_step, int(bucket_mb * 2 ** 20))
     patched = optimizer.__dict__.get("step")
     if patched is not None:
         # Something (an LR scheduler created before this call) replaced step on the instance with a
@@ -131,6 +135,32 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         step.__dict__.update(getattr(patched, "__dict__", {}))   # keep the scheduler's markers
         optimizer.step = step
     return optimizer
+
+
+def _follow_the_world(optimizer, averaging: tuple, passes: int, cap_bytes: int) -> None:
+    """Rebuild ``optimizer``'s buckets and hooks on the new world each time the world re-forms (elastic mode).
+
+    Held weakly: a dropped optimizer stops following.  The compressor object
+    (and its error-feedback residuals) carries over.
+    """
+    from ..world import on_reform
+
+    ref = weakref.ref(optimizer)
+
+    def follow(world) -> None:
+        opt = ref()
+        if opt is None:
+            remove()
+            return
+        old = opt._hpctrain
+        old.remove_hooks()
+        op, compression, policy, sparse_as_dense = averaging
+        compression = old.averager.compressor if old.averager.compressor is not None else compression
+        opt._hpctrain = GradientSync(opt, list(zip(old.names, old.params)),
+                                     GradientAverager(world, op, compression, policy, sparse_as_dense), passes,
+                                     cap_bytes)
+
+    remove = on_reform(follow)
 
 
 class _DistributedMixin:

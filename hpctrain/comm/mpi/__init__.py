@@ -8,6 +8,6 @@
 - ``direct.py``, ``cross_memory.py``: large one-node all-reduces by direct copies between processes;
 - ``requests.py``: non-blocking requests and the ring's point-to-point transport.
 """
-from .communicator import MPICommunicator, init_world
+from .communicator import MPICommunicator, init_world, world_over
 
-__all__ = ["MPICommunicator", "init_world"]
+__all__ = ["MPICommunicator", "init_world", "world_over"]

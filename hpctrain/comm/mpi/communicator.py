@@ -39,7 +39,7 @@ from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_
 from ..runtime import Config, Runtime
 from ..signature import DESC_BYTES, Call, encoded, format_ranks, judge
 
-__all__ = ["MPICommunicator", "init_world"]
+__all__ = ["MPICommunicator", "init_world", "world_over"]
 
 VERDICT_BYTES = 1 << 16
 _TAG_CALL, _TAG_VERDICT = 1, 2
@@ -71,6 +71,8 @@ class MPICommunicator(RidingOnNode, Communicator):
         self._mailbox: Optional[Mailbox] = None
         self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
         self._direct = DirectCopies(self._nodes, MPI, runtime)
+        if runtime.config.elastic:
+            runtime.revokers.append(self._revoke)
         if self._size > 1:
             self._open_windows()
 
@@ -282,7 +284,20 @@ class MPICommunicator(RidingOnNode, Communicator):
         members = sub.allgather(self.world_ranks[self._rank])
         return MPICommunicator(self._rt, sub, f"{self.name}.split({color})", members, owns=True)
 
+    def _revoke(self) -> None:
+        """Revoke the MPI communicators under this one (elastic mode, after a failure): every call on them, on
+        every surviving rank, ends with MPI_ERR_REVOKED, including the shared-memory waits (their barriers and the
+        mailbox's progress probes run on them)."""
+        for c in (self._coll, self._p2p, self._ctrl, self._nodes.node, self._nodes.cross, self._base):
+            if c is not None and c != self._MPI.COMM_NULL:
+                try:
+                    c.Revoke()
+                except self._MPI.Exception:
+                    pass
+
     def _free(self) -> None:
+        if self._revoke in self._rt.revokers:
+            self._rt.revokers.remove(self._revoke)
         self._release_shared()
         if self._mailbox is not None:
             self._mailbox.free()
@@ -319,9 +334,23 @@ def init_world(config: Config) -> MPICommunicator:
             f"in each: the MPI library does not speak this launcher's protocol (e.g. srun --mpi=pmi2 with "
             f"OpenMPI 5; use srun --mpi=pmix or mpirun). Refusing to run {launch.size} independent copies.")
 
-    runtime = Runtime(config, world.Get_rank(), abort_job)
-    if world.Get_size() > 1:
-        notices = MPINotices(world, MPI)
+    return world_over(world, config, "world", owns=False)
+
+
+def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> MPICommunicator:
+    """A world communicator over the MPI communicator ``comm`` (``MPI.COMM_WORLD``, or the survivors' one
+    after a failure: :mod:`hpctrain.elastic`), with its own runtime (lanes, watchdog, departures, failures).
+
+    Collective over ``comm``.
+    """
+    from mpi4py import MPI
+
+    runtime = Runtime(config, comm.Get_rank(), abort_job)
+    codes = {getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+             if hasattr(MPI, n)}
+    runtime.is_failure = lambda exc: isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes
+    if comm.Get_size() > 1:
+        notices = MPINotices(comm, MPI)
         runtime.departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
-        runtime.failures = FailureDetector(world, world.allgather(MPI.Get_processor_name()), MPI)
-    return MPICommunicator(runtime, world, "world", range(world.Get_size()), owns=False)
+        runtime.failures = FailureDetector(comm, comm.allgather(MPI.Get_processor_name()), MPI)
+    return MPICommunicator(runtime, comm, name, range(comm.Get_size()), owns=owns)

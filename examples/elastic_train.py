@@ -1,0 +1,88 @@
+"""Elastic data-parallel training with torch: survives killed ranks and goes on at the new size.
+
+Run with ``hpctrain launch --elastic -n 4 examples/elastic_train.py --kill 3:20`` (rank 3 kills itself with
+SIGKILL at step 20; ``--kill`` may repeat): the survivors re-form the world, go back to the last commit and
+finish the epochs, the epoch's unseen samples re-dealt over the new size.  Rank 0 prints the recoveries, and
+with ``--out F`` saves the final parameters (safetensors) and a JSON summary next to them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+
+import hpctrain
+import hpctrain.elastic
+import hpctrain.torch as ht
+
+
+def make_data(samples: int):
+    """A regression task: ``samples`` inputs of 32 values and their targets (float64, the same on every rank)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(samples, 32, generator=g, dtype=torch.float64)
+    return x, (x @ torch.randn(32, 1, generator=g, dtype=torch.float64)).tanh()
+
+
+def make_model():
+    """The model (a two-layer perceptron, float64) and its local optimizer, the same on every rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).double()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
+    p.add_argument("--samples", type=int, default=1024)
+    p.add_argument("--commit-every", type=int, default=1, help="steps between commits")
+    p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP",
+                   help="the rank (of the first world) that kills itself at this global step")
+    p.add_argument("--out", help="file for the final parameters (.safetensors) and its .json summary")
+    args = p.parse_args()
+    kills = {int(r): int(s) for r, s in (k.split(":") for k in args.kill)}
+
+    torch.use_deterministic_algorithms(True)
+    world = hpctrain.init()
+    first_rank = world.rank
+    x, y = make_data(args.samples)
+    model, opt = make_model()
+    opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    sampler = hpctrain.elastic.ElasticSampler(args.samples, shuffle=True, seed=3)
+    state = ht.TorchState(model, opt, sampler=sampler, epoch=0, step=0)
+
+    @hpctrain.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, args.epochs):
+            idx = list(state.sampler)
+            for b in range(len(idx) // args.batch):
+                if kills.get(first_rank) == state.step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                rows = idx[b * args.batch:(b + 1) * args.batch]
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+                opt.step()
+                state.sampler.record_batch(args.batch)
+                state.step += 1
+                if state.step % args.commit_every == 0:
+                    state.commit()
+            state.sampler.set_epoch(state.epoch + 1)
+            state.commit()
+
+    train(state)
+    w = hpctrain.world()
+    if w.rank == 0:
+        print(f"finished: {state.step} steps, world of {w.size}, {len(state.recoveries)} re-formings", flush=True)
+        if args.out:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out)
+            with open(args.out + ".json", "w") as f:
+                json.dump({"steps": state.step, "size": w.size, "recoveries": state.recoveries}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

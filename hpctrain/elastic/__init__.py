@@ -1,0 +1,36 @@
+"""Elastic training: a failed rank or node costs seconds, not the job.
+
+Start the job with ``hpctrain launch --elastic --min-np A -n N train.py``
+(Open MPI's fault-tolerance extension, ULFM, keeps the survivors running),
+keep the training state in a :class:`State` and commit it every few steps,
+and wrap the training function with :func:`run`::
+
+    state = hpctrain.torch.TorchState(model, optimizer, sampler=sampler, epoch=0)
+
+    @hpctrain.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for batch in loader:            # (sampler=state.sampler)
+                ...step...
+                state.sampler.record_batch(batch_size)
+                state.commit()
+            state.sampler.set_epoch(state.epoch + 1)
+
+When ranks die, every survivor's collective raises WorldFailedError within
+about a second; :func:`run` re-forms the world from the survivors
+(:mod:`hpctrain.elastic.reform`), every survivor goes back to the newest
+commit they all kept (:mod:`hpctrain.elastic.state`), the sampler re-deals
+the epoch's unseen samples over the new size (:mod:`hpctrain.elastic.sampler`),
+and training goes on.  What holds the world communicator follows it:
+``hpctrain.torch.DistributedOptimizer`` (made without ``comm=``) rebuilds its
+buckets on the new world (:func:`hpctrain.world.on_reform`).
+"""
+from ..errors import WorldFailedError
+from ..world import generation, on_reform
+from .reform import Reformed, WorldTooSmallError, reform
+from .run import run
+from .sampler import ElasticSampler
+from .state import ObjectState, State
+
+__all__ = ["run", "reform", "generation", "on_reform", "Reformed", "State", "ObjectState", "ElasticSampler", "WorldFailedError",
+           "WorldTooSmallError"]

@@ -1,0 +1,102 @@
+"""Re-form the world from the survivors of a failure (elastic mode, MPI's fault-tolerance extension ULFM).
+
+After ranks failed, every survivor's collectives raise
+:class:`~hpctrain.errors.WorldFailedError` (the runtime revoked the old
+world's communicators, so none stays blocked).  :func:`reform`, called by every
+survivor, then:
+
+1. shrinks the old world's MPI communicator to the survivors
+   (``MPI_Comm_shrink``: one fault-tolerant agreement, a few milliseconds;
+   a rank that fails during it is left out too);
+2. stops the old world on this rank without talking to anyone (its lanes and
+   watchdog; its windows and communicators are kept, unfreed: :func:`_discard`);
+3. builds a new world communicator over the survivors (new ranks ``0..n-1`` in
+   the old order: the lowest surviving rank is the new rank 0), with its own
+   runtime, and makes it :func:`hpctrain.world`;
+4. runs the :func:`hpctrain.world.on_reform` callbacks with it.
+
+Cost: the shrink, plus making a communicator (three duplicates, the node's
+split, a shared-memory window: tens of milliseconds on one node).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List
+
+from .. import settings
+from ..errors import HpctrainError
+
+__all__ = ["reform", "Reformed", "WorldTooSmallError"]
+
+
+class WorldTooSmallError(HpctrainError):
+    """Fewer ranks survived than the elastic job's minimum (HPCTRAIN_ELASTIC_MIN_NP)."""
+
+
+@dataclass
+class Reformed:
+    """What a re-forming did: sizes, who was lost, and how long its parts took (seconds)."""
+
+    old_size: int
+    new_size: int
+    old_rank: int
+    new_rank: int
+    lost: List[int] = field(default_factory=list)        # old world ranks that failed
+    lost_text: str = ""                                   # the same, with their nodes
+    shrink_s: float = 0.0
+    build_s: float = 0.0
+
+
+def reform():
+    """Re-form the world from the ranks that survive; return ``(new world, Reformed)``.
+
+    Collective over the survivors.  Raises :class:`WorldTooSmallError` when
+    fewer than ``HPCTRAIN_ELASTIC_MIN_NP`` ranks are left (the new world is not
+    made), and HpctrainError outside elastic mode or on a backend without
+    ULFM.
+    """
+    from ..comm.mpi import world_over
+    from ..world import _replace_world, world
+
+    old = world()
+    rt = old._rt
+    if not rt.config.elastic or old.backend != "mpi":
+        raise HpctrainError("hpctrain.elastic.reform() needs elastic mode on the MPI backend "
+                            "(start the job with `hpctrain launch --elastic ...`)")
+    MPI = old._MPI
+    detector = rt.failures
+    lost = detector.settled() if detector is not None else []
+    lost_text = detector.describe(lost) if detector is not None and lost else "no rank known"
+    rt.world_failed(lost)               # (revokes the old communicators if this rank had not heard yet)
+    t0 = time.monotonic()
+    base = old._base.Shrink()
+    base.Set_errhandler(MPI.ERRORS_RETURN)
+    t1 = time.monotonic()
+    info = Reformed(old.size, base.Get_size(), old.rank, base.Get_rank(), lost, lost_text, t1 - t0)
+    _discard(old)
+    least = settings.get("HPCTRAIN_ELASTIC_MIN_NP")
+    if base.Get_size() < least:
+        raise WorldTooSmallError(f"hpctrain: {lost_text} failed and {base.Get_size()} of {old.size} ranks are "
+                                 f"left, fewer than the job's minimum of {least} (--min-np); ending the job")
+    new = world_over(base, rt.config, "world", owns=True)
+    info.build_s = time.monotonic() - t1
+    _replace_world(new)
+    return new, info
+
+
+def _discard(old) -> None:
+    """Stop the old world on this rank (its runtime: lanes, watchdog) and keep its MPI objects unfreed.
+
+    Freeing them is not safe: with Open MPI 5.0's ULFM, freeing a shared
+    window of a node that lost a process made the next re-forming hang in
+    ``MPI_Comm_dup`` (its context-id agreement), and the revoked
+    communicators are no use.  They stay referenced here until the process
+    ends; the cost is the old world's shared memory (its mailbox, and the
+    arena and shared buckets where they were made) per re-forming.
+    """
+    old._rt.discard()
+    _DISCARDED.append(old)
+
+
+_DISCARDED: list = []      # the old worlds of this process, kept so that nothing frees their MPI objects

@@ -1,0 +1,155 @@
+"""Training state that survives a re-formed world: commit, restore, and make every rank hold the same.
+
+``state.commit()`` (after a step, every ``k`` steps) keeps a copy of the state
+in this process's memory; after a failure :func:`hpctrain.elastic.run`
+re-forms the world and calls :meth:`State.recover`: the ranks agree on the
+newest commit every survivor has (a survivor whose step failed before its
+commit is one commit behind the others, so the last two are kept), each
+restores it, and rank 0's copy is broadcast so that every rank continues
+from the same bits.  Cost of a commit: one copy of the state in memory
+(:class:`~hpctrain.torch.elastic_state.TorchState`: the model's and the
+optimizer's tensors), no communication.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..errors import HpctrainError
+
+__all__ = ["State", "ObjectState"]
+
+KEPT_COMMITS = 2
+
+
+class State:
+    """Base of the elastic states: numbered in-memory commits, agreement on the one to go back to, reset callbacks.
+
+    Subclasses say what a copy is (:meth:`_capture`, :meth:`_apply`) and how
+    rank 0's state reaches every rank (:meth:`_sync`).
+    """
+
+    def __init__(self):
+        self._commits: deque = deque(maxlen=KEPT_COMMITS)      # (number, copy), oldest first
+        self.commits = 0                                        # commits so far (the number of the newest)
+        self.commit_s = 0.0                                     # time of the last commit
+        self._reset_callbacks: List[Callable[[], object]] = []
+
+    # -- for subclasses -------------------------------------------------------
+    def _capture(self) -> Any:
+        raise NotImplementedError
+
+    def _apply(self, saved: Any) -> None:
+        raise NotImplementedError
+
+    def _sync(self, comm) -> None:
+        raise NotImplementedError
+
+    # -- public ------------------------------------------------------------------
+    def commit(self) -> None:
+        """Keep a copy of the state (in this process's memory) that :meth:`restore` and a re-forming go back to."""
+        start = time.perf_counter()
+        self.commits += 1
+        self._commits.append((self.commits, self._capture()))
+        self.commit_s = time.perf_counter() - start
+
+    def restore(self, number: Optional[int] = None) -> None:
+        """Go back to commit ``number`` (default: the newest).  Raises HpctrainError when it is not kept."""
+        if not self._commits:
+            raise HpctrainError("nothing to restore: commit() the state first")
+        for n, saved in reversed(self._commits):
+            if number is None or n == number:
+                self._apply(saved)
+                self.commits = n
+                while self._commits and self._commits[-1][0] > n:
+                    self._commits.pop()
+                return
+        raise HpctrainError(f"commit {number} is not kept here (kept: {[n for n, _ in self._commits]})")
+
+    def sync(self, comm=None) -> None:
+        """Make every rank's state rank 0's (collective), then commit it."""
+        from ..world import comm_or_world
+
+        self._sync(comm_or_world(comm))
+        self.commit()
+
+    def recover(self, comm=None) -> int:
+        """After a re-forming: agree on the newest commit every rank kept, restore it, take rank 0's copy.
+
+        Collective; returns the commit number restored.  Raises HpctrainError
+        naming the ranks when no commit is kept on every rank.
+        """
+        from ..world import comm_or_world
+
+        comm = comm_or_world(comm)
+        kept = comm.allgather_object([n for n, _ in self._commits])
+        common = set(kept[0]).intersection(*map(set, kept[1:]))
+        if not common:
+            raise HpctrainError(f"the ranks kept no common commit to go back to (rank: commits kept): "
+                                f"{dict(enumerate(kept))}")
+        number = max(common)
+        self.restore(number)
+        self._sync(comm)
+        return number
+
+    def register_reset_callbacks(self, callbacks: List[Callable[[], object]]) -> None:
+        """Call each of ``callbacks`` (no arguments) after every re-forming, once the state is restored
+        (to scale the learning rate to the new size, say)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Run the reset callbacks (:func:`hpctrain.elastic.run` does, after :meth:`recover`)."""
+        for cb in self._reset_callbacks:
+            cb()
+
+
+class ObjectState(State):
+    """Named values as attributes (``state.epoch``), committed as copies and broadcast from rank 0 by :meth:`sync`.
+
+    ``state = ObjectState(epoch=0, batch=0, sampler=sampler)``; ``state.epoch += 1``; ``state.commit()``.
+    A value with ``state_dict()`` and ``load_state_dict()`` (a sampler, an LR
+    scheduler, a torch model or optimizer) is committed as a deep copy of its
+    state dict and restored in place, so objects that hold it (a DataLoader
+    holds its sampler) see the restored state; any other value is deep-copied
+    and the attribute set again.  Values must be picklable (:meth:`sync`
+    sends rank 0's); names in ``local`` are restored but not synced (each
+    rank's own, such as its RNG streams).
+    """
+
+    def __init__(self, local: Sequence[str] = (), **values: Any):
+        super().__init__()
+        self._names = sorted(values)
+        self._local = set(local)
+        for name, value in values.items():
+            setattr(self, name, value)
+        self.commit()
+
+    def _capture(self, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+        out = {}
+        for name in self._names if names is None else names:
+            value = getattr(self, name)
+            out[name] = copy.deepcopy(value.state_dict() if _has_state_dict(value) else value)
+        return out
+
+    def _apply(self, saved: Dict[str, Any]) -> None:
+        for name, value in saved.items():
+            current = getattr(self, name)
+            if _has_state_dict(current):
+                current.load_state_dict(copy.deepcopy(value))     # (loading may keep the tensors it is given)
+            else:
+                setattr(self, name, copy.deepcopy(value))
+
+    def _sync(self, comm) -> None:
+        self._sync_values(comm, ())
+
+    def _sync_values(self, comm, skip: Sequence[str]) -> None:
+        """Give every rank rank 0's values, but for the local ones and ``skip`` (one pickled broadcast)."""
+        names = [n for n in self._names if n not in self._local and n not in skip]
+        if names:
+            self._apply(comm.broadcast_object(self._capture(names), root=0))
+
+
+def _has_state_dict(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))

@@ -1,0 +1,169 @@
+"""Elastic training: ranks killed for real (SIGKILL) under `hpctrain launch --elastic`, the survivors re-form the
+world and finish; the final model equals an independent single-process computation of the same schedule.
+
+The reference (:func:`reference`) trains the example's model in one process, world sizes simulated: at each
+step every simulated rank's gradient on its share of the data (the sampler's documented dealing rule, written
+out again here), summed in rank order and divided by the size, as the one-node all-reduce does for a model this
+small; at the step where a rank died, the size drops by one and the epoch's unseen samples are dealt anew.
+Bit-identical: the same float operations in the same order.
+"""
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from harness import BIN, REPO, base_env, run
+
+EXAMPLE = REPO / "examples" / "elastic_train.py"
+SAMPLES, EPOCHS, BATCH, SEED, COMMIT_EVERY = 384, 2, 8, 3, 4
+
+
+def launch(n, tmp_path, kills=(), *options, timeout=120):
+    """``hpctrain launch --elastic`` of the example at ``n`` ranks, ``kills`` = ((first-world rank, step), ...)."""
+    out = tmp_path / "final.safetensors"
+    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(n), *options, str(EXAMPLE), "--samples",
+           str(SAMPLES), "--epochs", str(EPOCHS), "--batch", str(BATCH), "--commit-every", str(COMMIT_EVERY),
+           "--out", str(out)]
+    for rank, step in kills:
+        cmd += ["--kill", f"{rank}:{step}"]
+    return run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60), timeout), out
+
+
+def reference(n, resume_steps):
+    """The final parameters of training at ``n`` ranks, one fewer from each step in ``resume_steps`` on (the
+    steps of the commits the survivors went back to: the steps after them are done again at the new size)."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from elastic_train import make_data, make_model
+
+    torch.use_deterministic_algorithms(True)
+    x, y = make_data(SAMPLES)
+    model, opt = make_model()
+    params = list(model.parameters())
+    size, step, pending = n, 0, sorted(resume_steps)
+    for epoch in range(EPOCHS):
+        order = np.random.RandomState(SEED + epoch).permutation(SAMPLES)
+        processed, dealt = 0, False
+        while not dealt:
+            dealt = True
+            rest = order[processed:]
+            each = len(rest) // size
+            shares = [rest[r::size][:each] for r in range(size)]
+            for b in range(each // BATCH):
+                if pending and pending[0] == step:        # a rank dies here: the rest is dealt to fewer
+                    pending.pop(0)
+                    size, dealt = size - 1, False
+                    break
+                grads = []
+                for share in shares:
+                    rows = torch.from_numpy(share[b * BATCH:(b + 1) * BATCH])
+                    opt.zero_grad()
+                    torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+                    grads.append([p.grad.clone() for p in params])
+                for i, p in enumerate(params):
+                    total = grads[0][i]
+                    for g in grads[1:]:
+                        total = total + g[i]
+                    p.grad = total / size if size > 1 else total
+                opt.step()
+                processed += BATCH * size
+                step += 1
+    return {k: v.numpy() for k, v in model.state_dict().items()}, step
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n,kills,resumes", [(1, (), ()), (2, ((1, 5),), (4,)), (3, ((0, 7),), (4,)),
+                                             (4, ((3, 6), (0, 21)), (4, 20))],
+                         ids=["1-none", "2-rank1", "3-rank0", "4-rank3-then-rank0"])
+def test_killed_ranks_leave_a_smaller_world_that_finishes_bit_identical_to_a_reference(n, kills, resumes, tmp_path):
+    """Commits every 4 steps: a rank killed at step 7 sends the survivors back to step 4's commit."""
+    from safetensors.numpy import load_file
+
+    res, out = launch(n, tmp_path, kills)
+    assert res.returncode == 0, res.stdout[-4000:]
+    summary = json.loads(out.with_name(out.name + ".json").read_text())
+    want, steps = reference(n, resumes)
+    assert summary["steps"] == steps and summary["size"] == n - len(kills), summary
+    sizes = [(r["old_size"], r["new_size"]) for r in summary["recoveries"]]
+    assert sizes == [(n - i, n - i - 1) for i in range(len(kills))], summary
+    said = re.findall(r"hpctrain: world rank (\d+) on node \S+ failed; the world re-formed from (\d+) to (\d+)",
+                      res.stdout)
+    # (the failed rank is named in the numbering of the world it died in: first-world rank 0 is rank 0 of
+    # every later world, rank 3 of a world of 4 is its last)
+    assert [int(r) for r, _, _ in said] == [r for r, _ in kills], res.stdout[-3000:]
+    got = load_file(str(out))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), (name, np.abs(got[name] - want[name]).max())
+
+
+@pytest.mark.timeout(120)
+def test_fewer_survivors_than_min_np_end_the_job_naming_what_was_lost(tmp_path):
+    res, out = launch(2, tmp_path, ((1, 3),), "--min-np", "2")
+    assert res.returncode != 0 and not out.exists(), res.stdout[-3000:]
+    assert re.search(r"world rank 1 on node \S+ failed and 1 of 2 ranks are left, fewer than the job's "
+                     r"minimum of 2 \(--min-np\)", res.stdout), res.stdout[-3000:]
+
+
+class _World:
+    """Where the sampler is dealt: a rank of a world of ``size`` (it needs only these two)."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+def test_the_sampler_deals_every_sample_of_an_epoch_once_whatever_the_sizes():
+    from hpctrain.elastic import ElasticSampler
+
+    length, batch = 1003, 5
+    order = ElasticSampler(length, seed=7, comm=_World(0, 1))
+    order.set_epoch(2)
+    order = order.order().tolist()
+    assert sorted(order) == list(range(length)) and order != list(range(length))
+    # (size, batches run at that size before the world changes; None: to the epoch's end)
+    for schedule in ([(4, None)], [(4, 3), (3, 7), (2, None)], [(3, 0), (1, 20), (2, None)], [(1, 2), (4, None)]):
+        saved = dict(epoch=2, processed=0)
+        seen = []
+        for size, batches in schedule:
+            shares = []
+            for r in range(size):
+                s = ElasticSampler(length, seed=7, comm=_World(r, size))
+                s.load_state_dict({**s.state_dict(), **saved})
+                shares.append(s.indices().tolist())
+                assert len(s) == len(shares[-1]) == (length - saved["processed"]) // size
+            for b in range(len(shares[0]) // batch if batches is None else batches):
+                for share in shares:
+                    seen += share[b * batch:(b + 1) * batch]
+                s.record_batch(batch)
+            saved = {k: v for k, v in s.state_dict().items() if k in saved}
+        assert len(seen) == len(set(seen)), schedule                         # nothing twice
+        assert sorted(seen) == sorted(order[:len(seen)]), schedule            # what was consumed is a prefix
+        assert length - len(seen) < schedule[-1][0] * (batch + 1), schedule  # only the last size's tail is left
+        assert saved["processed"] == len(seen)
+    with pytest.raises(ValueError, match="length"):
+        ElasticSampler(10).load_state_dict(ElasticSampler(11).state_dict())
+
+
+def test_object_state_commits_restores_and_keeps_the_last_two_commits():
+    from hpctrain.elastic import ObjectState
+    from hpctrain.elastic.sampler import ElasticSampler
+    from hpctrain.errors import HpctrainError
+
+    sampler = ElasticSampler(100, comm=_World(0, 1))
+    state = ObjectState(epoch=0, items=[1], sampler=sampler)
+    first = state.commits
+    state.epoch, sampler.processed = 1, 40
+    state.items.append(2)
+    state.commit()
+    state.epoch, sampler.processed = 2, 80
+    state.commit()
+    state.epoch, sampler.processed = 3, 90
+    state.restore()
+    assert (state.epoch, sampler.processed, state.items, state.sampler is sampler) == (2, 80, [1, 2], True)
+    state.restore(first + 1)
+    assert (state.epoch, sampler.processed, state.commits) == (1, 40, first + 1)
+    with pytest.raises(HpctrainError, match="not kept"):
+        state.restore(first)                    # (three commits ago: only two are kept)
