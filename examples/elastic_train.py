@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import torch
 
@@ -41,6 +42,8 @@ def main() -> None:
     p.add_argument("--commit-every", type=int, default=1, help="steps between commits")
     p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP",
                    help="the rank (of the first world) that kills itself at this global step")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep each step (to kill a node by hand)")
+    p.add_argument("--log-steps", action="store_true", help="rank 0 prints 'step N' after each step")
     p.add_argument("--out", help="file for the final parameters (.safetensors) and its .json summary")
     args = p.parse_args()
     kills = {int(r): int(s) for r, s in (k.split(":") for k in args.kill)}
@@ -53,6 +56,8 @@ def main() -> None:
     opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     sampler = hpctrain.elastic.ElasticSampler(args.samples, shuffle=True, seed=3)
     state = ht.TorchState(model, opt, sampler=sampler, epoch=0, step=0)
+    resumed_at = []         # the step each re-forming went back to
+    state.register_reset_callbacks([lambda: resumed_at.append(state.step)])
 
     @hpctrain.elastic.run
     def train(state):
@@ -67,6 +72,10 @@ def main() -> None:
                 opt.step()
                 state.sampler.record_batch(args.batch)
                 state.step += 1
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+                if args.log_steps and hpctrain.world().rank == 0:
+                    print(f"step {state.step}", flush=True)
                 if state.step % args.commit_every == 0:
                     state.commit()
             state.sampler.set_epoch(state.epoch + 1)
@@ -81,7 +90,8 @@ def main() -> None:
 
             save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out)
             with open(args.out + ".json", "w") as f:
-                json.dump({"steps": state.step, "size": w.size, "recoveries": state.recoveries}, f, indent=1)
+                json.dump({"steps": state.step, "size": w.size, "resumed_at": resumed_at,
+                           "recoveries": state.recoveries}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,22 @@ def _shutdown_at_exit() -> None:
             except (OSError, ValueError):       # (a closed or broken stream: nothing more to say there)
                 pass
         os._exit(code or 1)
+    if _generation[0]:
+        _exit_without_finalize(code)
+
+
+def _exit_without_finalize(code: int) -> None:
+    """End the process now, without ``MPI_Finalize``: after a re-forming (elastic mode) Open MPI's finalize
+    waits for the processes that were lost when they ran on another node, for ever."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _install_excepthook(comm: Communicator, previous=None) -> None:

@@ -20,19 +20,23 @@ EXAMPLE = REPO / "examples" / "elastic_train.py"
 SAMPLES, EPOCHS, BATCH, SEED, COMMIT_EVERY = 384, 2, 8, 3, 4
 
 
+def example_args(out):
+    """The example's arguments of these tests, writing to ``out``."""
+    return [str(EXAMPLE), "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch", str(BATCH),
+            "--commit-every", str(COMMIT_EVERY), "--out", str(out)]
+
+
 def launch(n, tmp_path, kills=(), *options, timeout=120):
     """``hpctrain launch --elastic`` of the example at ``n`` ranks, ``kills`` = ((first-world rank, step), ...)."""
     out = tmp_path / "final.safetensors"
-    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(n), *options, str(EXAMPLE), "--samples",
-           str(SAMPLES), "--epochs", str(EPOCHS), "--batch", str(BATCH), "--commit-every", str(COMMIT_EVERY),
-           "--out", str(out)]
+    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(n), *options] + example_args(out)
     for rank, step in kills:
         cmd += ["--kill", f"{rank}:{step}"]
     return run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60), timeout), out
 
 
-def reference(n, resume_steps):
-    """The final parameters of training at ``n`` ranks, one fewer from each step in ``resume_steps`` on (the
+def reference(n, resumes, lost=1):
+    """The final parameters of training at ``n`` ranks, ``lost`` fewer from each step in ``resumes`` on (the
     steps of the commits the survivors went back to: the steps after them are done again at the new size)."""
     import torch
 
@@ -43,7 +47,7 @@ def reference(n, resume_steps):
     x, y = make_data(SAMPLES)
     model, opt = make_model()
     params = list(model.parameters())
-    size, step, pending = n, 0, sorted(resume_steps)
+    size, step, pending = n, 0, sorted(resumes)
     for epoch in range(EPOCHS):
         order = np.random.RandomState(SEED + epoch).permutation(SAMPLES)
         processed, dealt = 0, False
@@ -55,7 +59,7 @@ def reference(n, resume_steps):
             for b in range(each // BATCH):
                 if pending and pending[0] == step:        # a rank dies here: the rest is dealt to fewer
                     pending.pop(0)
-                    size, dealt = size - 1, False
+                    size, dealt = size - lost, False
                     break
                 grads = []
                 for share in shares:
@@ -87,6 +91,7 @@ def test_killed_ranks_leave_a_smaller_world_that_finishes_bit_identical_to_a_ref
     summary = json.loads(out.with_name(out.name + ".json").read_text())
     want, steps = reference(n, resumes)
     assert summary["steps"] == steps and summary["size"] == n - len(kills), summary
+    assert summary["resumed_at"] == list(resumes), summary
     sizes = [(r["old_size"], r["new_size"]) for r in summary["recoveries"]]
     assert sizes == [(n - i, n - i - 1) for i in range(len(kills))], summary
     said = re.findall(r"hpctrain: world rank (\d+) on node \S+ failed; the world re-formed from (\d+) to (\d+)",
