@@ -35,9 +35,10 @@ def launch(n, tmp_path, kills=(), *options, timeout=120):
     return run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60), timeout), out
 
 
-def reference(n, resumes, lost=1):
-    """The final parameters of training at ``n`` ranks, ``lost`` fewer from each step in ``resumes`` on (the
-    steps of the commits the survivors went back to: the steps after them are done again at the new size)."""
+def reference(n, resumes):
+    """The final parameters of training at ``n`` ranks, then from each ``(step, size)`` of ``resumes`` on at that
+    size (the steps of the commits the survivors went back to: the steps after them are done again at the new
+    size); and the number of steps."""
     import torch
 
     sys.path.insert(0, str(REPO / "examples"))
@@ -57,9 +58,8 @@ def reference(n, resumes, lost=1):
             each = len(rest) // size
             shares = [rest[r::size][:each] for r in range(size)]
             for b in range(each // BATCH):
-                if pending and pending[0] == step:        # a rank dies here: the rest is dealt to fewer
-                    pending.pop(0)
-                    size, dealt = size - lost, False
+                if pending and pending[0][0] == step:     # ranks died: the rest is dealt to fewer from here
+                    size, dealt = pending.pop(0)[1], False
                     break
                 grads = []
                 for share in shares:
@@ -89,7 +89,7 @@ def test_killed_ranks_leave_a_smaller_world_that_finishes_bit_identical_to_a_ref
     res, out = launch(n, tmp_path, kills)
     assert res.returncode == 0, res.stdout[-4000:]
     summary = json.loads(out.with_name(out.name + ".json").read_text())
-    want, steps = reference(n, resumes)
+    want, steps = reference(n, [(step, n - 1 - i) for i, step in enumerate(resumes)])
     assert summary["steps"] == steps and summary["size"] == n - len(kills), summary
     assert summary["resumed_at"] == list(resumes), summary
     sizes = [(r["old_size"], r["new_size"]) for r in summary["recoveries"]]

@@ -127,22 +127,26 @@ def test_elastic_training_survives_the_loss_of_a_whole_node_and_finishes_on_the_
             if re.search(r"\bstep 6$", line.strip()):
                 break
         cluster.kill("node2", "elastic_train")
-        killed_at = time.monotonic()
+        killed_at, said_at = time.monotonic(), None
         for line in job.stdout:
             lines.append(line)
-            if "re-formed" in line:
+            if "re-formed" in line and said_at is None:
                 said_at = time.monotonic()
         job.wait(timeout=120)
     finally:
         kill_tree(job)
     log = "".join(lines)
     assert job.returncode == 0, log[-4000:]
-    assert re.search(r"hpctrain: world ranks 2-3 on node node2 failed; the world re-formed from 4 to 2 ranks", log), \
-        log[-3000:]
+    # Both processes of node2 are named, in one re-forming (4 -> 2), or in two where the second one's failure
+    # was reported after the survivors had shrunk the world (4 -> 3 -> 2: a loaded machine)
+    said = re.findall(r"hpctrain: world (ranks? [\d-]+) on node node2 failed; the world re-formed from (\d) to (\d)",
+                      log)
+    assert said in ([("ranks 2-3", "4", "2")], [("rank 2", "4", "3"), ("rank 2", "3", "2")],
+                    [("rank 3", "4", "3"), ("rank 2", "3", "2")]), log[-3000:]
     assert said_at - killed_at < 10, f"{said_at - killed_at:.1f} s from the loss of node2 to a re-formed world"
     summary = json.loads(out.with_name(out.name + ".json").read_text())
-    assert summary["size"] == 2 and len(summary["resumed_at"]) == 1, summary
-    want, steps = reference(4, summary["resumed_at"], lost=2)
+    assert summary["size"] == 2 and len(summary["resumed_at"]) == len(said), summary
+    want, steps = reference(4, [(step, int(size)) for step, (_, _, size) in zip(summary["resumed_at"], said)])
     got = load_file(str(out))
     assert summary["steps"] == steps and sorted(got) == sorted(want)
     for name in want:

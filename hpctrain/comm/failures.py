@@ -62,11 +62,16 @@ class FailureDetector:
                 group.Free()
             return list(self._known)
 
-    def settled(self, grace: float = 1.5, quiet: float = 0.3) -> List[int]:
+    def settled(self, grace: float = 1.5, quiet: float = 0.3, first_within: float = 0.0) -> List[int]:
         """:meth:`failed`, and once something has failed, what failed by the time no news came for ``quiet``
         seconds (at most ``grace``): a lost node's processes are reported one by one, and the message
-        should name them all."""
+        should name them all.  ``first_within``: wait that long for a first failure to be reported (a call
+        may fail, or be revoked by a peer, before this process's library lists the failed one)."""
         known = self.failed()
+        deadline = time.monotonic() + first_within
+        while not known and time.monotonic() < deadline:
+            time.sleep(0.01)
+            known = self.failed()
         if not known:
             return known
         start = last = time.monotonic()

@@ -187,7 +187,8 @@ class Runtime:
                     detector = self.failures          # (a revoked or broken call also ends in other errors)
                     if detector is None or not detector.failed():
                         raise
-                self.world_failed(self.failures.settled() if self.failures is not None else [])
+                # (what is known now: reform() waits for a lost node's other processes to be reported)
+                self.world_failed(self.failures.failed() if self.failures is not None else [])
                 raise self._failed_error() from exc
         return guarded
 
@@ -354,8 +355,10 @@ class Runtime:
         while not self._closed:
             time.sleep(period)
             if cfg.elastic:         # (a failure is the survivors' to handle: their collectives raise)
-                if not self.failed and self.failures is not None and not self._closed and self.failures.failed():
-                    self.world_failed(self.failures.settled())
+                if not self.failed and self.failures is not None and not self._closed:
+                    known = self.failures.failed()
+                    if known:
+                        self.world_failed(known)
             else:
                 failed = self.failure_message() if not self._closed else ""
                 if failed:

@@ -29,6 +29,8 @@ from ..errors import HpctrainError
 
 __all__ = ["reform", "Reformed", "WorldTooSmallError"]
 
+FIRST_NEWS_S = 3.0      # how long a survivor waits for its library to name a failed process before it shrinks
+
 
 class WorldTooSmallError(HpctrainError):
     """Fewer ranks survived than the elastic job's minimum (HPCTRAIN_ELASTIC_MIN_NP)."""
@@ -66,7 +68,7 @@ def reform():
                             "(start the job with `hpctrain launch --elastic ...`)")
     MPI = old._MPI
     detector = rt.failures
-    lost = detector.settled() if detector is not None else []
+    lost = detector.settled(first_within=FIRST_NEWS_S) if detector is not None else []
     lost_text = detector.describe(lost) if detector is not None and lost else "no rank known"
     rt.world_failed(lost)               # (revokes the old communicators if this rank had not heard yet)
     t0 = time.monotonic()

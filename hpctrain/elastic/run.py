@@ -44,7 +44,7 @@ def run(func: Callable) -> Callable:
             try:
                 return func(state, *args, **kwargs)
             except WorldFailedError as exc:
-                failed_at = time.monotonic()
+                failed_at, failed_wall = time.monotonic(), time.time()
                 if limit and len(state.recoveries) >= limit:
                     _end(f"hpctrain: {exc}; the world re-formed {limit} times already "
                          f"(HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job")
@@ -58,7 +58,7 @@ def run(func: Callable) -> Callable:
                 state.on_reset()
                 record = {"old_size": info.old_size, "new_size": info.new_size, "lost": info.lost,
                           "shrink_s": info.shrink_s, "build_s": info.build_s, "recover_s": t2 - t1,
-                          "reform_s": t1 - failed_at, "commit": number, "at": time.time()}
+                          "reform_s": t1 - failed_at, "commit": number, "failed_at": failed_wall}
                 state.recoveries.append(record)
                 if world.rank == 0:
                     sys.stderr.write(f"hpctrain: {info.lost_text} failed; the world re-formed from "
