@@ -47,12 +47,13 @@ def test_digits_example_reaches_97_percent_and_resumes(example, n, tmp_path):
     assert json.loads(out.read_text())["test_accuracy"] == summary["test_accuracy"]
 
 
-HYBRID = {2: [["--pp", "2"], ["--tp", "2"]], 4: [["--dp", "2", "--pp", "2"], ["--dp", "2", "--tp", "2"]]}
+HYBRID = {1: [[]], 2: [["--pp", "2"], ["--tp", "2"]], 4: [["--dp", "2", "--pp", "2"], ["--dp", "2", "--tp", "2"]]}
 
 
-# The two hybrid examples share the rank counts: torch at 2 and 4 (its pipeline and tensor-parallel layouts,
-# and each with data parallelism), Keras at 1 and 3 (a world of one, three pipeline stages).
-@pytest.mark.parametrize("n", [2, 4])
+# The two hybrid examples share the rank counts: torch at 1, 2 and 4 (a world of one; its pipeline and
+# tensor-parallel layouts, and each with data parallelism), Keras at 3 (three pipeline stages).  (Keras's world
+# of one took 40-48 s, torch's takes a fraction: moved to torch to keep CI under its budget.)
+@pytest.mark.parametrize("n", [1, 2, 4])
 def test_hybrid_example_trains_with_every_layout(n, tmp_path):
     """examples/hybrid_torch.py: pipeline and tensor-parallel layouts reach >= 93% and agree with each other."""
     accuracies = []
@@ -68,10 +69,10 @@ def test_hybrid_example_trains_with_every_layout(n, tmp_path):
     assert len(set(accuracies)) == 1, f"the same model split two ways trained differently: {accuracies}"
 
 
-HYBRID_TF = {1: [], 3: ["--pp", "3"]}
+HYBRID_TF = {3: ["--pp", "3"]}
 
 
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [3])
 def test_hybrid_tf_example_trains(n, tmp_path):
     """examples/hybrid_tf.py: Keras pipeline stages reach >= 93% (data parallelism with stages: tests/ranks)."""
     out = tmp_path / "summary.json"
