@@ -41,7 +41,6 @@ from common import CORES, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "RANK")
 
 
 def training_args(args) -> list:
@@ -60,13 +59,13 @@ def command(peer: str, args, work: Path) -> list:
 
 
 def victim_pid(marker: str, rank: int) -> int:
-    """The pid of the training process of ``rank`` whose command line holds ``marker``."""
+    """The pid of the training process of ``rank`` (its launcher's rank variable) running ``marker``."""
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if marker in " ".join(p.info["cmdline"] or ()) and "python" in (p.info["cmdline"] or [""])[0]:
-                env = p.environ()
-                if any(env.get(v) == str(rank) for v in RANK_VARS) and "LOCAL_WORLD_SIZE" in env or \
-                        env.get("OMPI_COMM_WORLD_RANK") == str(rank):
+            cmdline = p.info["cmdline"] or [""]
+            if "python" in cmdline[0] and marker in " ".join(cmdline):
+                env = p.environ()      # (mpirun's ranks have OMPI_COMM_WORLD_RANK, torchrun's workers RANK)
+                if env.get("OMPI_COMM_WORLD_RANK", env.get("RANK")) == str(rank):
                     return p.pid
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

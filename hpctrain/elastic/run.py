@@ -3,7 +3,6 @@ the last commit."""
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 import time
 from typing import Callable
@@ -13,8 +12,6 @@ from ..errors import WorldFailedError
 from .reform import WorldTooSmallError, reform
 
 __all__ = ["run"]
-
-log = logging.getLogger("hpctrain")
 
 
 def run(func: Callable) -> Callable:
