@@ -42,6 +42,9 @@ def main() -> None:
     p.add_argument("--commit-every", type=int, default=1, help="steps between commits")
     p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP",
                    help="the rank (of the first world) that kills itself at this global step")
+    p.add_argument("--kill-in-recovery", type=int, action="append", default=[], metavar="RANK",
+                   help="the rank (of the first world) that kills itself during the first recovery it takes part in "
+                        "(in its on_reform callback, while the others rebuild and agree on the commit)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep each step (to kill a node by hand)")
     p.add_argument("--log-steps", action="store_true", help="rank 0 prints 'step N' after each step")
     p.add_argument("--out", help="file for the final parameters (.safetensors) and its .json summary")
@@ -56,6 +59,8 @@ def main() -> None:
     opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     sampler = hpctrain.elastic.ElasticSampler(args.samples, shuffle=True, seed=3)
     state = ht.TorchState(model, opt, sampler=sampler, epoch=0, step=0)
+    if first_rank in args.kill_in_recovery:
+        hpctrain.elastic.on_reform(lambda new_world: os.kill(os.getpid(), signal.SIGKILL))
     resumed_at = []         # the step each re-forming went back to
     state.register_reset_callbacks([lambda: resumed_at.append(state.step)])
 
@@ -78,7 +83,8 @@ def main() -> None:
                     print(f"step {state.step}", flush=True)
                 if state.step % args.commit_every == 0:
                     state.commit()
-            state.sampler.set_epoch(state.epoch + 1)
+            state.epoch += 1                    # (the commit at an epoch's end must say the next epoch: a
+            state.sampler.set_epoch(state.epoch)  # re-forming that goes back to it starts there)
             state.commit()
 
     train(state)

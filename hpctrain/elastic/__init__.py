@@ -14,7 +14,9 @@ and wrap the training function with :func:`run`::
                 ...step...
                 state.sampler.record_batch(batch_size)
                 state.commit()
-            state.sampler.set_epoch(state.epoch + 1)
+            state.epoch += 1            # (a commit at the epoch's end names the next epoch)
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
 
 When ranks die, every survivor's collective raises WorldFailedError within
 about a second; :func:`run` re-forms the world from the survivors

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import List
 
 from .. import settings
-from ..errors import HpctrainError
+from ..errors import HpctrainError, WorldFailedError
 
 __all__ = ["reform", "Reformed", "WorldTooSmallError"]
 
+MAX_ATTEMPTS = 8         # shrinks in one re-forming when ranks keep failing while the new world is built
 FIRST_NEWS_S = 3.0      # how long a survivor waits for its library to name a failed process before it shrinks
 
 
@@ -56,7 +57,11 @@ def reform():
     Collective over the survivors.  Raises :class:`WorldTooSmallError` when
     fewer than ``HPCTRAIN_ELASTIC_MIN_NP`` ranks are left (the new world is not
     made), and HpctrainError outside elastic mode or on a backend without
-    ULFM.
+    ULFM.  A rank that fails while the new world is built makes the survivors
+    shrink again; one that fails in an ``on_reform`` callback makes it raise
+    :class:`~hpctrain.errors.WorldFailedError` (its ``reformed`` attribute is
+    this re-forming's :class:`Reformed`), as any collective of the new world
+    would: :func:`hpctrain.elastic.run` re-forms again.
     """
     from ..comm.mpi import world_over
     from ..world import _replace_world, world
@@ -72,18 +77,35 @@ def reform():
     lost_text = detector.describe(lost) if detector is not None and lost else "no rank known"
     rt.world_failed(lost)               # (revokes the old communicators if this rank had not heard yet)
     t0 = time.monotonic()
-    base = old._base.Shrink()
-    base.Set_errhandler(MPI.ERRORS_RETURN)
-    t1 = time.monotonic()
-    info = Reformed(old.size, base.Get_size(), old.rank, base.Get_rank(), lost, lost_text, t1 - t0)
-    _discard(old)
-    least = settings.get("HPCTRAIN_ELASTIC_MIN_NP")
-    if base.Get_size() < least:
-        raise WorldTooSmallError(f"hpctrain: {lost_text} failed and {base.Get_size()} of {old.size} ranks are "
-                                 f"left, fewer than the job's minimum of {least} (--min-np); ending the job")
-    new = world_over(base, rt.config, "world", owns=True)
+    base, attempts = old._base, 0
+    while True:
+        base = base.Shrink()
+        base.Set_errhandler(MPI.ERRORS_RETURN)
+        if attempts == 0:
+            t1 = time.monotonic()
+            info = Reformed(old.size, base.Get_size(), old.rank, base.Get_rank(), lost, lost_text, t1 - t0)
+            _discard(old)
+        least = settings.get("HPCTRAIN_ELASTIC_MIN_NP")
+        if base.Get_size() < least:
+            raise WorldTooSmallError(f"hpctrain: {info.lost_text} failed and {base.Get_size()} of {old.size} ranks "
+                                     f"are left, fewer than the job's minimum of {least} (--min-np); ending the job")
+        try:
+            new = world_over(base, rt.config, "world", owns=True)
+            break
+        except Exception as exc:        # (a rank failed while the new world was being built: shrink again)
+            if not rt.is_failure(exc) or attempts >= MAX_ATTEMPTS:
+                raise
+            attempts += 1
+            base.Revoke()
+            _DISCARDED.append(base)
+            info.lost_text += " and a rank during the re-forming"
+    info.new_size, info.new_rank = base.Get_size(), base.Get_rank()
     info.build_s = time.monotonic() - t1
-    _replace_world(new)
+    try:
+        _replace_world(new)
+    except WorldFailedError as exc:     # (an on_reform callback's collective met a new failure)
+        exc.reformed = info
+        raise
     return new, info
 
 

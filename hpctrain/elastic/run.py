@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from typing import Callable
+from typing import Callable, List
 
 from .. import settings
 from ..errors import WorldFailedError
@@ -26,43 +26,72 @@ def run(func: Callable) -> Callable:
     the restored values (a loop over ``range(state.epoch, epochs)`` and a
     sampler in the state).  Steps since that commit are done again.
 
-    Fewer survivors than ``HPCTRAIN_ELASTIC_MIN_NP`` (``--min-np``), or more
-    re-formings than ``HPCTRAIN_ELASTIC_RESET_LIMIT``, end the job with a
-    message naming what was lost.  Outside elastic mode a failed rank ends the
-    job as always, and the wrapper only adds the first ``sync``.
-    ``state.recoveries`` lists what each re-forming did and cost.
+    A rank that fails during the recovery itself (while the world re-forms,
+    in an :func:`~hpctrain.world.on_reform` callback, or while the commit is
+    agreed on and broadcast) makes the survivors re-form again, until a
+    recovery completes.  Fewer survivors than ``HPCTRAIN_ELASTIC_MIN_NP``
+    (``--min-np``), or more re-formings than ``HPCTRAIN_ELASTIC_RESET_LIMIT``,
+    end the job with a message naming what was lost.  Outside elastic mode a
+    failed rank ends the job as always, and the wrapper only adds the first
+    ``sync``.  ``state.recoveries`` lists what each recovery did and cost.
     """
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         state.sync()
         state.recoveries = getattr(state, "recoveries", [])
-        limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
         while True:
             try:
                 return func(state, *args, **kwargs)
             except WorldFailedError as exc:
-                failed_at, failed_wall = time.monotonic(), time.time()
-                if limit and len(state.recoveries) >= limit:
-                    _end(f"hpctrain: {exc}; the world re-formed {limit} times already "
-                         f"(HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job")
-                try:
-                    world, info = reform()
-                except WorldTooSmallError as too_few:
-                    _end(str(too_few))
-                t1 = time.monotonic()
-                number = state.recover(world)
-                t2 = time.monotonic()
-                state.on_reset()
-                record = {"old_size": info.old_size, "new_size": info.new_size, "lost": info.lost,
-                          "shrink_s": info.shrink_s, "build_s": info.build_s, "recover_s": t2 - t1,
-                          "reform_s": t1 - failed_at, "commit": number, "failed_at": failed_wall}
-                state.recoveries.append(record)
-                if world.rank == 0:
-                    sys.stderr.write(f"hpctrain: {info.lost_text} failed; the world re-formed from "
-                                     f"{info.old_size} to {info.new_size} ranks in {t1 - failed_at:.3f} s and "
-                                     f"went back to commit {number} in {t2 - t1:.3f} s\n")
-                    sys.stderr.flush()
+                _recover(state, exc)
     return wrapper
+
+
+def _recover(state, exc: WorldFailedError) -> None:
+    """Re-form the world and bring ``state`` back to the newest common commit, again while ranks keep failing."""
+    failed_at, failed_wall = time.monotonic(), time.time()
+    limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
+    formings: List = []          # the re-formings of this recovery (more than one when ranks fail during it)
+    while True:
+        done = sum(len(r["formings"]) for r in state.recoveries) + len(formings)
+        if limit and done >= limit:
+            _end(f"hpctrain: {exc}; the world re-formed {limit} times already "
+                 f"(HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job")
+        try:
+            world, info = reform()
+        except WorldTooSmallError as too_few:
+            _end(str(too_few))
+        except WorldFailedError as again:       # (an on_reform callback's collective met a new failure)
+            formings.append(again.reformed)
+            exc = again
+            continue
+        formings.append(info)
+        t1 = time.monotonic()
+        try:
+            number = state.recover(world)
+            state.on_reset()
+        except WorldFailedError as again:
+            exc = again
+            continue
+        t2 = time.monotonic()
+        first, last = formings[0], formings[-1]
+        record = {"old_size": first.old_size, "new_size": last.new_size,
+                  "lost": [r for f in formings for r in f.lost], "formings": [_summary(f) for f in formings],
+                  "shrink_s": sum(f.shrink_s for f in formings), "build_s": sum(f.build_s for f in formings),
+                  "recover_s": t2 - t1, "reform_s": t1 - failed_at, "commit": number, "failed_at": failed_wall}
+        state.recoveries.append(record)
+        if world.rank == 0:
+            lost = "; then ".join(f"{f.lost_text} failed" + (" during the recovery" if i else "")
+                                  for i, f in enumerate(formings))
+            sys.stderr.write(f"hpctrain: {lost}; the world re-formed from {first.old_size} to {last.new_size} "
+                             f"ranks in {t1 - failed_at:.3f} s and went back to commit {number} in "
+                             f"{t2 - t1:.3f} s\n")
+            sys.stderr.flush()
+        return
+
+
+def _summary(info) -> dict:
+    return {"old_size": info.old_size, "new_size": info.new_size, "lost": info.lost}
 
 
 def _end(message: str) -> None:

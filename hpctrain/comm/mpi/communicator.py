@@ -349,8 +349,12 @@ def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> 
     codes = {getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
              if hasattr(MPI, n)}
     runtime.is_failure = lambda exc: isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes
-    if comm.Get_size() > 1:
-        notices = MPINotices(comm, MPI)
-        runtime.departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
-        runtime.failures = FailureDetector(comm, comm.allgather(MPI.Get_processor_name()), MPI)
-    return MPICommunicator(runtime, comm, name, range(comm.Get_size()), owns=owns)
+    try:
+        if comm.Get_size() > 1:
+            notices = MPINotices(comm, MPI)
+            runtime.departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
+            runtime.failures = FailureDetector(comm, comm.allgather(MPI.Get_processor_name()), MPI)
+        return MPICommunicator(runtime, comm, name, range(comm.Get_size()), owns=owns)
+    except BaseException:
+        runtime.discard()       # (its watchdog must not outlive a world that was never made)
+        raise
