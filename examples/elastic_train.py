@@ -45,11 +45,16 @@ def main() -> None:
     p.add_argument("--kill-in-recovery", type=int, action="append", default=[], metavar="RANK",
                    help="the rank (of the first world) that kills itself during the first recovery it takes part in "
                         "(in its on_reform callback, while the others rebuild and agree on the commit)")
+    p.add_argument("--stall", action="append", default=[], metavar="RANK:STEP",
+                   help="the rank (of the first world) that stops itself (SIGSTOP: alive, but never answers) at this step")
+    p.add_argument("--sleep-in-recovery", type=float, default=0.0, metavar="S",
+                   help="every survivor sleeps S seconds in its on_reform callback (rank 0 prints 'recovering' first)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep each step (to kill a node by hand)")
     p.add_argument("--log-steps", action="store_true", help="rank 0 prints 'step N' after each step")
     p.add_argument("--out", help="file for the final parameters (.safetensors) and its .json summary")
     args = p.parse_args()
     kills = {int(r): int(s) for r, s in (k.split(":") for k in args.kill)}
+    stalls = {int(r): int(s) for r, s in (k.split(":") for k in args.stall)}
 
     torch.use_deterministic_algorithms(True)
     world = hpctrain.init()
@@ -61,6 +66,12 @@ def main() -> None:
     state = ht.TorchState(model, opt, sampler=sampler, epoch=0, step=0)
     if first_rank in args.kill_in_recovery:
         hpctrain.elastic.on_reform(lambda new_world: os.kill(os.getpid(), signal.SIGKILL))
+    if args.sleep_in_recovery:
+        def linger(new_world):
+            if new_world.rank == 0:
+                print("recovering", flush=True)
+            time.sleep(args.sleep_in_recovery)
+        hpctrain.elastic.on_reform(linger)
     resumed_at = []         # the step each re-forming went back to
     state.register_reset_callbacks([lambda: resumed_at.append(state.step)])
 
@@ -71,6 +82,8 @@ def main() -> None:
             for b in range(len(idx) // args.batch):
                 if kills.get(first_rank) == state.step:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if stalls.get(first_rank) == state.step:
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 rows = idx[b * args.batch:(b + 1) * args.batch]
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()

@@ -8,13 +8,17 @@ small; at the step where a rank died, the size drops by one and the epoch's unse
 Bit-identical: the same float operations in the same order.
 """
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from harness import BIN, REPO, base_env, run
+from harness import BIN, REPO, base_env, kill_tree, run
 
 EXAMPLE = REPO / "examples" / "elastic_train.py"
 SAMPLES, EPOCHS, BATCH, SEED, COMMIT_EVERY = 384, 2, 8, 3, 4
@@ -124,6 +128,52 @@ def test_fewer_survivors_than_min_np_end_the_job_naming_what_was_lost(tmp_path):
     assert res.returncode != 0 and not out.exists(), res.stdout[-3000:]
     assert re.search(r"world rank 1 on node \S+ failed and 1 of 2 ranks are left, fewer than the job's "
                      r"minimum of 2 \(--min-np\)", res.stdout), res.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_stalls_without_dying_ends_the_job_naming_it(tmp_path):
+    """A rank stopped (SIGSTOP: alive, never answering) is not a failure ULFM reports: the stall watchdog ends the
+    job within HPCTRAIN_STALL_TIMEOUT_S, naming the call and the rank it waits for (no hang, nothing half-done)."""
+    out = tmp_path / "final.safetensors"
+    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", "3"] + example_args(out) + ["--stall", "1:6"]
+    start = time.monotonic()
+    res = run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=5), 90)
+    assert res.returncode != 0 and not out.exists(), res.stdout[-3000:]
+    assert time.monotonic() - start < 60
+    assert re.search(r"stalled for \d+ s \(HPCTRAIN_STALL_TIMEOUT_S=5\); not yet joined by rank 1 of world",
+                     res.stdout), res.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_a_recovery_ends_the_job_and_every_rank(tmp_path):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) while the survivors re-form ends
+    the job within seconds, with a failing status, and leaves no rank process behind."""
+    import psutil
+
+    out = tmp_path / "final.safetensors"
+    cmd = ([str(BIN / "hpctrain"), "launch", "--elastic", "-n", "3"] + example_args(out)
+           + ["--kill", "1:6", "--sleep-in-recovery", "60"])
+    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stdout:                 # (rank 0 says "recovering" in its on_reform callback)
+            seen.append(line)
+            if line.strip() == "recovering":
+                break
+        assert seen and seen[-1].strip() == "recovering", "".join(seen)[-3000:]
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "elastic_train" in " ".join(
+            p.cmdline())]
+        assert len(ranks) == 2, ranks                # (the two survivors, in the recovery)
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        assert time.monotonic() - start < 60 and proc.returncode != 0
+        _, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, alive
+        assert not out.exists()
+    finally:
+        kill_tree(proc)
 
 
 class _World:
