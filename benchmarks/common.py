@@ -19,18 +19,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_worker(n: int, argv: List[str], timeout: float = 1800, gloo: bool = False) -> dict:
+def launch_worker(n: int, argv: List[str], timeout: float = 1800, gloo: bool = False, elastic: bool = False) -> dict:
     """Run ``python <argv>`` on ``n`` ranks; return the JSON rank 0 printed as ``RESULT {...}``.
 
     The command is ``hpctrain launch``'s: the venv's mpirun (oversubscribed
     when ``n`` exceeds the cores), or srun inside a Slurm allocation.  One
     thread per rank (OMP_NUM_THREADS=1), a fresh rendezvous port in BENCH_PORT.
-    ``gloo``: ``horovodrun --gloo`` instead.
+    ``gloo``: ``horovodrun --gloo`` instead; ``elastic``: ``hpctrain launch --elastic``'s command.
     """
     from hpctrain.launch import build_command
 
     env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_PORT=str(free_port()), TF_CPP_MIN_LOG_LEVEL="3")
-    cmd = build_command(n, [sys.executable, *argv], env=env, gloo=gloo)
+    cmd = build_command(n, [sys.executable, *argv], env=env, gloo=gloo, elastic=elastic)
     return result_of(subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout), argv, n)
 
 
