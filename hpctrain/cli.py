@@ -30,6 +30,10 @@ def _launch(args) -> int:
     sys.stdout.flush()
     if not args.gloo:
         remove_stale_session_dirs(pid=os.getpid())   # mpirun gets this pid: a killed one's folder stops it
+    if args.elastic:
+        from .launch import run_elastic
+
+        return run_elastic(cmd)
     os.execv(cmd[0], cmd)
     return 0  # not reached
 

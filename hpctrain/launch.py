@@ -38,7 +38,11 @@ from typing import List, Mapping, Optional
 
 from . import settings
 
-__all__ = ["build_command", "find_mpirun", "mpi_vendor", "ulfm_supported", "remove_stale_session_dirs"]
+__all__ = ["build_command", "find_mpirun", "mpi_vendor", "ulfm_supported", "remove_stale_session_dirs",
+           "run_elastic", "ELASTIC_FINISHED"]
+
+# What rank 0 of an elastic job's last world prints on stdout when it ends normally (hpctrain.world's exit hook).
+ELASTIC_FINISHED = "hpctrain: the elastic job finished"
 
 _LAUNCHERS = {"prterun", "mpirun", "mpiexec", "orterun", "prte", "prted"}
 
@@ -237,3 +241,35 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
         if "TF_CPP_MIN_LOG_LEVEL" not in env:      # TensorFlow's start-up banners (INFO), once per rank otherwise
             cmd += ["-x", "TF_CPP_MIN_LOG_LEVEL=1"]
     return cmd + program
+
+
+def run_elastic(cmd: List[str]) -> int:
+    """Run an elastic launch's ``cmd`` (mpirun), relaying its standard output; return the job's exit status.
+
+    Under Open MPI's fault-tolerance extension a process that dies is no error
+    of the job (its survivors go on), so mpirun says 0 even when every rank
+    died.  Rank 0 of the last world prints :data:`ELASTIC_FINISHED` when it
+    ends normally; without that line a status 0 becomes 1, with a message.
+    SIGINT reaches mpirun from the terminal (this process ignores it, then
+    returns mpirun's status); SIGTERM and SIGHUP are passed on to it.
+    """
+    import signal
+    import subprocess
+
+    # (in the child before it execs mpirun: the stale session folder of the pid mpirun will have)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, bufsize=0,
+                            preexec_fn=lambda: remove_stale_session_dirs(pid=os.getpid()))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda number, frame: proc.send_signal(number))
+    finished, out = False, sys.stdout.buffer
+    for line in iter(proc.stdout.readline, b""):
+        finished = finished or line.startswith(ELASTIC_FINISHED.encode())
+        out.write(line)
+        out.flush()
+    code = proc.wait()
+    if code == 0 and not finished:
+        sys.stderr.write("hpctrain launch: every rank of the elastic job failed (none ended normally); "
+                         "exit status 1\n")
+        return 1
+    return code if code >= 0 else 128 - code

@@ -4,7 +4,8 @@ Usage: ``python -m hpctrain.run script.py [args...]`` (``hpctrain launch``
 adds it for ``.py`` scripts).  Like ``python -m mpi4py``: the script runs as
 ``__main__``; if it raises, the traceback is printed with the rank and, when
 MPI is running, ``MPI_Abort`` ends every rank instead of leaving the others
-waiting in their next collective.
+waiting in their next collective.  In elastic mode only the failing process
+ends, and the others re-form without it (:mod:`hpctrain.elastic`).
 """
 from __future__ import annotations
 
@@ -33,17 +34,29 @@ def main(argv=None) -> None:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code not in (0, _EXIT_PREEMPTED):   # 75: every rank stops together after a checkpoint
+            _leave_if_elastic(f"hpctrain.run: {argv[0]} exited with status {code}", code)
             abort_job(f"hpctrain.run: {argv[0]} exited with status {code}; ending the job", code)
         raise
     except BaseException as exc:
         from .world import is_initialized, world
 
+        if not isinstance(exc, KeyboardInterrupt):
+            _leave_if_elastic(f"hpctrain.run: uncaught exception in {argv[0]}:\n{traceback.format_exc()}", 1)
         failed = world()._rt.failure_message() if is_initialized() else ""
         if failed:         # (an MPI call failed because ranks died or a node was lost: name them)
             world()._rt.exit_after_failure(f"{failed}\n(the exception in {argv[0]}: {type(exc).__name__}: {exc})")
         rank = world().rank if is_initialized() else os.environ.get("OMPI_COMM_WORLD_RANK", "?")
         abort_job(f"hpctrain.run: rank {rank}: uncaught exception in {argv[0]}, aborting the job:\n"
                   + traceback.format_exc())
+
+
+def _leave_if_elastic(message: str, code: int) -> None:
+    """In elastic mode (hpctrain.elastic), end only this process, as a failed rank: the other ranks re-form
+    without it.  Returns when not in elastic mode."""
+    from .world import fail_this_rank, is_initialized, world
+
+    if is_initialized() and world()._rt.config.elastic and not world()._rt.failed:
+        fail_this_rank(message)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 import time
@@ -181,6 +182,7 @@ def _shutdown_at_exit() -> None:
     rank of a job that "succeeded".
     """
     code = _status_code(_exit_status[0])
+    last = _world
     try:
         shutdown(_exit_status=code)
     except BaseException as exc:  # noqa: BLE001 - the process is ending: say why, and fail
@@ -193,8 +195,32 @@ def _shutdown_at_exit() -> None:
             except (OSError, ValueError):       # (a closed or broken stream: nothing more to say there)
                 pass
         os._exit(code or 1)
+    if code == 0 and last is not None and last.rank == 0 and last._rt.config.elastic:
+        from .launch import ELASTIC_FINISHED        # (hpctrain launch --elastic looks for it: see run_elastic)
+
+        sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size} ranks after {_generation[0]} re-forming"
+                         f"{'' if _generation[0] == 1 else 's'}\n")
+        sys.stdout.flush()
     if _generation[0]:
         _exit_without_finalize(code)
+
+
+def fail_this_rank(message: str) -> None:
+    """Elastic mode: print ``message`` and end this process as a failed rank (never returns).
+
+    The process kills itself (SIGKILL): Open MPI's fault-tolerance extension
+    reports a process that died to the others (who then re-form without it,
+    :mod:`hpctrain.elastic`), but not one that exited, even with an error
+    status; they would wait for it for ever.
+    """
+    sys.stderr.write(f"{message.rstrip()}\nhpctrain: rank {_world.rank if _world is not None else '?'} leaves the "
+                     f"job as a failed rank; the others go on without it (elastic mode)\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _exit_without_finalize(code: int) -> None:
@@ -220,7 +246,9 @@ def _install_excepthook(comm: Communicator, previous=None) -> None:
     KeyboardInterrupt (Ctrl-C) makes rank 0 say what survives it (the
     ``on_interrupt`` notes: which checkpoint is committed); a world of one first
     shuts down, which commits a save in flight.  In a world of one nothing is
-    aborted: the exception ends the process as Python would.
+    aborted: the exception ends the process as Python would.  In elastic mode
+    (``HPCTRAIN_ELASTIC``) an uncaught exception ends only its own process,
+    which the other ranks see as a failed rank (:mod:`hpctrain.elastic`).
     """
     global _saved_excepthook
     previous = _saved_excepthook = sys.excepthook if previous is None else previous
@@ -243,6 +271,8 @@ def _install_excepthook(comm: Communicator, previous=None) -> None:
             comm._rt.exit_after_failure(f"{failed}\n(the exception: {kind.__name__}: {value})")
         text = "".join(traceback.format_exception(kind, value, tb))
         status = getattr(value, "exit_status", 1)       # (a rank that exited with status N: the job's too)
+        if comm._rt.config.elastic and not comm._rt.failed:     # it fails alone: the others re-form without it
+            fail_this_rank(f"hpctrain: rank {comm.rank}: uncaught exception:\n{text}")
         comm.abort(f"hpctrain: rank {comm.rank}: uncaught exception, aborting the job:\n{text}",
                    status if isinstance(status, int) and status > 0 else 1)
 

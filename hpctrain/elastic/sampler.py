@@ -6,7 +6,9 @@ without shuffling); after ``p`` samples of the epoch have been consumed by the
 world, the rest ``R = P[p:]`` is dealt round-robin, rank ``r`` taking
 ``R[r::N]``, cut to ``len(R) // N`` samples each so that every rank runs the
 same number of batches (as ``drop_last``: the last ``len(R) % N`` are left out
-of this epoch).  When every rank has run ``b`` batches of ``B`` samples, the
+of this epoch; with ``drop_last=False`` ``R`` is first padded to a multiple
+of ``N`` with its own head, repeated, as torch's DistributedSampler and
+Horovod's ElasticSampler do, so those few are seen twice instead).  When every rank has run ``b`` batches of ``B`` samples, the
 world has consumed exactly ``R[:b B N]``, a prefix: :meth:`ElasticSampler.record_batch`
 adds ``B N`` to ``p``.  A re-formed world of ``N'`` ranks deals ``P[p:]`` anew,
 so no sample of the epoch is skipped or seen twice, whatever the sizes.
@@ -34,11 +36,12 @@ class ElasticSampler:
         shuffle: deal a permutation seeded by ``seed + epoch`` (else in order).
         seed: the seed, the same on every rank.
         comm: the communicator to shard over (default: the world, followed across re-formings).
+        drop_last: leave the last ``len(R) % N`` samples out (default), or pad (module docstring).
     """
 
-    def __init__(self, length, shuffle: bool = True, seed: int = 0, comm=None):
+    def __init__(self, length, shuffle: bool = True, seed: int = 0, comm=None, drop_last: bool = True):
         self.length = length if isinstance(length, int) else len(length)
-        self.shuffle, self.seed, self.comm = bool(shuffle), int(seed), comm
+        self.shuffle, self.seed, self.comm, self.drop_last = bool(shuffle), int(seed), comm, bool(drop_last)
         self.epoch = 0
         self.processed = 0          # samples of this epoch the world has consumed (a prefix of the order)
 
@@ -58,14 +61,17 @@ class ElasticSampler:
         """This rank's remaining indices of the epoch, in order."""
         rank, size = self._where()
         rest = self.order()[self.processed:]
-        each = len(rest) // size
+        each = len(rest) // size if self.drop_last else -(-len(rest) // size)
+        if not self.drop_last and len(rest):
+            rest = np.resize(rest, each * size)       # (the head again, cyclically)
         return rest[rank::size][:each]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
 
     def __len__(self) -> int:
-        return (self.length - self.processed) // self._where()[1]
+        left, size = self.length - self.processed, self._where()[1]
+        return left // size if self.drop_last else -(-left // size)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (its own order, nothing consumed)."""
@@ -73,7 +79,7 @@ class ElasticSampler:
 
     def record_batch(self, batch_size: int) -> None:
         """Every rank consumed ``batch_size`` more samples of its share (call after each step, on every rank)."""
-        self.processed += int(batch_size) * self._where()[1]
+        self.processed = min(self.length, self.processed + int(batch_size) * self._where()[1])
 
     def state_dict(self) -> Dict[str, Any]:
         """Epoch and progress (what a commit and a checkpoint keep)."""

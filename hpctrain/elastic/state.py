@@ -33,7 +33,7 @@ class State:
 
     def __init__(self):
         self._commits: deque = deque(maxlen=KEPT_COMMITS)      # (number, copy), oldest first
-        self.commits = 0                                        # commits so far (the number of the newest)
+        self._number = 0                                        # commits so far (the number of the newest)
         self.commit_s = 0.0                                     # time of the last commit
         self._reset_callbacks: List[Callable[[], object]] = []
 
@@ -48,11 +48,16 @@ class State:
         raise NotImplementedError
 
     # -- public ------------------------------------------------------------------
+    @property
+    def commit_number(self) -> int:
+        """The number of the newest commit (1 for the first; counted per process, put back by a restore)."""
+        return self._number
+
     def commit(self) -> None:
         """Keep a copy of the state (in this process's memory) that :meth:`restore` and a re-forming go back to."""
         start = time.perf_counter()
-        self.commits += 1
-        self._commits.append((self.commits, self._capture()))
+        self._number += 1
+        self._commits.append((self._number, self._capture()))
         self.commit_s = time.perf_counter() - start
 
     def restore(self, number: Optional[int] = None) -> None:
@@ -62,7 +67,7 @@ class State:
         for n, saved in reversed(self._commits):
             if number is None or n == number:
                 self._apply(saved)
-                self.commits = n
+                self._number = n
                 while self._commits and self._commits[-1][0] > n:
                     self._commits.pop()
                 return
@@ -148,7 +153,11 @@ class ObjectState(State):
         """Give every rank rank 0's values, but for the local ones and ``skip`` (one pickled broadcast)."""
         names = [n for n in self._names if n not in self._local and n not in skip]
         if names:
-            self._apply(comm.broadcast_object(self._capture(names), root=0))
+            self._apply(self._broadcast_object(comm, self._capture(names)))
+
+    def _broadcast_object(self, comm, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (one pickled broadcast over ``comm``)."""
+        return comm.broadcast_object(value, root=0)
 
 
 def _has_state_dict(value: Any) -> bool:

@@ -14,6 +14,8 @@ holding the world communicator's negotiation thread
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 import threading
 from typing import Any, List, Optional
 
@@ -38,7 +40,22 @@ _OP_NAMES = {Average: "avg", Sum: "sum", Adasum: "adasum", Min: "min", Max: "max
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's elastic-mode signal that hosts changed (hpctrain's elastic mode is not built yet)."""
+    """Horovod's elastic-mode signal that hosts changed: ``hvd.elastic.run`` resets, and syncs the state
+    again unless ``skip_sync`` (hosts were only removed: the ranks that remain hold the same state)."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the job's hosts changed" + (" (hosts removed only)" if skip_sync else ""))
+        self.skip_sync = skip_sync
+
+
+_reset_hooks: list = []     # callables run after hvd.elastic re-initialised on a new world (see on_reset)
+
+
+def on_reset(callback) -> None:
+    """Run ``callback()`` each time ``hvd.elastic.run`` has re-initialised Horovod on a re-formed world, before
+    the state's reset callbacks (what holds the old negotiation, a DistributedOptimizer's buckets, rebuilds
+    there: every rank runs them in the same order, so collectives inside meet)."""
+    _reset_hooks.append(callback)
 
 
 class ProcessSet:
@@ -106,6 +123,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         if _state["controller"] is not None:
             return
         world = _hpctrain_init()
+        if world._rt.config.elastic:        # (what horovodrun's elastic workers read: the rank they started as)
+            os.environ.setdefault("HOROVOD_RANK", str(world.rank))
+            os.environ.setdefault("HOROVOD_HOSTNAME", socket.gethostname())
         if comm is not None:
             count = comm.Get_size() if hasattr(comm, "Get_size") else len(list(comm))
             if count != world.size:

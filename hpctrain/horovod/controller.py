@@ -48,7 +48,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import settings
 from ..comm.signature import format_ranks
 from .cycle_exchange import CycleExchange
-from .pending import Entry, HorovodInternalError, OpHandle, Request
+from ..errors import WorldFailedError
+from .pending import Entry, HorovodInternalError, OpHandle, Request, WorldFailedInHorovod
 from .ready_requests import ReadyRequests
 from .stalls import StallWatch, started_all_open
 
@@ -58,6 +59,7 @@ log = logging.getLogger("hpctrain")
 
 _LAZY_BELL_S = 0.05       # the longest a rank rung for a request it starts itself waits for it before cycling
 _QUIET_PAUSE_S = 0.04     # the longest pause between checks for bells once none needed an answer for a while
+_KEPT: list = []          # the exchanges of controllers whose world failed (elastic mode): never freed
 _IDLE_PAUSE_S = 0.02      # without doorbells (Horovod carries the job): the longest pause between idle cycles
 
 
@@ -176,6 +178,8 @@ class Controller(ReadyRequests):
         return self.error
 
     def _raise_if_stopped(self) -> None:
+        if isinstance(self.error, WorldFailedError):
+            raise WorldFailedInHorovod(str(self.error), self.error.failed)
         if self.error is not None or not self._thread.is_alive():
             raise HorovodInternalError(f"Horovod has been shut down on rank {self.rank}"
                                        + (f": {self.error}" if self.error is not None else ""))
@@ -186,8 +190,9 @@ class Controller(ReadyRequests):
             while self._one_cycle():
                 pass
         except BaseException as exc:        # the world itself failed: fail what is open
-            self.error = exc
-            log.error("hpctrain.horovod: the negotiation thread stopped: %s", exc)
+            failed = self._world_failure(exc)
+            self.error = exc if failed is None else failed
+            (log.error if failed is None else log.info)("hpctrain.horovod: the negotiation thread stopped: %s", exc)
         reason = self.error
         if reason is None:
             reason = HorovodInternalError(f"Horovod has been shut down: {self._stopped_by[0]}")
@@ -199,8 +204,22 @@ class Controller(ReadyRequests):
             self._new = []
             if self._join_handle is not None:
                 self._join_handle._finish(error=reason)
-        self._exchange.free()
+        if isinstance(self.error, WorldFailedError):
+            _KEPT.append(self._exchange)    # (freeing a failed world's requests and communicator can hang)
+        else:
+            self._exchange.free()
         self.world._rt.owner = None
+
+    def _world_failure(self, exc: BaseException) -> Optional[BaseException]:
+        """In elastic mode, the error for ranks that failed under the negotiation (its own doorbell exchange
+        included: the whole world is revoked then); None when ``exc`` is not that."""
+        rt = self.world._rt
+        if not rt.config.elastic or not (isinstance(exc, WorldFailedError) or rt.is_failure(exc)):
+            return None
+        if not isinstance(exc, WorldFailedError):
+            rt.world_failed(rt.failures.failed() if rt.failures is not None else [])
+            exc = rt._failed_error()
+        return WorldFailedInHorovod(str(exc), exc.failed)
 
     def _has_news(self) -> bool:
         """Whether this rank has something for the next cycle (call with ``_cv`` held)."""

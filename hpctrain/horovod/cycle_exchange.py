@@ -63,6 +63,8 @@ class CycleExchange:
             self._bell = np.zeros(1, np.int64)
             self._bell_req = self.comm.Irecv(self._bell, source=MPI.ANY_SOURCE, tag=_DOORBELL_TAG)
             self._rings: List[Any] = []            # sends not known to be complete (with their buffers)
+            if world._rt.config.elastic:           # (a failed rank revokes it with the world's own)
+                world._rt.revokers.append(self.comm.Revoke)
 
     @property
     def has_doorbells(self) -> bool:

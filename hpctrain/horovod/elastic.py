@@ -1,9 +1,163 @@
-"""``hvd.elastic``: Horovod's elastic training is not built in hpctrain yet; every name says so."""
+"""``hvd.elastic``: Horovod's elastic API (``run``, ``State``, ``ObjectState``) on hpctrain's elastic mode.
+
+Start the job with ``hpctrain launch --elastic -n N train.py`` (not
+``horovodrun``): when ranks die, every survivor's pending Horovod request fails
+with ``HorovodInternalError`` (the negotiation stops; hpctrain's runtime
+revoked the world), and :func:`run` then does what Horovod's does: the state
+goes back to its last commit (``state.restore()``), Horovod is reset, the reset
+callbacks run, rank 0's state is broadcast (``state.sync()``) and the training
+function is called again.  Horovod's reset re-forms the world from the
+survivors here (:func:`hpctrain.elastic.reform`: ``MPI_Comm_shrink``) and
+starts the negotiation on it; what holds the old negotiation (a
+``DistributedOptimizer``'s buckets) rebuilds through
+:func:`hpctrain.horovod.basics.on_reset`.
+
+What differs from Horovod: the survivors keep their processes (no new
+rendezvous of restarted workers), a failed rank's healthy neighbours on its
+host stay in the job (Horovod leaves out the whole host), and hosts are not
+added back (no ``--host-discovery-script``; ``check_host_updates`` only sees
+messages given to ``on_hosts_updated``).  A commit keeps one copy per rank in
+host memory (the last two; a restore goes back to the newest).
+"""
 from __future__ import annotations
+
+import functools
+import queue
+from typing import Any
+
+from .. import settings
+from ..elastic.state import ObjectState as _CoreObjectState
+from . import basics
+from .basics import HorovodInternalError, HostsUpdatedInterrupt
+
+__all__ = ["run", "State", "ObjectState"]
+
+
+def run(func):
+    """Horovod's decorator: run ``func(state, ...)`` again after each reset (failed ranks, changed hosts).
+
+    ``state.sync()`` first; on ``HorovodInternalError`` the state is restored
+    to its last commit; on ``HostsUpdatedInterrupt`` it is kept (and synced
+    again unless the interrupt says ``skip_sync``).  More resets than
+    ``HPCTRAIN_ELASTIC_RESET_LIMIT`` (Horovod's ``--reset-limit``) end the job.
+    """
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        skip_sync, resets = False, 0
+        limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
+        while True:
+            if not skip_sync:
+                state.sync()
+            try:
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as exc:
+                state.restore()
+                skip_sync, why = False, exc
+            except HostsUpdatedInterrupt as exc:
+                skip_sync, why = exc.skip_sync, exc
+            resets += 1
+            if limit and resets > limit:
+                from ..comm.abort import exit_after_failure
+
+                exit_after_failure(f"hpctrain.horovod: {why}; reset {limit} times already "
+                                   f"(HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job", 1)
+            _reset()
+            state.on_reset()
+    return wrapper
+
+
+def _reset() -> None:
+    """Horovod's reset: stop the negotiation, re-form the world if ranks failed, start the negotiation again."""
+    from ..elastic.reform import WorldTooSmallError, reform
+    from ..world import world
+
+    basics.shutdown()
+    if world()._rt.failed:
+        try:
+            reform()
+        except WorldTooSmallError as exc:
+            from ..comm.abort import exit_after_failure
+
+            exit_after_failure(str(exc), 1)
+    basics.init()
+    for hook in list(basics._reset_hooks):
+        hook()
+
+
+class State(_CoreObjectState):
+    """Horovod's elastic ``State``: ``commit()`` = ``save()`` + ``check_host_updates()``; ``restore()`` goes back
+    to the last save; ``sync()`` gives every rank rank 0's state (through Horovod's broadcasts)."""
+
+    def __init__(self, **values: Any):
+        self._track_hosts()
+        super().__init__(**values)
+
+    def _track_hosts(self) -> None:
+        """Horovod's host-change queue and the time of the newest change seen (before the first commit)."""
+        self._host_messages: queue.Queue = queue.Queue()
+        self._last_updated_timestamp = 0
+
+    def save(self) -> None:
+        """Keep a copy of the state in this process's memory."""
+        _CoreObjectState.commit(self)
+
+    def commit(self) -> None:
+        """``save()``, then raise HostsUpdatedInterrupt if hosts changed since the last check."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise HostsUpdatedInterrupt when ``on_hosts_updated`` reported a newer change (none without discovery)."""
+        newest, removed_only = self._last_updated_timestamp, True
+        while not self._host_messages.empty():
+            timestamp, update = self._host_messages.get()
+            if timestamp > newest:
+                newest, removed_only = timestamp, removed_only and update == "removed"
+        if newest > self._last_updated_timestamp:
+            self._last_updated_timestamp = newest
+            raise HostsUpdatedInterrupt(removed_only)
+
+    def on_hosts_updated(self, timestamp, update_res) -> None:
+        """Horovod's driver callback: hosts changed at ``timestamp`` (``update_res``: "added"/"removed"/...)."""
+        self._host_messages.put((timestamp, update_res))
+
+    def on_reset(self) -> None:
+        self._host_messages = queue.Queue()
+        super().on_reset()
+
+    def sync(self, comm=None) -> None:
+        """Give every rank rank 0's state, then save it (collective, through Horovod's broadcasts)."""
+        self._sync(None)
+        self.save()
+
+    def restore(self, number=None) -> None:
+        """Go back to the last save."""
+        super().restore(number)
+
+    def _broadcast_object(self, comm, value: Any) -> Any:
+        from .requests import broadcast_object
+
+        return broadcast_object(value, 0, None, basics.global_process_set)
+
+
+class ObjectState(State):
+    """Horovod's ``ObjectState``: named values as attributes, saved as copies and broadcast from rank 0.
+
+    Horovod's first two arguments (``bcast_object``, ``get_rank``) are
+    accepted and unused: Horovod's broadcast is used.
+    """
+
+    def __init__(self, bcast_object=None, get_rank=None, **values: Any):
+        super().__init__(**values)
+
+
+_NOT_BUILT = ("TensorFlowKerasState", "TensorFlowState", "KerasState", "CommitStateCallback",
+              "UpdateBatchStateCallback", "UpdateEpochStateCallback")
 
 
 def __getattr__(name: str):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    raise NotImplementedError(f"hvd.elastic.{name}: elastic training is not built in hpctrain yet (it is the "
-                              f"next capability); restart from hpctrain's checkpoints instead")
+    if name in _NOT_BUILT:
+        raise NotImplementedError(f"hvd.elastic.{name}: the elastic state of TensorFlow and Keras is not built in "
+                                  f"hpctrain yet (torch's is: hpctrain.horovod.torch.elastic.TorchState); restart "
+                                  f"from hpctrain's checkpoints instead")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

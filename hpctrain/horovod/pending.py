@@ -9,13 +9,18 @@ import threading
 import time
 from typing import Any, Optional
 
-from ..errors import HpctrainError
+from ..errors import HpctrainError, WorldFailedError
 
-__all__ = ["HorovodInternalError", "OpHandle", "Request", "Entry"]
+__all__ = ["HorovodInternalError", "WorldFailedInHorovod", "OpHandle", "Request", "Entry"]
 
 
 class HorovodInternalError(HpctrainError):
     """Horovod's error for a collective that could not complete (shut down, or a rank lost)."""
+
+
+class WorldFailedInHorovod(HorovodInternalError, WorldFailedError):
+    """Ranks failed in elastic mode: Horovod's ``HorovodInternalError`` (what ``hvd.elastic.run`` catches) and
+    hpctrain's :class:`~hpctrain.errors.WorldFailedError` (what ``hpctrain.elastic.run`` catches) at once."""
 
 
 class OpHandle:

@@ -152,15 +152,25 @@ def _follow_the_world(optimizer, averaging: tuple, passes: int, cap_bytes: int) 
         if opt is None:
             remove()
             return
-        old = opt._hpctrain
-        old.remove_hooks()
-        op, compression, policy, sparse_as_dense = averaging
-        compression = old.averager.compressor if old.averager.compressor is not None else compression
-        opt._hpctrain = GradientSync(opt, list(zip(old.names, old.params)),
-                                     GradientAverager(world, op, compression, policy, sparse_as_dense), passes,
-                                     cap_bytes)
+        rebuild_on(opt, world, averaging, passes, cap_bytes)
 
     remove = on_reform(follow)
+
+
+def rebuild_on(optimizer, comm, averaging: tuple, passes: int, cap_bytes: int) -> None:
+    """Give DistributedOptimizer ``optimizer`` new buckets and hooks over ``comm`` (a re-formed world).
+
+    Collective over ``comm`` (the buckets' shared memory).  ``averaging`` is
+    ``(op, compression, compression_policy, sparse_as_dense)``; the compressor
+    object in use (and its error-feedback residuals) carries over.
+    """
+    old = optimizer._hpctrain
+    old.remove_hooks()
+    op, compression, policy, sparse_as_dense = averaging
+    compression = old.averager.compressor if old.averager.compressor is not None else compression
+    optimizer._hpctrain = GradientSync(optimizer, list(zip(old.names, old.params)),
+                                       GradientAverager(comm, op, compression, policy, sparse_as_dense), passes,
+                                       cap_bytes)
 
 
 class _DistributedMixin:

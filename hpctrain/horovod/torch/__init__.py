@@ -10,6 +10,7 @@ from ..basics import (Adasum, Average, HorovodInternalError, HostsUpdatedInterru
                       global_process_set, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
                       local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                       remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
+from . import elastic
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
@@ -33,5 +34,5 @@ __all__ = [
     "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "join", "poll",
     "reducescatter", "reducescatter_async", "sparse_allreduce_async", "synchronize", "DistributedOptimizer",
-    "SyncBatchNorm",
+    "SyncBatchNorm", "elastic",
 ]

@@ -12,9 +12,13 @@ gradients are split into that many buckets of about equal bytes).
 from __future__ import annotations
 
 import warnings
+import weakref
 
 from ...torch.optimizer import DistributedOptimizer as _native
+from ...torch.optimizer import rebuild_on
+from .. import basics
 from ..basics import Average, global_process_set
+from ..negotiated import NegotiatedComm
 from ..gradient_args import gradient_settings
 from .compression import Compression
 
@@ -44,6 +48,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     opt = _native(optimizer, named_parameters=named, compression=settings.compressor,
                   op=settings.op, backward_passes_per_step=backward_passes_per_step,
                   bucket_mb=bucket_mb, comm=settings.comm, sparse_as_dense=sparse_as_dense)
+    if settings.op != "adasum" and process_set is global_process_set:
+        _follow_resets(opt, (settings.op, settings.compressor, None, sparse_as_dense), backward_passes_per_step,
+                       int(bucket_mb * 2 ** 20))
     opt._parameter_names = {p: n for n, p in named} if named else {
         p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
     base = type(opt)
@@ -52,6 +59,21 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         cls = _CLASSES[base] = type(base.__name__, (_HorovodMixin, base), {"__module__": __name__})
     opt.__class__ = cls
     return opt
+
+
+def _follow_resets(optimizer, averaging: tuple, passes: int, cap_bytes: int) -> None:
+    """After each reset of ``hvd.elastic.run`` (a re-formed world, Horovod initialised again), rebuild
+    ``optimizer``'s buckets over the new negotiation (held weakly: a dropped optimizer stops following)."""
+    ref = weakref.ref(optimizer)
+
+    def follow() -> None:
+        opt = ref()
+        if opt is not None:
+            rebuild_on(opt, NegotiatedComm(global_process_set), averaging, passes, cap_bytes)
+        elif follow in basics._reset_hooks:
+            basics._reset_hooks.remove(follow)
+
+    basics.on_reset(follow)
 
 
 def _check_names(optimizer, named_parameters):
