@@ -14,9 +14,11 @@ process of rank ``--victim`` (found by its launcher's rank variable) and measure
 
 Peers: ``hpctrain``: ``hpctrain launch --elastic``: the survivors go on at ``ranks - 1``; ``torchrun``:
 ``torchrun --max-restarts 1`` over DDP (gloo) with torch.save checkpoints (benchmarks/elastic_torchrun_worker.py):
-every worker is restarted at the same size and resumes from the newest checkpoint.  Horovod's elastic mode
-is not here yet (its ``horovodrun --gloo`` with a discovery script needs the namespace nodes).  Medians
-over ``--repeats``, the peers alternating.
+every worker is restarted at the same size and resumes from the newest checkpoint; ``horovod``: the real
+Horovod 0.28.1's elastic mode (``horovodrun`` with a host-discovery script naming this machine twice, as
+``localhost`` and ``127.0.0.1``, half the ranks each: Horovod leaves a failed rank's whole host out, so it goes
+on with the other half), benchmarks/elastic_horovod_worker.py; ``hpctrain.horovod``: the same worker on
+hpctrain.horovod under ``hpctrain launch --elastic``.  Medians over ``--repeats``, the peers alternating.
 
     python benchmarks/elastic.py --ranks 4 --repeats 3 --out results/elastic
 """
@@ -48,11 +50,27 @@ def training_args(args) -> list:
             "--commit-every", str(args.commit_every), "--step-sleep", str(args.step_sleep)]
 
 
+HOROVOD_WORKER = str(REPO / "benchmarks" / "elastic_horovod_worker.py")
+
+
 def command(peer: str, args, work: Path) -> list:
     if peer == "hpctrain":
         return [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(args.ranks),
                 str(REPO / "examples" / "elastic_train.py"), *training_args(args), "--log-steps",
                 "--out", str(work / "final.safetensors")]
+    if peer == "hpctrain.horovod":
+        return [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(args.ranks), HOROVOD_WORKER,
+                "--api", "hpctrain.horovod", *training_args(args)]
+    if peer == "horovod":
+        # Two "hosts" of this machine (as Horovod's own elastic tests do): Horovod leaves a failed rank's whole
+        # host out, so a kill of the last rank goes on with the first host's half.
+        half = args.ranks // 2
+        script = work / "discover.sh"
+        script.write_text(f"#!/bin/sh\necho localhost:{args.ranks - half}\necho 127.0.0.1:{half}\n")
+        script.chmod(0o755)
+        return [str(BIN / "horovodrun"), "-np", str(args.ranks), "--min-np", "1", "--max-np", str(args.ranks),
+                "--host-discovery-script", str(script), "--gloo-timeout-seconds", "120", sys.executable,
+                HOROVOD_WORKER, "--api", "horovod", *training_args(args)]
     return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(args.ranks), "--max-restarts", "1",
             str(REPO / "benchmarks" / "elastic_torchrun_worker.py"), *training_args(args),
             "--ckpt", str(work / "ckpt.pt")]
@@ -64,8 +82,8 @@ def victim_pid(marker: str, rank: int) -> int:
         try:
             cmdline = p.info["cmdline"] or [""]
             if "python" in cmdline[0] and marker in " ".join(cmdline):
-                env = p.environ()      # (mpirun's ranks have OMPI_COMM_WORLD_RANK, torchrun's workers RANK)
-                if env.get("OMPI_COMM_WORLD_RANK", env.get("RANK")) == str(rank):
+                env = p.environ()      # (mpirun's ranks have OMPI_COMM_WORLD_RANK, torchrun's RANK, Horovod's)
+                if env.get("OMPI_COMM_WORLD_RANK", env.get("RANK", env.get("HOROVOD_RANK"))) == str(rank):
                     return p.pid
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -80,7 +98,8 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")     # (torchrun --standalone: gloo on the loopback it rendezvouses on)
         proc = subprocess.Popen(command(peer, args, work), cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        marker = "elastic_train.py" if peer == "hpctrain" else "elastic_torchrun_worker.py"
+        marker = {"hpctrain": "elastic_train.py", "torchrun": "elastic_torchrun_worker.py"}.get(
+            peer, f"--api {peer}")
         killed_at = recovered_at = caught_up_at = None
         before = resumed = None
         log = []
@@ -129,7 +148,8 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
                        new_size=rec["new_size"])
             row["redo_s"] = row["caught_up_s"] - row["detect_s"] - row["reform_s"] - row["recover_s"]
         else:
-            row["new_size"] = args.ranks
+            sizes = re.findall(r"finished: \d+ steps, world of (\d+)", text)
+            row["new_size"] = int(sizes[-1]) if sizes else args.ranks
         row["resumed"] = resumed
         row["lost_steps"] = before - resumed
         return row
@@ -146,7 +166,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--peers", nargs="+", default=["hpctrain", "torchrun"], choices=["hpctrain", "torchrun"])
+    p.add_argument("--peers", nargs="+", default=["hpctrain", "torchrun", "horovod", "hpctrain.horovod"],
+                   choices=["hpctrain", "torchrun", "horovod", "hpctrain.horovod"])
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", type=Path, default=REPO / "results" / "elastic")
     args = p.parse_args()
@@ -172,11 +193,12 @@ def write_outputs(runs, args) -> None:
                 row[k] = statistics.median(vals)
         rows.append(row)
     base = {r["peer"]: r for r in rows}
-    faster = (base["torchrun"]["recovered_s"] / base["hpctrain"]["recovered_s"]
-              if {"hpctrain", "torchrun"} <= set(base) else None)
+    # each peer's time to the first step after recovery over hpctrain's
+    over = ({peer: r["recovered_s"] / base["hpctrain"]["recovered_s"] for peer, r in base.items() if peer != "hpctrain"}
+            if "hpctrain" in base else {})
     data = {"rows": rows, "runs": runs, "cores": CORES, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                                     for k, v in vars(args).items()},
-            "torchrun_over_hpctrain": faster}
+            "over_hpctrain": over}
     lines = [f"Recovery from SIGKILL of rank {args.victim} of {args.ranks} at step {args.kill_step}, commits or "
              f"checkpoints every {args.commit_every} steps, {args.step_sleep * 1e3:.0f} ms of sleep a step; medians "
              f"of {args.repeats} runs ({CORES}-core machine{', oversubscribed' if args.ranks > CORES else ''}).\n",
@@ -188,8 +210,10 @@ def write_outputs(runs, args) -> None:
                                                                          "redo_s"))
         lines.append(f"| {r['peer']} | {r['new_size']} ranks | {r['recovered_s']:.2f} s | {r['caught_up_s']:.2f} s | "
                      f"{r['lost_steps']:g} | {split} |")
-    if faster:
-        lines.append(f"\ntorchrun's time to the first step after recovery / hpctrain's: {faster:.1f}x")
+    if over:
+        lines.append("")
+    for peer, ratio in over.items():
+        lines.append(f"{peer}'s time to the first step after recovery / hpctrain's: {ratio:.1f}x")
     table = "\n".join(lines)
 
     def draw(plt):
@@ -202,7 +226,7 @@ def write_outputs(runs, args) -> None:
                     ax.barh(i, r[k], left=left, label=label)
                     left += r[k]
             else:
-                ax.barh(i, r["caught_up_s"], label=f"{r['peer']} (restart, checkpoint)", color="grey")
+                ax.barh(i, r["caught_up_s"], label=f"{r['peer']} (until back at the pre-kill step)", color="grey")
         ax.set_yticks(range(len(rows)), [r["peer"] for r in rows])
         ax.set_xlabel("seconds from the kill until back at the pre-kill step")
         ax.legend(fontsize=8)

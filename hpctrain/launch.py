@@ -39,9 +39,11 @@ from typing import List, Mapping, Optional
 from . import settings
 
 __all__ = ["build_command", "find_mpirun", "mpi_vendor", "ulfm_supported", "remove_stale_session_dirs",
-           "run_elastic", "ELASTIC_FINISHED"]
+           "run_elastic", "ELASTIC_STARTED", "ELASTIC_FINISHED"]
 
-# What rank 0 of an elastic job's last world prints on stdout when it ends normally (hpctrain.world's exit hook).
+# What rank 0 of an elastic job prints on stdout when its world is made (hpctrain.init) and, of its last world,
+# when it ends normally (hpctrain.world's exit hook): see run_elastic.
+ELASTIC_STARTED = "hpctrain: elastic mode:"
 ELASTIC_FINISHED = "hpctrain: the elastic job finished"
 
 _LAUNCHERS = {"prterun", "mpirun", "mpiexec", "orterun", "prte", "prted"}
@@ -248,8 +250,10 @@ def run_elastic(cmd: List[str]) -> int:
 
     Under Open MPI's fault-tolerance extension a process that dies is no error
     of the job (its survivors go on), so mpirun says 0 even when every rank
-    died.  Rank 0 of the last world prints :data:`ELASTIC_FINISHED` when it
-    ends normally; without that line a status 0 becomes 1, with a message.
+    died.  Rank 0 prints :data:`ELASTIC_STARTED` when hpctrain starts, and
+    rank 0 of the last world :data:`ELASTIC_FINISHED` when it ends normally;
+    a job that started so and never finished has its status 0 made 1, with a
+    message (a program that never starts hpctrain keeps mpirun's status).
     SIGINT reaches mpirun from the terminal (this process ignores it, then
     returns mpirun's status); SIGTERM and SIGHUP are passed on to it.
     """
@@ -262,13 +266,15 @@ def run_elastic(cmd: List[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda number, frame: proc.send_signal(number))
-    finished, out = False, sys.stdout.buffer
+    started = finished = False
+    out = sys.stdout.buffer
     for line in iter(proc.stdout.readline, b""):
+        started = started or line.startswith(ELASTIC_STARTED.encode())
         finished = finished or line.startswith(ELASTIC_FINISHED.encode())
         out.write(line)
         out.flush()
     code = proc.wait()
-    if code == 0 and not finished:
+    if code == 0 and started and not finished:
         sys.stderr.write("hpctrain launch: every rank of the elastic job failed (none ended normally); "
                          "exit status 1\n")
         return 1

@@ -122,6 +122,12 @@ def init(backend: str = "auto") -> Communicator:
                 raise settings.SettingError(f"HPCTRAIN_TIMELINE={config.timeline!r}: {why}")
             w.on_close(lambda: write_trace(w, config.timeline), f"the timeline writer ({config.timeline})")
         _world = w
+        if config.elastic and w.rank == 0:       # (hpctrain launch --elastic looks for it: see run_elastic)
+            from .launch import ELASTIC_STARTED
+
+            sys.stdout.write(f"{ELASTIC_STARTED} {w.size} ranks; a failed rank leaves the others going on down to "
+                             f"{settings.get('HPCTRAIN_ELASTIC_MIN_NP')}\n")
+            sys.stdout.flush()
         _install_excepthook(w)
         _install_atexit()       # (a world of one too: its timeline and on_close callbacks run at exit)
         return w
