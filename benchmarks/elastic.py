@@ -17,7 +17,8 @@ Peers: ``hpctrain``: ``hpctrain launch --elastic``: the survivors go on at ``ran
 every worker is restarted at the same size and resumes from the newest checkpoint; ``horovod``: the real
 Horovod 0.28.1's elastic mode (``horovodrun`` with a host-discovery script naming this machine twice, as
 ``localhost`` and ``127.0.0.1``, half the ranks each: Horovod leaves a failed rank's whole host out, so it goes
-on with the other half), benchmarks/elastic_horovod_worker.py; ``hpctrain.horovod``: the same worker on
+on with the other half; its survivors notice the loss when their Gloo collective times out, 30 s by default,
+``HOROVOD_GLOO_TIMEOUT_SECONDS``), benchmarks/elastic_horovod_worker.py; ``hpctrain.horovod``: the same worker on
 hpctrain.horovod under ``hpctrain launch --elastic``.  Medians over ``--repeats``, the peers alternating.
 
     python benchmarks/elastic.py --ranks 4 --repeats 3 --out results/elastic
@@ -69,7 +70,7 @@ def command(peer: str, args, work: Path) -> list:
         script.write_text(f"#!/bin/sh\necho localhost:{args.ranks - half}\necho 127.0.0.1:{half}\n")
         script.chmod(0o755)
         return [str(BIN / "horovodrun"), "-np", str(args.ranks), "--min-np", "1", "--max-np", str(args.ranks),
-                "--host-discovery-script", str(script), "--gloo-timeout-seconds", "120", sys.executable,
+                "--host-discovery-script", str(script), sys.executable,
                 HOROVOD_WORKER, "--api", "horovod", *training_args(args)]
     return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(args.ranks), "--max-restarts", "1",
             str(REPO / "benchmarks" / "elastic_torchrun_worker.py"), *training_args(args),

@@ -2,6 +2,7 @@
 import pytest
 
 from hpctrain.parallel import bubble_fraction, schedule
+from hpctrain.parallel.schedule import Action, gpipe, one_f_one_b
 
 
 def simulate(name, p, m, f=1.0, b=1.0):
@@ -60,3 +61,10 @@ def test_bad_schedules_are_refused():
         schedule("gpipe", 2, 2, 2)
     with pytest.raises(ValueError, match="at least one"):
         schedule("1f1b", 2, 0, 0)
+
+
+def test_one_micro_batch_makes_gpipe_and_1f1b_the_same_schedule():
+    """(The rank files' pipeline tests run one micro-batch with GPipe only, on the strength of this.)"""
+    for p in range(1, 6):
+        for s in range(p):
+            assert one_f_one_b(p, 1, s) == gpipe(p, 1, s) == [Action("F", 0), Action("B", 0)]

@@ -78,8 +78,8 @@ def layouts(n):
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("m", [1, 2, 3])
+# (one micro-batch makes GPipe and 1F1B the same list of actions, F0 B0 on every stage: tests/test_pipeline_schedule.py)
+@pytest.mark.parametrize("m, schedule", [(1, "gpipe"), (2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
 def test_pipeline_training_equals_one_process(comm, schedule, m):
     for dp, pp in layouts(comm.size):
         layout = ParallelLayout(dp=dp, pp=pp, comm=comm)
