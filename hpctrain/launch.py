@@ -261,7 +261,7 @@ def run_elastic(cmd: List[str]) -> int:
     import subprocess
 
     # (in the child before it execs mpirun: the stale session folder of the pid mpirun will have)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, bufsize=0,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                             preexec_fn=lambda: remove_stale_session_dirs(pid=os.getpid()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
