@@ -46,9 +46,9 @@ def run(func):
         skip_sync, resets = False, 0
         limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
         while True:
-            if not skip_sync:
-                state.sync()
             try:
+                if not skip_sync:
+                    state.sync()
                 return func(state, *args, **kwargs)
             except HorovodInternalError as exc:
                 state.restore()
@@ -67,21 +67,26 @@ def run(func):
 
 
 def _reset() -> None:
-    """Horovod's reset: stop the negotiation, re-form the world if ranks failed, start the negotiation again."""
+    """Horovod's reset: stop the negotiation, re-form the world if ranks failed, start the negotiation again
+    (and again, while ranks keep failing during it)."""
+    from ..comm.abort import exit_after_failure
     from ..elastic.reform import WorldTooSmallError, reform
+    from ..errors import WorldFailedError
     from ..world import world
 
-    basics.shutdown()
-    if world()._rt.failed:
+    while True:
+        basics.shutdown()
         try:
-            reform()
+            if world()._rt.failed:
+                reform()
+            basics.init()
+            for hook in list(basics._reset_hooks):
+                hook()
+            return
         except WorldTooSmallError as exc:
-            from ..comm.abort import exit_after_failure
-
             exit_after_failure(str(exc), 1)
-    basics.init()
-    for hook in list(basics._reset_hooks):
-        hook()
+        except WorldFailedError:        # (a rank failed during the reset: the new world re-forms too)
+            continue
 
 
 class State(_CoreObjectState):
