@@ -34,5 +34,5 @@ from .run import run
 from .sampler import ElasticSampler
 from .state import ObjectState, State
 
-__all__ = ["run", "reform", "generation", "on_reform", "Reformed", "State", "ObjectState", "ElasticSampler", "WorldFailedError",
-           "WorldTooSmallError"]
+__all__ = ["run", "reform", "generation", "on_reform", "Reformed", "State", "ObjectState", "ElasticSampler",
+           "WorldFailedError", "WorldTooSmallError"]

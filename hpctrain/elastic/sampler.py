@@ -8,8 +8,9 @@ world, the rest ``R = P[p:]`` is dealt round-robin, rank ``r`` taking
 same number of batches (as ``drop_last``: the last ``len(R) % N`` are left out
 of this epoch; with ``drop_last=False`` ``R`` is first padded to a multiple
 of ``N`` with its own head, repeated, as torch's DistributedSampler and
-Horovod's ElasticSampler do, so those few are seen twice instead).  When every rank has run ``b`` batches of ``B`` samples, the
-world has consumed exactly ``R[:b B N]``, a prefix: :meth:`ElasticSampler.record_batch`
+Horovod's ElasticSampler do, so those few are seen twice instead).  When
+every rank has run ``b`` batches of ``B`` samples, the world has consumed
+exactly ``R[:b B N]``, a prefix: :meth:`ElasticSampler.record_batch`
 adds ``B N`` to ``p``.  A re-formed world of ``N'`` ranks deals ``P[p:]`` anew,
 so no sample of the epoch is skipped or seen twice, whatever the sizes.
 """
