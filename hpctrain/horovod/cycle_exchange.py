@@ -63,8 +63,9 @@ class CycleExchange:
             self._bell = np.zeros(1, np.int64)
             self._bell_req = self.comm.Irecv(self._bell, source=MPI.ANY_SOURCE, tag=_DOORBELL_TAG)
             self._rings: List[Any] = []            # sends not known to be complete (with their buffers)
+            self._revoke = self.comm.Revoke
             if world._rt.config.elastic:           # (a failed rank revokes it with the world's own)
-                world._rt.revokers.append(self.comm.Revoke)
+                world._rt.revokers.append(self._revoke)
 
     @property
     def has_doorbells(self) -> bool:
@@ -154,6 +155,8 @@ class CycleExchange:
     def free(self) -> None:
         """Release the exchange's communicator."""
         if self.comm is not None:
+            if self._revoke in self.world._rt.revokers:
+                self.world._rt.revokers.remove(self._revoke)
             self._bell_req.Cancel()
             self._bell_req.Wait()
             for req, _ in self._rings:

@@ -135,10 +135,6 @@ class State(_CoreObjectState):
         self._sync(None)
         self.save()
 
-    def restore(self, number=None) -> None:
-        """Go back to the last save."""
-        super().restore(number)
-
     def _broadcast_object(self, comm, value: Any) -> Any:
         from .requests import broadcast_object
 
