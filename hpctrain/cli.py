@@ -19,6 +19,11 @@ def _launch(args) -> int:
     if args.start_timeout is not None and not args.gloo:
         print("hpctrain launch: --start-timeout applies to --gloo launches (horovodrun's); mpirun and srun "
               "use their own start-up timeouts", file=sys.stderr)
+    if args.host_discovery_script or args.max_np is not None:
+        return _launch_discovered(args, argv)
+    if args.n is None:
+        print("hpctrain launch: give the number of ranks, -n N", file=sys.stderr)
+        return 2
     cmd = build_command(args.n, argv, hosts=args.hosts, hostfile=args.hostfile, gloo=args.gloo,
                         start_timeout=args.start_timeout, elastic=args.elastic, min_np=args.min_np)
     _check_before_launch(argv)
@@ -36,6 +41,33 @@ def _launch(args) -> int:
         return run_elastic(cmd)
     os.execv(cmd[0], cmd)
     return 0  # not reached
+
+
+def _launch_discovered(args, argv) -> int:
+    """``--elastic --host-discovery-script S``: the ranks follow the hosts S offers (hpctrain.elastic.driver)."""
+    from . import settings
+    from .elastic.driver import run_with_discovery
+    from .launch import build_command, run_elastic
+
+    if not (args.elastic and args.host_discovery_script):
+        raise ValueError("--host-discovery-script and --max-np go with --elastic, and --max-np needs "
+                         "--host-discovery-script (without one the hosts are fixed: -n, -H, --hostfile)")
+    if args.hosts or args.hostfile or args.gloo:
+        raise ValueError("--host-discovery-script names the hosts: leave out -H, --hostfile and --gloo")
+    if not os.access(args.host_discovery_script, os.X_OK):
+        raise FileNotFoundError(f"{args.host_discovery_script}: no executable host discovery script")
+    min_np = args.min_np or args.n or 1
+    max_np = args.max_np or 0
+    if max_np and max_np < min_np:
+        raise ValueError(f"--max-np ({max_np}) is below --min-np ({min_np})")
+    _check_before_launch(argv)
+    if args.dry_run:
+        print(" ".join(build_command(min_np, argv, elastic=True, min_np=min_np)), flush=True)
+        return 0
+    settings.mark_launch_checked()
+    sys.stdout.flush()
+    return run_with_discovery(argv, args.host_discovery_script, min_np, max_np, args.slots, build_command,
+                              run_elastic)
 
 
 def _check_before_launch(argv) -> None:
@@ -114,7 +146,8 @@ def main(argv=None) -> int:
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("launch", help="start N ranks of a program with mpirun (or srun in Slurm)")
-    p.add_argument("-n", "-np", "--np", "--num-proc", dest="n", type=int, required=True, help="number of ranks")
+    p.add_argument("-n", "-np", "--np", "--num-proc", dest="n", type=int, help="number of ranks (with "
+                   "--host-discovery-script: the fewest to start with, as --min-np)")
     p.add_argument("-H", "--hosts", help="hosts and slots, host1:2,host2:2 (as horovodrun's -H)")
     p.add_argument("--hostfile", help="file of 'host slots=N' lines (as horovodrun's and mpirun's)")
     p.add_argument("--gloo", action="store_true", help="start the ranks with horovodrun --gloo")
@@ -122,7 +155,14 @@ def main(argv=None) -> int:
     p.add_argument("--start-timeout", type=float, help="seconds for the ranks to start (--gloo launches)")
     p.add_argument("--elastic", action="store_true", help="survive failed ranks: the survivors re-form the world "
                    "and go on (hpctrain.elastic; Open MPI with ULFM)")
-    p.add_argument("--min-np", type=int, help="with --elastic: the fewest ranks to go on with (default 1)")
+    p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                   help="with --elastic: the fewest ranks to go on with (default 1)")
+    p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+                   help="with --host-discovery-script: the most ranks to grow to (default: every slot offered)")
+    p.add_argument("--host-discovery-script", help="with --elastic: an executable printing the hosts available "
+                   "now, one 'host' or 'host:slots' per line; the job follows it (hosts that leave, hosts added)")
+    p.add_argument("--slots", type=int, default=1, help="slots of a host the discovery script prints without "
+                   "':slots' (default 1)")
     p.add_argument("--verbose", action="store_true", help="print the command before running it")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("program", nargs=argparse.REMAINDER, help="script.py args..., or a command")

@@ -39,12 +39,13 @@ from typing import List, Mapping, Optional
 from . import settings
 
 __all__ = ["build_command", "find_mpirun", "mpi_vendor", "ulfm_supported", "remove_stale_session_dirs",
-           "run_elastic", "ELASTIC_STARTED", "ELASTIC_FINISHED"]
+           "run_elastic", "ELASTIC_STARTED", "ELASTIC_FINISHED", "ELASTIC_RESTARTING"]
 
 # What rank 0 of an elastic job prints on stdout when its world is made (hpctrain.init) and, of its last world,
 # when it ends normally (hpctrain.world's exit hook): see run_elastic.
 ELASTIC_STARTED = "hpctrain: elastic mode:"
 ELASTIC_FINISHED = "hpctrain: the elastic job finished"
+ELASTIC_RESTARTING = "hpctrain: the elastic job restarts"       # (on more hosts: hpctrain.elastic.hosts)
 
 _LAUNCHERS = {"prterun", "mpirun", "mpiexec", "orterun", "prte", "prted"}
 
@@ -174,7 +175,7 @@ def _program(argv: List[str]) -> List[str]:
 def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = None,
                   cores: Optional[int] = None, hosts: Optional[str] = None, hostfile: Optional[str] = None,
                   gloo: bool = False, start_timeout: Optional[float] = None, elastic: bool = False,
-                  min_np: Optional[int] = None) -> List[str]:
+                  min_np: Optional[int] = None, exports: Optional[Mapping[str, str]] = None) -> List[str]:
     """Return the full command line that starts ``argv`` on ``n`` ranks.
 
     Args:
@@ -189,6 +190,7 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
         elastic: elastic mode (:mod:`hpctrain.elastic`): Open MPI's fault-tolerance extension on, and
             HPCTRAIN_ELASTIC=1 for the ranks; needs Open MPI with ULFM (the venv's wheel has it).
         min_np: with ``elastic``, the fewest ranks to go on with (HPCTRAIN_ELASTIC_MIN_NP; default 1).
+        exports: more environment variables for the ranks (mpirun's ``-x NAME=value``; Open MPI only).
     """
     if hosts and hostfile:
         raise ValueError("give -H/--hosts or --hostfile, not both")
@@ -238,6 +240,8 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
             cmd += ["--with-ft", "ulfm"]
         if elastic:
             cmd += ["-x", "HPCTRAIN_ELASTIC=1", "-x", f"HPCTRAIN_ELASTIC_MIN_NP={min_np or 1}"]
+        for name, value in (exports or {}).items():
+            cmd += ["-x", f"{name}={value}"]
         if "OMP_NUM_THREADS" not in env:
             cmd += ["-x", f"OMP_NUM_THREADS={max(1, cores // n)}"]
         if "TF_CPP_MIN_LOG_LEVEL" not in env:      # TensorFlow's start-up banners (INFO), once per rank otherwise
@@ -245,7 +249,7 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
     return cmd + program
 
 
-def run_elastic(cmd: List[str]) -> int:
+def run_elastic(cmd: List[str], watch=None) -> int:
     """Run an elastic launch's ``cmd`` (mpirun), relaying its standard output; return the job's exit status.
 
     Under Open MPI's fault-tolerance extension a process that dies is no error
@@ -256,6 +260,9 @@ def run_elastic(cmd: List[str]) -> int:
     message (a program that never starts hpctrain keeps mpirun's status).
     SIGINT reaches mpirun from the terminal (this process ignores it, then
     returns mpirun's status); SIGTERM and SIGHUP are passed on to it.
+    ``watch()``, when given, is called every HPCTRAIN_ELASTIC_DISCOVERY_S
+    seconds while mpirun runs (the discovery script's poll:
+    :mod:`hpctrain.elastic.driver`).
     """
     import signal
     import subprocess
@@ -266,11 +273,14 @@ def run_elastic(cmd: List[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda number, frame: proc.send_signal(number))
+    from .elastic.driver import poll_while
+
+    poll_while(proc, watch)
     started = finished = False
     out = sys.stdout.buffer
     for line in iter(proc.stdout.readline, b""):
         started = started or line.startswith(ELASTIC_STARTED.encode())
-        finished = finished or line.startswith(ELASTIC_FINISHED.encode())
+        finished = finished or line.startswith((ELASTIC_FINISHED.encode(), ELASTIC_RESTARTING.encode()))
         out.write(line)
         out.flush()
     code = proc.wait()

@@ -157,6 +157,21 @@ SETTINGS: Tuple[Setting, ...] = (
             "ends naming what was lost (set by `hpctrain launch --min-np`)", minimum=1),
     Setting("HPCTRAIN_ELASTIC_RESET_LIMIT", "int", 0, "elastic mode: the most times the world may re-form in "
             "one run (0: no limit)", minimum=0),
+    Setting("HPCTRAIN_ELASTIC_CONTROL", "text", "", "elastic mode with a host discovery script: the launcher's "
+            "folder of hosts news, the world's hosts and the commit written for a restart on more hosts (set by "
+            "`hpctrain launch --host-discovery-script`)"),
+    Setting("HPCTRAIN_ELASTIC_HOSTS_VERSION", "int", 0, "elastic mode with a discovery script: the version of the "
+            "launcher's hosts this job started with (set by the launcher)", minimum=0),
+    Setting("HPCTRAIN_ELASTIC_RANK_HOSTS", "text", "", "elastic mode with a discovery script: the host of each "
+            "rank as the script names it, in launch-rank order (set by the launcher)"),
+    Setting("HPCTRAIN_ELASTIC_MAX_NP", "int", 0, "elastic mode with a discovery script: the most ranks to grow "
+            "to (0: as many as the hosts offer; set by `hpctrain launch --max-np`)", minimum=0),
+    Setting("HPCTRAIN_ELASTIC_RESUME", "flag", False, "elastic mode: this job is the launcher's restart on more "
+            "hosts; `hpctrain.elastic.run` first loads the commit written for it (set by the launcher)"),
+    Setting("HPCTRAIN_ELASTIC_DISCOVERY_S", "seconds", 1.0, "elastic mode: seconds between two runs of the host "
+            "discovery script by the launcher"),
+    Setting("HPCTRAIN_ELASTIC_TIMEOUT_S", "seconds", 600.0, "elastic mode: how long the launcher waits for the "
+            "discovery script to offer --min-np slots before it gives up"),
     Setting("HPCTRAIN_LAUNCHER", "choice", "", "launcher of `hpctrain launch` and the sbatch scripts (empty: "
             "srun inside a Slurm allocation, else mpirun)", choices=("", "mpirun", "srun")),
     Setting("HPCTRAIN_SRUN_MPI", "text", "pmix", "the `--mpi=` plugin of srun launches"),

@@ -33,6 +33,7 @@ _saved_excepthook = None
 _atexit_installed = False
 _exit_status = [0]          # what sys.exit() was last called with, after init() (see _install_atexit)
 _generation = [0]           # how many times the world re-formed (elastic mode) since the process started
+_restarting = [False]       # this job ends for the elastic launcher's restart on more hosts (hpctrain.elastic.hosts)
 _reform_hooks: list = []    # callables given the new world after a re-forming (see on_reform)
 _SAY_IT_S = 2.0             # how long other ranks wait before exiting on a bad setting, so rank 0's line is seen
 
@@ -128,6 +129,10 @@ def init(backend: str = "auto") -> Communicator:
             sys.stdout.write(f"{ELASTIC_STARTED} {w.size} ranks; a failed rank leaves the others going on down to "
                              f"{settings.get('HPCTRAIN_ELASTIC_MIN_NP')}\n")
             sys.stdout.flush()
+        if config.elastic:
+            from .elastic.hosts import write_world
+
+            write_world(w)
         _install_excepthook(w)
         _install_atexit()       # (a world of one too: its timeline and on_close callbacks run at exit)
         return w
@@ -201,7 +206,7 @@ def _shutdown_at_exit() -> None:
             except (OSError, ValueError):       # (a closed or broken stream: nothing more to say there)
                 pass
         os._exit(code or 1)
-    if code == 0 and last is not None and last.rank == 0 and last._rt.config.elastic:
+    if code == 0 and last is not None and last.rank == 0 and last._rt.config.elastic and not _restarting[0]:
         from .launch import ELASTIC_FINISHED        # (hpctrain launch --elastic looks for it: see run_elastic)
 
         sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size} ranks after {_generation[0]} re-forming"
@@ -209,6 +214,11 @@ def _shutdown_at_exit() -> None:
         sys.stdout.flush()
     if _generation[0]:
         _exit_without_finalize(code)
+
+
+def _mark_restarting() -> None:
+    """This elastic job is ending for its launcher's restart on more hosts: rank 0 does not say it finished."""
+    _restarting[0] = True
 
 
 def fail_this_rank(message: str) -> None:
@@ -371,6 +381,9 @@ def _replace_world(new: Communicator) -> None:
         _world = new
         _generation[0] += 1
         _install_excepthook(new, previous=_saved_excepthook)
+    from .elastic.hosts import write_world
+
+    write_world(new)
     for hook in list(_reform_hooks):
         hook(new)
 

@@ -245,3 +245,19 @@ def test_object_state_commits_restores_and_keeps_the_last_two_commits():
     assert (state.epoch, sampler.processed, state.commit_number) == (1, 40, first + 1)
     with pytest.raises(HpctrainError, match="not kept"):
         state.restore(first)                    # (three commits ago: only two are kept)
+
+
+def test_discovered_hosts_are_parsed_and_planned_the_same_on_every_rank():
+    from hpctrain.elastic.driver import DiscoveryError, parse_hosts
+    from hpctrain.elastic.hosts import plan
+
+    assert parse_hosts("a:2\n\n# comment\nb\nc:0\na:1\n", default_slots=3) == [("a", 3), ("b", 3)]
+    for bad in ("a:x", ":2", "a:-1"):
+        with pytest.raises(DiscoveryError, match="expected host or host:slots"):
+            parse_hosts(bad)
+    world = ["a", "a", "b", "b", "b"]                  # (rank r's host)
+    # host b drops to 1 slot and c comes with 2: the first of b's ranks stays, and the world grows (5 slots > 3)
+    assert plan([("a", 2), ("b", 1), ("c", 2)], world, max_np=0) == ([True, True, True, False, False], True)
+    assert plan([("a", 2), ("b", 1), ("c", 2)], world, max_np=3) == ([True, True, True, False, False], False)
+    assert plan([("b", 3)], world, max_np=0) == ([False, False, True, True, True], False)
+    assert plan([("a", 2), ("b", 3)], world, max_np=4) == ([True] * 5, False)

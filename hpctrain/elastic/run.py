@@ -9,6 +9,7 @@ from typing import Callable, List
 
 from .. import settings
 from ..errors import WorldFailedError
+from .hosts import resume
 from .reform import WorldTooSmallError, reform
 
 __all__ = ["run"]
@@ -34,9 +35,17 @@ def run(func: Callable) -> Callable:
     end the job with a message naming what was lost.  Outside elastic mode a
     failed rank ends the job as always, and the wrapper only adds the first
     ``sync``.  ``state.recoveries`` lists what each recovery did and cost.
+
+    With a host discovery script (``hpctrain launch --elastic
+    --host-discovery-script S``) ranks on hosts that leave end at a commit and
+    the others re-form as after a failure; when hosts are added, the job
+    restarts on them and the wrapper first loads the commit written for that
+    restart (:mod:`hpctrain.elastic.hosts`).
     """
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        if resume(state) is not None:     # (the launcher's restart on more hosts: a new size)
+            state.on_reset()
         state.sync()
         state.recoveries = getattr(state, "recoveries", [])
         while True:

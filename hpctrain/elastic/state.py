@@ -53,12 +53,31 @@ class State:
         """The number of the newest commit (1 for the first; counted per process, put back by a restore)."""
         return self._number
 
-    def commit(self) -> None:
+    def save(self) -> None:
         """Keep a copy of the state (in this process's memory) that :meth:`restore` and a re-forming go back to."""
         start = time.perf_counter()
         self._number += 1
         self._commits.append((self._number, self._capture()))
         self.commit_s = time.perf_counter() - start
+
+    def commit(self) -> None:
+        """:meth:`save`, then :meth:`check_host_updates`."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """With a host discovery script: act on hosts that came or went (collective; :mod:`hpctrain.elastic.hosts`).
+
+        Ranks on a host that left end here, the others raise
+        :class:`~hpctrain.elastic.hosts.HostsChanged` (:func:`hpctrain.elastic.run`
+        re-forms the world without them, from this commit); when hosts were
+        added every rank writes the state and exits for the launcher's restart
+        on them.  Without a discovery script it does nothing.
+        """
+        from . import hosts
+
+        if hosts.check(self):
+            raise hosts.HostsChanged("hosts left the job (discovery script)")
 
     def restore(self, number: Optional[int] = None) -> None:
         """Go back to commit ``number`` (default: the newest).  Raises HpctrainError when it is not kept."""
@@ -78,7 +97,7 @@ class State:
         from ..world import comm_or_world
 
         self._sync(comm_or_world(comm))
-        self.commit()
+        self.save()
 
     def recover(self, comm=None) -> int:
         """After a re-forming: agree on the newest commit every rank kept, restore it, take rank 0's copy.
@@ -129,7 +148,7 @@ class ObjectState(State):
         self._local = set(local)
         for name, value in values.items():
             setattr(self, name, value)
-        self.commit()
+        self.save()
 
     def _capture(self, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         out = {}
@@ -158,6 +177,13 @@ class ObjectState(State):
     def _broadcast_object(self, comm, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (one pickled broadcast over ``comm``)."""
         return comm.broadcast_object(value, root=0)
+
+    def _release_world(self) -> None:
+        """Let hpctrain's own collectives run on the world (before the restart's checkpoint; nothing to do here)."""
+
+    def _allgather_object(self, comm, value: Any) -> list:
+        """Every rank's ``value``, in rank order (one pickled all-gather over ``comm``)."""
+        return comm.allgather_object(value)
 
 
 def _has_state_dict(value: Any) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import threading
 from typing import Any, List, Optional
 
@@ -125,7 +124,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         world = _hpctrain_init()
         if world._rt.config.elastic:        # (what horovodrun's elastic workers read: the rank they started as)
             os.environ.setdefault("HOROVOD_RANK", str(world.rank))
-            os.environ.setdefault("HOROVOD_HOSTNAME", socket.gethostname())
+            from ..elastic.hosts import rank_host
+
+            os.environ.setdefault("HOROVOD_HOSTNAME", rank_host())
         if comm is not None:
             count = comm.Get_size() if hasattr(comm, "Get_size") else len(list(comm))
             if count != world.size:

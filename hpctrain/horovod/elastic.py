@@ -14,9 +14,10 @@ starts the negotiation on it; what holds the old negotiation (a
 
 What differs from Horovod: the survivors keep their processes (no new
 rendezvous of restarted workers), a failed rank's healthy neighbours on its
-host stay in the job (Horovod leaves out the whole host), and hosts are not
-added back (no ``--host-discovery-script``; ``check_host_updates`` only sees
-messages given to ``on_hosts_updated``).  A commit keeps one copy per rank in
+host stay in the job (Horovod leaves out the whole host), and hosts added by
+the discovery script join through a restart of the job from the commit
+(written to the launcher's folder; :mod:`hpctrain.elastic.hosts`), where
+Horovod starts workers on them beside the running ones.  A commit keeps one copy per rank in
 host memory (the last two; a restore goes back to the newest).
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ import queue
 from typing import Any
 
 from .. import settings
+from ..elastic import hosts
+from ..elastic.hosts import resume, resuming
 from ..elastic.state import ObjectState as _CoreObjectState
 from . import basics
 from .basics import HorovodInternalError, HostsUpdatedInterrupt
@@ -45,6 +48,11 @@ def run(func):
     def wrapper(state, *args, **kwargs):
         skip_sync, resets = False, 0
         limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
+        if resuming():          # (the launcher's restart on more hosts: load the commit written for it)
+            basics.shutdown()
+            resume(state)
+            _reset()
+            state.on_reset()
         while True:
             try:
                 if not skip_sync:
@@ -99,22 +107,23 @@ class State(_CoreObjectState):
 
     def _track_hosts(self) -> None:
         """Horovod's host-change queue and the time of the newest change seen (before the first commit)."""
-        self._host_messages: queue.Queue = queue.Queue()
+        self._host_messages: queue.Queue = _HostMessages()
         self._last_updated_timestamp = 0
 
-    def save(self) -> None:
-        """Keep a copy of the state in this process's memory."""
-        _CoreObjectState.commit(self)
-
-    def commit(self) -> None:
-        """``save()``, then raise HostsUpdatedInterrupt if hosts changed since the last check."""
-        self.save()
-        self.check_host_updates()
-
     def check_host_updates(self) -> None:
-        """Raise HostsUpdatedInterrupt when ``on_hosts_updated`` reported a newer change (none without discovery)."""
+        """Raise HostsUpdatedInterrupt when hosts changed (collective with a discovery script).
+
+        With ``hpctrain launch --elastic --host-discovery-script S``: ranks on
+        hosts that left end here and the others raise the interrupt (with
+        ``skip_sync``: they re-form without them); hosts added restart the job
+        on them from this commit (:mod:`hpctrain.elastic.hosts`).  Changes
+        given to ``on_hosts_updated`` raise it too.
+        """
+        if hosts.check(self):
+            self._host_messages = _HostMessages()
+            raise HostsUpdatedInterrupt(True)
         newest, removed_only = self._last_updated_timestamp, True
-        while not self._host_messages.empty():
+        while self._host_messages.qsize():
             timestamp, update = self._host_messages.get()
             if timestamp > newest:
                 newest, removed_only = timestamp, removed_only and update == "removed"
@@ -127,7 +136,7 @@ class State(_CoreObjectState):
         self._host_messages.put((timestamp, update_res))
 
     def on_reset(self) -> None:
-        self._host_messages = queue.Queue()
+        self._host_messages = _HostMessages()
         super().on_reset()
 
     def sync(self, comm=None) -> None:
@@ -139,6 +148,23 @@ class State(_CoreObjectState):
         from .requests import broadcast_object
 
         return broadcast_object(value, 0, None, basics.global_process_set)
+
+    def _release_world(self) -> None:
+        basics.shutdown()       # (the job ends for a restart: hpctrain's checkpoint collectives write the commit)
+
+    def _allgather_object(self, comm, value: Any) -> list:
+        from .requests import allgather_object
+
+        return allgather_object(value, None, basics.global_process_set)
+
+
+class _HostMessages(queue.Queue):
+    """Horovod's queue of host changes; not ``empty()`` either while the elastic launcher has hosts news this
+    job has not acted on (what a training loop polls for between commits)."""
+
+    def empty(self) -> bool:
+        reader = hosts.news()
+        return super().empty() and (reader is None or reader.pending() is None)
 
 
 class ObjectState(State):

@@ -6,12 +6,16 @@ after every batch), with faults injected for real: ``--exit EPOCH:BATCH:R1,R2`` 
 as R1, R2 (``HOROVOD_RANK``) leave at that epoch and batch, by SIGKILL (``--exit-mode kill``) or by raising
 (``--exit-mode exception``).  Rank 0 appends one JSON line per finished epoch to ``--log`` (epoch, size, start
 rank, how many times ``train`` was entered, the learning rate), and at the end every rank's parameters are
-gathered and rank 0 writes whether they are identical.
+gathered and rank 0 writes whether they are identical.  With ``--hosts-schedule`` (the hosts a discovery
+script offers for each epoch, as JSON lists), rank 0 waits at the end of an epoch, as Horovod's judge does,
+until the launcher has news of the next epoch's hosts (``state._host_messages``), so the commit that ends
+the epoch acts on them.
 """
 import argparse
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ p.add_argument("--samples", type=int, default=240)
 p.add_argument("--exit", default="", help="EPOCH:BATCH:START_RANKS")
 p.add_argument("--exit-mode", default="kill", choices=["kill", "exception"])
 p.add_argument("--log", required=True)
+p.add_argument("--hosts-schedule", default="[]", help="JSON: the hosts offered for epoch 0, 1, ...")
 args = p.parse_args()
 
 hvd.init()
@@ -73,7 +78,15 @@ def train(state):
         if hvd.rank() == 0:
             with open(args.log, "a") as f:
                 f.write(json.dumps({"epoch": state.epoch, "size": hvd.size(), "start_rank": start_rank,
-                                    "entered": state.entered, "lr": optimizer.param_groups[0]["lr"]}) + "\n")
+                                    "entered": state.entered, "lr": optimizer.param_groups[0]["lr"],
+                                    "host": os.environ["HOROVOD_HOSTNAME"]}) + "\n")
+            schedule = json.loads(args.hosts_schedule)
+            if state.epoch + 1 < len(schedule) and schedule[state.epoch] != schedule[state.epoch + 1]:
+                state._last_updated_timestamp = 0
+                deadline = time.monotonic() + 30
+                while state._host_messages.empty():
+                    assert time.monotonic() < deadline, "no news of the hosts from the launcher in 30 s"
+                    time.sleep(0.05)
         state.epoch += 1
         state.batch = 0
         state.sampler.set_epoch(state.epoch)

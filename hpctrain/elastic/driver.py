@@ -1,0 +1,210 @@
+"""The elastic launcher with a host discovery script: start the job on the hosts it offers, tell the ranks of
+changes, and start the job again on more hosts.
+
+``hpctrain launch --elastic --host-discovery-script S [--min-np A] [--max-np B] [--slots K] train.py``:
+
+1. runs ``S`` (Horovod's format: one ``host`` or ``host:slots`` per line; a
+   bare host has ``--slots`` slots) until it offers at least ``A`` slots
+   (``HPCTRAIN_ELASTIC_TIMEOUT_S``), then starts ``min(slots, B)`` ranks on
+   them with mpirun, ranks filling the hosts in order;
+2. while the job runs, runs ``S`` every ``HPCTRAIN_ELASTIC_DISCOVERY_S``
+   seconds and, when what it offers changes, writes the hosts to
+   ``<control>/hosts.json`` with a new version: the ranks act on it at their
+   next commit (:mod:`hpctrain.elastic.hosts`: ranks on hosts that left end,
+   the others re-form; more slots restart the job).  A host where a rank
+   failed is left out of what is offered (its other ranks leave too, as
+   Horovod blacklists it) until ``S`` stops listing it and lists it again;
+3. when the job ended for a restart (``<control>/restart.json``), starts it
+   again on the hosts offered now (those of the last world first, so rank 0
+   keeps its host), with ``HPCTRAIN_ELASTIC_RESUME=1``.
+
+The control folder (``.hpctrain-elastic/<launcher pid>`` in the current
+directory: the ranks of every host must see it) is removed at the end.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .. import settings
+from .hosts import HOSTS_FILE, RESTART_FILE, WORLD_FILE, read_json, write_json
+
+__all__ = ["parse_hosts", "discover", "DiscoveryError", "run_with_discovery"]
+
+Hosts = List[Tuple[str, int]]
+
+
+class DiscoveryError(RuntimeError):
+    """The host discovery script failed or printed a line that names no host."""
+
+
+def parse_hosts(text: str, default_slots: int = 1) -> Hosts:
+    """``[(host, slots)]`` from a discovery script's output (``host`` or ``host:slots`` per line, in order)."""
+    hosts: Dict[str, int] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, count = line.partition(":")
+        try:
+            slots = int(count) if count else default_slots
+        except ValueError:
+            raise DiscoveryError(f"the host discovery script printed {line!r}: expected host or host:slots") \
+                from None
+        if not name or slots < 0:
+            raise DiscoveryError(f"the host discovery script printed {line!r}: expected host or host:slots")
+        hosts[name] = hosts.get(name, 0) + slots
+    return [(h, s) for h, s in hosts.items() if s > 0]
+
+
+def discover(script: str, default_slots: int = 1, timeout: float = 30.0) -> Hosts:
+    """Run the discovery script once and return the hosts it offers (DiscoveryError when it fails)."""
+    try:
+        out = subprocess.run([script], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise DiscoveryError(f"the host discovery script {script} could not run: {exc}") from None
+    if out.returncode != 0:
+        raise DiscoveryError(f"the host discovery script {script} exited with status {out.returncode}: "
+                             f"{out.stderr.strip()[-500:]}")
+    return parse_hosts(out.stdout, default_slots)
+
+
+class _Watch:
+    """What the launcher offers the running job: the script's hosts less those where a rank failed."""
+
+    def __init__(self, script: str, slots: int, control: str):
+        self.script, self.slots, self.control = script, slots, control
+        self.version = 0
+        self.seen: Hosts = []             # the script's newest answer
+        self.posted: Hosts = []           # what the ranks were offered last (hosts.json)
+        self.launched: Dict[str, int] = {}    # ranks per host at the job's start
+        self.suspect: set = set()         # hosts where a rank failed, left out until the script drops them
+        self.warned = False
+
+    def offered(self) -> Hosts:
+        return [(h, s) for h, s in self.seen if h not in self.suspect]
+
+    def post(self, hosts: Hosts) -> None:
+        self.version += 1
+        self.posted = list(hosts)
+        write_json(os.path.join(self.control, HOSTS_FILE),
+                   {"version": self.version, "hosts": [list(h) for h in hosts], "time": time.time()})
+
+    def poll(self) -> None:
+        """Run the script once and post what changed (called every HPCTRAIN_ELASTIC_DISCOVERY_S while the job runs)."""
+        try:
+            self.seen = discover(self.script, self.slots)
+        except DiscoveryError as exc:
+            if not self.warned:
+                sys.stderr.write(f"hpctrain launch: {exc}; keeping the hosts of its last answer\n")
+                self.warned = True
+            return
+        names = {h for h, _ in self.seen}
+        self.suspect &= names                     # (a host the script dropped comes back as a new one)
+        world = read_json(os.path.join(self.control, WORLD_FILE))
+        if world is not None:
+            now: Dict[str, int] = {}
+            for h in world["hosts"]:
+                now[h] = now.get(h, 0) + 1
+            posted = dict(self.posted)
+            self.suspect |= {h for h, n in self.launched.items()
+                             if now.get(h, 0) < min(n, posted.get(h, 0)) and h in names}
+        if self.offered() != self.posted:
+            self.post(self.offered())
+
+
+def _order(hosts: Hosts, first: Sequence[str]) -> Hosts:
+    """``hosts`` with those named in ``first`` (the last world's, in its order) ahead of the others."""
+    rank = {h: i for i, h in enumerate(dict.fromkeys(first))}
+    return sorted(hosts, key=lambda hs: rank.get(hs[0], len(rank)))
+
+
+def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, slots: int,
+                       build: Callable[..., List[str]], run: Callable[..., int]) -> int:
+    """Run the elastic job on the discovery script's hosts, restarting it on more (module docstring); its status.
+
+    ``build(n, argv, hosts=..., elastic=True, min_np=..., exports=...)`` makes
+    mpirun's command (:func:`hpctrain.launch.build_command`) and
+    ``run(cmd, watch=...)`` runs it (:func:`hpctrain.launch.run_elastic`).
+    """
+    control = os.path.abspath(os.path.join(".hpctrain-elastic", str(os.getpid())))
+    os.makedirs(control, exist_ok=True)
+    watch = _Watch(script, slots, control)
+    try:
+        hosts = _wait_for_hosts(watch, min_np)
+        resume, starts = False, 0
+        while True:
+            n = min(sum(s for _, s in hosts), max_np) if max_np else sum(s for _, s in hosts)
+            names = [h for h, s in hosts for _ in range(s)][:n]
+            watch.launched = {h: names.count(h) for h in dict.fromkeys(names)}
+            watch.suspect.clear()
+            watch.post(hosts)
+            for name in (RESTART_FILE, WORLD_FILE):
+                _remove(os.path.join(control, name))
+            exports = {settings.setting("HPCTRAIN_ELASTIC_CONTROL").name: control,
+                       settings.setting("HPCTRAIN_ELASTIC_HOSTS_VERSION").name: str(watch.version),
+                       settings.setting("HPCTRAIN_ELASTIC_RANK_HOSTS").name: ",".join(names),
+                       settings.setting("HPCTRAIN_ELASTIC_MAX_NP").name: str(max_np)}
+            if resume:
+                exports[settings.setting("HPCTRAIN_ELASTIC_RESUME").name] = "1"
+            cmd = build(n, argv, hosts=",".join(f"{h}:{s}" for h, s in hosts), elastic=True,
+                        min_np=min(min_np, n), exports=exports)
+            code = run(cmd, watch=watch.poll)
+            starts += 1
+            restart = read_json(os.path.join(control, RESTART_FILE))
+            if code != 0 or restart is None:
+                return code
+            world = read_json(os.path.join(control, WORLD_FILE)) or {"hosts": names}
+            hosts = _order(watch.offered() or hosts, world["hosts"])
+            resume = True
+            sys.stdout.write(f"hpctrain launch: restarting the elastic job on {', '.join(f'{h}:{s}' for h, s in hosts)}"
+                             f" from commit {restart['commit']} (start {starts + 1})\n")
+            sys.stdout.flush()
+    finally:
+        shutil.rmtree(control, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(control))
+        except OSError:
+            pass
+
+
+def _wait_for_hosts(watch: _Watch, min_np: int) -> Hosts:
+    """The script's hosts once they offer ``min_np`` slots; DiscoveryError after HPCTRAIN_ELASTIC_TIMEOUT_S."""
+    deadline = time.monotonic() + settings.get("HPCTRAIN_ELASTIC_TIMEOUT_S")
+    while True:
+        watch.seen = discover(watch.script, watch.slots)
+        if sum(s for _, s in watch.seen) >= min_np:
+            return watch.seen
+        if time.monotonic() > deadline:
+            raise DiscoveryError(f"the host discovery script offers {sum(s for _, s in watch.seen)} slot(s), "
+                                 f"fewer than --min-np {min_np}, after {settings.get('HPCTRAIN_ELASTIC_TIMEOUT_S'):g}"
+                                 f" s (HPCTRAIN_ELASTIC_TIMEOUT_S); nothing was launched")
+        time.sleep(settings.get("HPCTRAIN_ELASTIC_DISCOVERY_S"))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def poll_while(proc: subprocess.Popen, watch: Optional[Callable[[], None]]) -> Optional[threading.Thread]:
+    """Call ``watch()`` every HPCTRAIN_ELASTIC_DISCOVERY_S seconds on a daemon thread until ``proc`` ends."""
+    if watch is None:
+        return None
+    interval = settings.get("HPCTRAIN_ELASTIC_DISCOVERY_S")
+
+    def loop():
+        while proc.poll() is None:
+            time.sleep(interval)
+            if proc.poll() is None:
+                watch()
+    thread = threading.Thread(target=loop, name="hpctrain-discovery", daemon=True)
+    thread.start()
+    return thread

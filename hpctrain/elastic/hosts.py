@@ -1,0 +1,255 @@
+"""Hosts that come and go (``hpctrain launch --elastic --host-discovery-script S``): the ranks' side.
+
+The launcher (:mod:`hpctrain.elastic.driver`) runs the discovery script every
+second and writes what it offers to ``<control>/hosts.json`` with a version
+number (``HPCTRAIN_ELASTIC_CONTROL``); rank 0 of the world writes the world's
+size and hosts to ``<control>/world.json`` at each start and re-forming.  At
+every commit the state calls :func:`check` (collective: rank 0 reads the file
+when it changed and broadcasts the news, one small broadcast per commit), and
+when the launcher's version is newer than the one the ranks know, every rank
+works out the same plan from the offered ``host: slots`` and the hosts of the
+world's ranks (an allgather, only then):
+
+* a rank whose host is gone, or beyond its host's new slot count (the last
+  ones of the host go first), leaves: it ends as a failed rank and the others
+  re-form without it, from the commit just made (no step lost);
+* when the hosts offer more slots than the ranks that stay (up to
+  ``--max-np``), the world grows by a restart: every rank writes the commit
+  just made (:class:`~hpctrain.checkpoint.CheckpointManager`, into
+  ``<control>/commit``), rank 0 marks ``<control>/restart.json`` and every
+  rank exits; the launcher starts the job again on the offered hosts and
+  :func:`resume` loads that commit before training goes on.  (Open MPI's
+  ``MPI_Comm_spawn`` adds ranks in about a second, but processes it spawned
+  cannot end without an ``MPI_Finalize`` that hangs once a node was lost: see
+  README's elastic section.)
+
+Cost of a commit in discovery mode: one ``stat`` on rank 0 and one broadcast of
+a small object; nothing without a discovery script.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import settings
+from ..errors import WorldFailedError
+
+__all__ = ["HostsChanged", "control_dir", "check", "resume", "resuming", "write_world", "plan", "rank_host",
+           "read_json", "write_json", "HOSTS_FILE", "WORLD_FILE", "RESTART_FILE", "COMMIT_DIR"]
+
+HOSTS_FILE, WORLD_FILE, RESTART_FILE, COMMIT_DIR = "hosts.json", "world.json", "restart.json", "commit"
+
+
+class HostsChanged(WorldFailedError):
+    """Ranks left the world because their hosts left the discovery script's list (the others re-form)."""
+
+
+def control_dir() -> Optional[str]:
+    """The launcher's control folder (``HPCTRAIN_ELASTIC_CONTROL``), or None without a discovery script."""
+    return settings.get("HPCTRAIN_ELASTIC_CONTROL") or None
+
+
+def read_json(path: str) -> Optional[dict]:
+    """The JSON object in ``path``, or None when it is missing or half-written."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: str, value: dict) -> None:
+    """Write ``value`` to ``path`` atomically (a temporary file renamed over it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def rank_host(launch_rank: Optional[int] = None) -> str:
+    """This process's host as the discovery script names it (the launcher's list, by the rank it started as)."""
+    import socket
+
+    names = [h for h in settings.get("HPCTRAIN_ELASTIC_RANK_HOSTS").split(",") if h]
+    if launch_rank is None:
+        launch_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")))
+    return names[launch_rank] if launch_rank < len(names) else socket.gethostname()
+
+
+def plan(offered: Sequence[Tuple[str, int]], hosts: Sequence[str], max_np: int) -> Tuple[List[bool], bool]:
+    """Which of the world's ranks stay on the ``offered`` ``(host, slots)``, and whether the world grows.
+
+    ``hosts[r]`` is rank ``r``'s host.  On each host the first ``slots`` ranks
+    (in rank order) stay; the world grows when ``min(sum of slots, max_np)``
+    exceeds the ranks that stay (``max_np`` 0: no limit).
+    """
+    slots: Dict[str, int] = {}
+    for name, count in offered:
+        slots[name] = slots.get(name, 0) + int(count)
+    used: Dict[str, int] = {}
+    stays = []
+    for name in hosts:
+        used[name] = used.get(name, 0) + 1
+        stays.append(used[name] <= slots.get(name, 0))
+    total = sum(slots.values())
+    target = min(total, max_np) if max_np else total
+    return stays, target > sum(stays)
+
+
+class _News:
+    """Rank 0's view of ``<control>/hosts.json``: read again only when its modification time changed."""
+
+    def __init__(self, control: str):
+        self.path = os.path.join(control, HOSTS_FILE)
+        self.known = settings.get("HPCTRAIN_ELASTIC_HOSTS_VERSION")   # (the version this job was started with)
+        self._mtime, self._doc = None, None
+
+    def pending(self) -> Optional[dict]:
+        """The launcher's newest hosts when newer than the known ones, else None (not consumed)."""
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except OSError:
+            return None
+        if mtime != self._mtime:
+            self._mtime, self._doc = mtime, read_json(self.path)
+        doc = self._doc
+        return doc if doc is not None and doc.get("version", 0) > self.known else None
+
+
+_NEWS: List[_News] = []      # this process's reader of the launcher's hosts (one per process: the launcher's news)
+
+
+def news() -> Optional[_News]:
+    """This process's reader of the launcher's hosts file, or None outside discovery mode."""
+    control = control_dir()
+    if control is None:
+        return None
+    if not _NEWS:
+        _NEWS.append(_News(control))
+    return _NEWS[0]
+
+
+def check(state) -> bool:
+    """Act on the launcher's newest hosts (collective over the world; module docstring); True when ranks left.
+
+    Returns False when nothing changed.  A rank that must leave ends here (as
+    a failed rank); when the world must grow every rank writes ``state`` and
+    exits for the launcher's restart (neither returns).  True: other ranks are
+    leaving, and the caller re-forms the world (from the commit just made).
+    """
+    reader = news()
+    if reader is None:
+        return False
+    from ..world import world
+
+    comm = world()
+    doc = state._broadcast_object(comm, reader.pending() if comm.rank == 0 else None)
+    if doc is None:
+        return False
+    reader.known = doc["version"]
+    hosts = state._allgather_object(comm, rank_host())
+    stays, grow = plan([tuple(h) for h in doc["hosts"]], hosts, settings.get("HPCTRAIN_ELASTIC_MAX_NP"))
+    if grow:
+        _restart(state, comm, doc, hosts)
+    if not stays[comm.rank]:
+        from ..world import fail_this_rank
+
+        fail_this_rank(f"hpctrain: rank {comm.rank}: its host {hosts[comm.rank]} left the discovery script's "
+                       f"hosts (or has fewer slots now)")
+    if all(stays):
+        return False
+    if comm.rank == stays.index(True):
+        gone = sorted({h for h, s in zip(hosts, stays) if not s})
+        _say(f"hpctrain: host(s) {', '.join(gone)} left the job (discovery script): "
+             f"{len(stays) - sum(stays)} rank(s) leave, the others go on from commit {state.commit_number}")
+    return True
+
+
+def _restart(state, comm, doc: dict, hosts: Sequence[str]) -> None:
+    """Write the newest commit for the launcher's restart on more hosts, then end this process (status 0)."""
+    from ..world import _mark_restarting
+
+    control = control_dir()
+    start = time.monotonic()
+    state._release_world()
+    _checkpoint(state, comm).save(state.commit_number, _entries(state), force=True)
+    if comm.rank == 0:
+        write_json(os.path.join(control, RESTART_FILE),
+                   {"commit": state.commit_number, "size": comm.size, "version": doc["version"],
+                    "save_s": time.monotonic() - start, "time": time.time()})
+        from ..launch import ELASTIC_RESTARTING
+
+        sys.stdout.write(f"{ELASTIC_RESTARTING} from commit {state.commit_number} (written in "
+                         f"{time.monotonic() - start:.2f} s): the discovery script offers "
+                         f"{sum(int(s) for _, s in doc['hosts'])} slot(s) for {comm.size} rank(s)\n")
+        sys.stdout.flush()
+    comm.barrier()
+    _mark_restarting()
+    raise SystemExit(0)
+
+
+def _checkpoint(state, comm):
+    from ..checkpoint import CheckpointManager
+
+    return CheckpointManager(os.path.join(control_dir(), COMMIT_DIR), keep=1, async_save=False,
+                             verify_replicas="off", comm=comm)
+
+
+def _entries(state) -> dict:
+    """The state's values as checkpoint entries: rank 0's for the shared ones, each rank's own for the local ones."""
+    from ..checkpoint import Sharded
+
+    entries = {name: (Sharded(getattr(state, name), missing="skip") if name in state._local
+                      else getattr(state, name)) for name in state._names}
+    entries["__commit_number"] = state.commit_number
+    return entries
+
+
+def resuming() -> bool:
+    """Whether this process was started by the launcher's restart on more hosts and has not loaded its commit."""
+    return bool(settings.get("HPCTRAIN_ELASTIC_RESUME")) and not _RESUMED
+
+
+def resume(state) -> Optional[int]:
+    """After the launcher's restart on more hosts: load the commit the ranks wrote into ``state`` (collective).
+
+    Returns the commit number, or None when this job was not restarted so
+    (only once per process).
+    """
+    if not resuming():
+        return None
+    _RESUMED.append(True)
+    from ..world import world
+
+    comm = world()
+    entries = _entries(state)
+    step = _checkpoint(state, comm).restore(entries)
+    if step is None:
+        return None
+    for name in state._names:
+        value = entries[name]
+        if name not in state._local and not hasattr(value, "obj") and value is not getattr(state, name):
+            setattr(state, name, value)
+    state._number = int(entries["__commit_number"]) - 1
+    return step
+
+
+_RESUMED: List[bool] = []       # (a process resumes once: the launcher's restart started it)
+
+
+def write_world(comm) -> None:
+    """Rank 0: tell the launcher the world's size and its ranks' hosts (at each start and re-forming)."""
+    control = control_dir()
+    if control is None:
+        return
+    hosts = comm.allgather_object(rank_host())
+    if comm.rank == 0:
+        write_json(os.path.join(control, WORLD_FILE), {"size": comm.size, "hosts": hosts, "time": time.time()})
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
