@@ -52,6 +52,9 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep each step (to kill a node by hand)")
     p.add_argument("--log-steps", action="store_true", help="rank 0 prints 'step N' after each step")
     p.add_argument("--out", help="file for the final parameters (.safetensors) and its .json summary")
+    p.add_argument("--checkpoint-dir", help="also save checkpoints to disk here (every --checkpoint-every steps), "
+                   "and start from the newest one found there (a requeued job)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between disk checkpoints")
     args = p.parse_args()
     kills = {int(r): int(s) for r, s in (k.split(":") for k in args.kill)}
     stalls = {int(r): int(s) for r, s in (k.split(":") for k in args.stall)}
@@ -72,6 +75,15 @@ def main() -> None:
                 print("recovering", flush=True)
             time.sleep(args.sleep_in_recovery)
         hpctrain.elastic.on_reform(linger)
+    manager = None
+    if args.checkpoint_dir:         # (made without comm=: it follows the world through re-formings)
+        from hpctrain.checkpoint import CheckpointManager
+
+        manager = CheckpointManager(args.checkpoint_dir, every_steps=args.checkpoint_every)
+        on_disk = {"model": model, "optimizer": opt, "sampler": sampler, "epoch": 0, "step": 0}
+        if manager.restore(on_disk) is not None:
+            state.epoch, state.step = on_disk["epoch"], on_disk["step"]
+            state.save()
     resumed_at = []         # the step each re-forming went back to
     state.register_reset_callbacks([lambda: resumed_at.append(state.step)])
 
@@ -96,11 +108,16 @@ def main() -> None:
                     print(f"step {state.step}", flush=True)
                 if state.step % args.commit_every == 0:
                     state.commit()
+                if manager is not None:
+                    manager.save(state.step, {"model": model, "optimizer": opt, "sampler": state.sampler,
+                                              "epoch": state.epoch, "step": state.step})
             state.epoch += 1                    # (the commit at an epoch's end must say the next epoch: a
             state.sampler.set_epoch(state.epoch)  # re-forming that goes back to it starts there)
             state.commit()
 
     train(state)
+    if manager is not None:
+        manager.wait()
     w = hpctrain.world()
     if w.rank == 0:
         print(f"finished: {state.step} steps, world of {w.size}, {len(state.recoveries)} re-formings", flush=True)

@@ -21,13 +21,30 @@ import pytest
 from harness import BIN, REPO, base_env, kill_tree, run
 
 EXAMPLE = REPO / "examples" / "elastic_train.py"
-SAMPLES, EPOCHS, BATCH, SEED, COMMIT_EVERY = 384, 2, 8, 3, 4
+SAMPLES, EPOCHS, BATCH, SEED, COMMIT_EVERY, CHECKPOINT_EVERY = 384, 2, 8, 3, 4, 8
 
 
 def example_args(out):
-    """The example's arguments of these tests, writing to ``out``."""
+    """The example's arguments of these tests, writing to ``out`` (and disk checkpoints beside it)."""
     return [str(EXAMPLE), "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch", str(BATCH),
-            "--commit-every", str(COMMIT_EVERY), "--out", str(out)]
+            "--commit-every", str(COMMIT_EVERY), "--out", str(out), "--checkpoint-dir", str(out.parent / "ckpt"),
+            "--checkpoint-every", str(CHECKPOINT_EVERY)]
+
+
+def newest_checkpoint(directory, out):
+    """Load the newest disk checkpoint of ``directory`` into a fresh model (one process, hpctrain's own restore);
+    write its parameters to ``out``; return its step."""
+    code = (f"import sys\nsys.path.insert(0, {str(REPO / 'examples')!r})\n"
+            "import hpctrain, hpctrain.elastic\nfrom elastic_train import make_model\n"
+            "from hpctrain.checkpoint import CheckpointManager\nfrom safetensors.torch import save_file\n"
+            "hpctrain.init()\nmodel, opt = make_model()\n"
+            f"state = dict(model=model, optimizer=opt, sampler=hpctrain.elastic.ElasticSampler({SAMPLES}, seed={SEED}), epoch=0, "
+            "step=0)\n"
+            f"CheckpointManager({str(directory)!r}).restore(state)\n"
+            f"save_file(model.state_dict(), {str(out)!r})\nprint('STEP', state['step'])\n")
+    res = run([sys.executable, "-c", code], base_env(), 60)
+    assert res.returncode == 0, res.stdout[-3000:]
+    return int(re.search(r"STEP (\d+)", res.stdout).group(1))
 
 
 def launch(n, tmp_path, kills=(), *options, in_recovery=(), timeout=120):
@@ -42,10 +59,10 @@ def launch(n, tmp_path, kills=(), *options, in_recovery=(), timeout=120):
     return run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60), timeout), out
 
 
-def reference(n, resumes):
+def reference(n, resumes, at_step=None):
     """The final parameters of training at ``n`` ranks, then from each ``(step, size)`` of ``resumes`` on at that
     size (the steps of the commits the survivors went back to: the steps after them are done again at the new
-    size); and the number of steps."""
+    size); the number of steps; and the parameters after step ``at_step``."""
     import torch
 
     sys.path.insert(0, str(REPO / "examples"))
@@ -82,7 +99,10 @@ def reference(n, resumes):
                 opt.step()
                 processed += BATCH * size
                 step += 1
-    return {k: v.numpy() for k, v in model.state_dict().items()}, step
+                if step == at_step:
+                    then = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    final = {k: v.numpy() for k, v in model.state_dict().items()}
+    return (final, step, then) if at_step is not None else (final, step)
 
 
 # (ranks, kills: (first-world rank, step), ranks killed during the first recovery, resumes: (step, new size))
@@ -120,6 +140,14 @@ def test_killed_ranks_leave_a_smaller_world_that_finishes_bit_identical_to_a_ref
     assert sorted(got) == sorted(want)
     for name in want:
         assert np.array_equal(got[name], want[name]), (name, np.abs(got[name] - want[name]).max())
+    # the disk checkpoints went on through the re-formings (the manager follows the world): the newest is of the
+    # last due step, and it loads (in one process) to the reference's parameters after that step
+    saved = newest_checkpoint(tmp_path / "ckpt", tmp_path / "newest.safetensors")
+    assert saved == steps // CHECKPOINT_EVERY * CHECKPOINT_EVERY, (saved, steps)
+    then = reference(n, list(resumes), at_step=saved)[2]
+    got = load_file(str(tmp_path / "newest.safetensors"))
+    for name in then:
+        assert np.array_equal(got[name], then[name]), (name, np.abs(got[name] - then[name]).max())
 
 
 @pytest.mark.timeout(120)
@@ -261,3 +289,30 @@ def test_discovered_hosts_are_parsed_and_planned_the_same_on_every_rank():
     assert plan([("a", 2), ("b", 1), ("c", 2)], world, max_np=3) == ([True, True, True, False, False], False)
     assert plan([("b", 3)], world, max_np=0) == ([False, False, True, True, True], False)
     assert plan([("a", 2), ("b", 3)], world, max_np=4) == ([True] * 5, False)
+
+
+def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_until_they_return(tmp_path):
+    from hpctrain.elastic.driver import _Watch
+    from hpctrain.elastic.hosts import read_json, write_json
+
+    listing, script, control = tmp_path / "hosts.txt", tmp_path / "discover.sh", tmp_path / "control"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    control.mkdir()
+    offered = lambda: (read_json(str(control / "hosts.json"))["version"],           # noqa: E731
+                       [tuple(h) for h in read_json(str(control / "hosts.json"))["hosts"]])
+    listing.write_text("a:2\nb:2\n")
+    watch = _Watch(str(script), 1, str(control))
+    watch.seen, watch.launched = [("a", 2), ("b", 2)], {"a": 2, "b": 2}
+    watch.post(watch.seen)
+    watch.poll()
+    assert offered() == (1, [("a", 2), ("b", 2)])                  # nothing changed: no news
+    write_json(str(control / "world.json"), {"size": 3, "hosts": ["a", "a", "b"]})    # a rank on b failed
+    watch.poll()
+    assert offered() == (2, [("a", 2)])                            # b is left out (its other rank leaves)
+    listing.write_text("a:2\nc:1\n")                               # the script drops b and adds c
+    watch.poll()
+    assert offered() == (3, [("a", 2), ("c", 1)])
+    listing.write_text("a:2\nb:2\nc:1\n")                          # b returns: offered again
+    watch.poll()
+    assert offered() == (4, [("a", 2), ("b", 2), ("c", 1)])

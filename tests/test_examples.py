@@ -126,6 +126,14 @@ def test_horovod_style_synthetic_benchmark_runs_on_every_api(script, model):
         assert total > 0
 
 
+def tf_preinit_banner_out(text):
+    """``text`` less TensorFlow's banner of CPUs where it turns oneDNN on: absl prints it before its logging starts,
+    whatever TF_CPP_MIN_LOG_LEVEL says (only TF_ENABLE_ONEDNN_OPTS=0, another numerical path, silences it)."""
+    return re.sub(r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+                  r"|I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations are on\..*)\n", "", text,
+                  flags=re.M)
+
+
 def test_the_readme_quickstarts_run_as_written_say_when_they_resume_and_warn_of_nothing(tmp_path):
     # Both quickstarts, copied from the README, under `hpctrain launch` at 2 ranks with TensorFlow's logging as a
     # user has it: before, TF's banners and Keras' shuffle warning came once per rank (the latter from fitting
@@ -138,9 +146,9 @@ def test_the_readme_quickstarts_run_as_written_say_when_they_resume_and_warn_of_
         cmd = [str(BIN / "hpctrain"), "launch", "-n", "2", "python", f"quickstart_{name}.py"]
         first = run(cmd, env, 300, cwd=tmp_path)
         assert first.returncode == 0, first.stdout[-3000:]
-        assert not re.search(r"warn|Traceback", first.stdout, re.I), first.stdout[-3000:]
+        assert not re.search(r"warn|Traceback", tf_preinit_banner_out(first.stdout), re.I), first.stdout[-3000:]
         if name == "torch":
             assert re.search(r"^step 640: accuracy 0\.9\d\d$", first.stdout, re.M), first.stdout[-3000:]
         again = run(cmd, env, 300, cwd=tmp_path)
         assert again.returncode == 0 and f"hpctrain: resumed from step " in again.stdout, again.stdout[-3000:]
-        assert not re.search(r"warn|Traceback", again.stdout, re.I), again.stdout[-3000:]
+        assert not re.search(r"warn|Traceback", tf_preinit_banner_out(again.stdout), re.I), again.stdout[-3000:]

@@ -13,6 +13,7 @@ import pytest
 from harness import BIN, REPO, base_env, run
 
 PROGRAM = REPO / "tests" / "programs" / "hvd_elastic.py"
+TF_PROGRAM = REPO / "tests" / "programs" / "hvd_elastic_tf.py"
 
 # ranks -> (exit spec EPOCH:BATCH:START_RANKS, exit mode, [(size, start rank of rank 0, entered) per epoch])
 CASES = {1: ("1:0:0", "exception", None),                      # every rank fails: the job fails
@@ -68,3 +69,20 @@ def test_horovod_style_elastic_script_follows_the_hosts_a_discovery_script_offer
     assert "restarting the elastic job on localhost:1, 127.0.0.1:2" in res.stdout
     assert "its host localhost left the discovery script's hosts" in res.stdout
     assert not (tmp_path / ".hpctrain-elastic").exists()          # (the launcher's control folder is removed)
+
+
+@pytest.mark.timeout(180)
+def test_horovod_style_tensorflow_elastic_script_survives_a_killed_rank(tmp_path):
+    """hvd.elastic.TensorFlowKerasState: 3 ranks, the rank that started as 1 SIGKILLed at epoch 1 batch 2; the
+    two others restore the Keras model's and optimizer's variables from the last commit and finish: every
+    epoch's size and rank 0, the reset callback's learning rate, identical weights, and the optimizer's
+    iteration count of exactly the steps of the final trajectory (3 epochs x 6 batches: the failed step undone)."""
+    log = tmp_path / "log.jsonl"
+    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", "3", str(TF_PROGRAM), "--exit", "1:2:1",
+           "--log", str(log)]
+    res = run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60), 150)
+    assert res.returncode == 0, res.stdout[-4000:]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["size"], r["start_rank"], r["entered"]) for r in lines[:-1]] == [(3, 0, 1), (2, 0, 2), (2, 0, 2)]
+    assert all(r["lr"] == pytest.approx(0.01 * r["size"]) for r in lines[:-1]), lines
+    assert lines[-1] == {"identical": True, "ranks": 2, "iterations": 18}, lines

@@ -69,6 +69,22 @@ class _Pending:
         self.step, self.partial, self.future, self.committer = step, partial, future, committer
 
 
+def _follow_world(manager: "CheckpointManager") -> None:
+    """Elastic mode: a manager made without ``comm=`` goes on over each re-formed world (held weakly)."""
+    from ..world import on_reform
+
+    ref = weakref.ref(manager)
+
+    def follow(world) -> None:
+        m = ref()
+        if m is None:
+            remove()
+            return
+        m._move_to(world)
+
+    remove = on_reform(follow)
+
+
 class CheckpointManager(CommitSteps):
     """Save and restore the training state of every rank together; keep the newest ``keep`` checkpoints.
 
@@ -102,7 +118,8 @@ class CheckpointManager(CommitSteps):
         copy_threads: threads that copy the state to host memory for an
             asynchronous save (the training stall); default: this rank's
             share of its cores (cores / ranks on the node), at most 8.
-        comm: the communicator (default: the world).
+        comm: the communicator (default: the world; in elastic mode the manager then follows each re-formed
+            world, :meth:`_move_to`).
 
     Cost of a save: one pass over the state bytes to encode (a copy into
     reused host buffers with ``async_save``, so that memory stays allocated
@@ -124,6 +141,7 @@ class CheckpointManager(CommitSteps):
             raise ValueError(f"every_seconds must be positive or None, got {every_seconds!r}")
         if verify_replicas not in ("warn", "error", "off"):
             raise ValueError(f"verify_replicas must be 'warn', 'error' or 'off', got {verify_replicas!r}")
+        follow = comm is None
         if comm is None:
             from .. import world
             comm = world()
@@ -157,11 +175,39 @@ class CheckpointManager(CommitSteps):
         err = comm.broadcast_object(err)
         if err:
             raise CheckpointError(err)
+        self._register_with(comm)
+        if follow and settings.get("HPCTRAIN_ELASTIC"):
+            _follow_world(self)
+
+    def _register_with(self, comm) -> None:
+        """Have ``comm``'s close wait for the save in flight, and its interruption say what is saved."""
         on_close = getattr(comm, "on_close", None)
         if on_close is not None:
             ref = weakref.ref(self)
             on_close(lambda: ref() is not None and ref().wait(), f"the checkpoint manager of {self.directory}")
             comm.on_interrupt(lambda: ref().saved() if ref() is not None else "")
+
+    def _move_to(self, world) -> None:
+        """Go on over a re-formed ``world`` (elastic mode; no collective).
+
+        A save in flight is dropped unless it was committed already (rank 0
+        of the new world removes its partial folder: the old world cannot
+        finish it); the next due ``save()`` writes on the new world, and steps
+        done again up to the newest committed one are not saved twice.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if pending.committer is not None:
+                pending.committer.claim()           # (stops rank 0's background commit, or waits for it)
+            try:
+                pending.future.result()             # (this rank's own write; its error no longer matters)
+            except Exception:  # noqa: BLE001
+                pass
+            if world.rank == 0:
+                shutil.rmtree(pending.partial, ignore_errors=True)
+        self.comm = world
+        self._last_step = self.latest_step()
+        self._register_with(world)
 
     # -- public API -------------------------------------------------------
     def __enter__(self) -> "CheckpointManager":

@@ -142,7 +142,6 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
             n = min(sum(s for _, s in hosts), max_np) if max_np else sum(s for _, s in hosts)
             names = [h for h, s in hosts for _ in range(s)][:n]
             watch.launched = {h: names.count(h) for h in dict.fromkeys(names)}
-            watch.suspect.clear()
             watch.post(hosts)
             for name in (RESTART_FILE, WORLD_FILE):
                 _remove(os.path.join(control, name))

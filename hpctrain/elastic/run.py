@@ -3,9 +3,10 @@ the last commit."""
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from .. import settings
 from ..errors import WorldFailedError
@@ -53,7 +54,28 @@ def run(func: Callable) -> Callable:
                 return func(state, *args, **kwargs)
             except WorldFailedError as exc:
                 _recover(state, exc)
+            except Exception as exc:        # (a failure inside tf.function reaches here as TensorFlow's error)
+                failure = wrapped_world_failure(exc)
+                if failure is None:
+                    raise
+                _recover(state, failure)
     return wrapper
+
+
+_FAILURE_NAMES = re.compile(r"\b(WorldFailedError|WorldFailedInHorovod)\b")
+
+
+def wrapped_world_failure(exc: BaseException) -> Optional[WorldFailedError]:
+    """The world's failure that a framework wrapped in its own error, or None.
+
+    A collective inside ``tf.function`` runs as a Python op: a
+    :class:`~hpctrain.errors.WorldFailedError` it raised reaches the caller
+    as a ``tf.errors.OpError`` whose message names it.
+    """
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(exc, tf.errors.OpError) or not _FAILURE_NAMES.search(str(exc)):
+        return None
+    return WorldFailedError(f"ranks failed during a TensorFlow op ({type(exc).__name__})")
 
 
 def _recover(state, exc: WorldFailedError) -> None:

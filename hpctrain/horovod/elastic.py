@@ -29,6 +29,7 @@ from typing import Any
 from .. import settings
 from ..elastic import hosts
 from ..elastic.hosts import resume, resuming
+from ..elastic.run import wrapped_world_failure
 from ..elastic.state import ObjectState as _CoreObjectState
 from . import basics
 from .basics import HorovodInternalError, HostsUpdatedInterrupt
@@ -63,6 +64,11 @@ def run(func):
                 skip_sync, why = False, exc
             except HostsUpdatedInterrupt as exc:
                 skip_sync, why = exc.skip_sync, exc
+            except Exception as exc:        # (a failure inside tf.function reaches here as TensorFlow's error)
+                if wrapped_world_failure(exc) is None:
+                    raise
+                state.restore()
+                skip_sync, why = False, exc
             resets += 1
             if limit and resets > limit:
                 from ..comm.abort import exit_after_failure
@@ -178,13 +184,12 @@ class ObjectState(State):
         super().__init__(**values)
 
 
-_NOT_BUILT = ("TensorFlowKerasState", "TensorFlowState", "KerasState", "CommitStateCallback",
-              "UpdateBatchStateCallback", "UpdateEpochStateCallback")
+_ELSEWHERE = {"TorchState": "hpctrain.horovod.torch", "ElasticSampler": "hpctrain.horovod.torch",
+              "TensorFlowKerasState": "hpctrain.horovod.tensorflow", "KerasState": "hpctrain.horovod.keras"}
 
 
 def __getattr__(name: str):
-    if name in _NOT_BUILT:
-        raise NotImplementedError(f"hvd.elastic.{name}: the elastic state of TensorFlow and Keras is not built in "
-                                  f"hpctrain yet (torch's is: hpctrain.horovod.torch.elastic.TorchState); restart "
-                                  f"from hpctrain's checkpoints instead")
+    if name in _ELSEWHERE:
+        raise AttributeError(f"hvd.elastic.{name} is in the elastic module of {_ELSEWHERE[name]} "
+                             f"(import {_ELSEWHERE[name]} as hvd; hvd.elastic.{name})")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

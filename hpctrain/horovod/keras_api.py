@@ -17,7 +17,7 @@ import tensorflow as tf
 from ..tensorflow.tape import var_key
 from ..tensorflow.keras_callbacks import (BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin,
                                           MetricAverageMixin)
-from . import basics, elastic
+from . import basics
 from .basics import Average, global_process_set
 from .gradient_args import gradient_settings
 from .keras_optimizer import HorovodKerasOptimizer, distributed_class, wrap_optimizer
@@ -187,5 +187,7 @@ def populate(namespace: Dict[str, Any], keras, module: str) -> None:
             namespace[name] = getattr(basics, name)
         elif hasattr(api, name):
             namespace[name] = getattr(api, name)
+    from .tensorflow import elastic
+
     namespace.update(Compression=Compression, elastic=elastic,
                      SyncBatchNormalization=sync_batch_norm_class(keras.layers.BatchNormalization, module))

@@ -15,9 +15,10 @@ Keras ``model.fit``: :mod:`hpctrain.tensorflow.keras`.  Input sharding:
 inside ``tf.function`` (not under XLA); see :mod:`hpctrain.tensorflow.ops`.
 """
 from .data import distributed_dataset
+from .elastic_state import KerasState
 from .ops import allreduce, average_metrics, broadcast_variables, reduce_gradients
 from .pipeline import Pipeline, PipelineError
 from .tape import DistributedGradientTape
 
 __all__ = ["allreduce", "average_metrics", "broadcast_variables", "reduce_gradients", "DistributedGradientTape",
-           "distributed_dataset", "Pipeline", "PipelineError"]
+           "distributed_dataset", "Pipeline", "PipelineError", "KerasState"]

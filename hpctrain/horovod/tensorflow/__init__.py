@@ -9,14 +9,13 @@ refused: the "Coming from Horovod" section of the README.
 """
 import tensorflow as _tf
 
-from .. import elastic
 from ..basics import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, Max, Min, ProcessSet,
                       Product, Sum, add_process_set, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
                       global_process_set, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
                       local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                       remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
 from ..requests import barrier as _barrier
-from . import util
+from . import elastic, util
 from .compression import Compression
 from .functions import (allgather_object, broadcast_global_variables, broadcast_object, broadcast_object_fn,
                         broadcast_variables)
