@@ -9,9 +9,11 @@ can, a Slurm that cannot be installed or started fails the tests.
 import json
 import re
 import sys
+import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from harness import REPO, assert_bit_identical, base_env, run, saved_arrays
@@ -95,3 +97,41 @@ def test_preemptible_sbatch_on_two_nodes_is_requeued_and_resumes_bit_identical(s
     if interrupt == "usr2":       # every rank saved the step of the signal; rank 0 asked for the requeue
         assert "requeued Slurm job" in text and starts[1] >= 6, text[-5000:]
     assert_bit_identical(saved_arrays(shared / "out.npz"), saved_arrays(shared / "ref.npz"))
+
+
+@pytest.mark.timeout(400)
+def test_elastic_sbatch_leaves_a_lost_node_out_and_finishes_on_the_other(slurm, shared, cluster):
+    """slurm/elastic.sbatch, 2 nodes x 2 tasks (mpirun with ULFM inside the allocation); node2 loses both
+    processes at once (SIGKILL) mid-training: the two ranks of node1 re-form the world within seconds and
+    finish, and the job completes.  Against the single-process reference of test_elastic.py with the same
+    schedule: equal to 1e-12 (before the loss the sums ran across nodes, in another order than the
+    reference's rank order; after it, on one node, in rank order)."""
+    from safetensors.numpy import load_file
+    from test_elastic import example_args, reference
+
+    out = shared / "final.safetensors"
+    job, log = submit(slurm, shared, "elastic.sbatch", ["python", *example_args(out), "--step-sleep", "0.1",
+                                                        "--log-steps"], HPCTRAIN_STALL_TIMEOUT_S="60")
+    slurm.wait_for_line(log, r"^step 6$", 240)
+    cluster.kill("node2", "elastic_train")
+    killed_at = time.monotonic()
+    slurm.wait_for_line(log, r"re-formed from", 60)
+    reformed_after = time.monotonic() - killed_at
+    info, text = finished(slurm, job, log)
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] == "node[1-2]", f"{info}\n{text[-4000:]}"
+    assert "4 tasks on 2 node(s)" in text and "launcher mpirun" in text, text[-4000:]
+    # Both processes of node2 are named, in one re-forming (4 -> 2), or in two where the second one's failure
+    # was reported after the survivors had shrunk the world (4 -> 3 -> 2: a loaded machine)
+    said = re.findall(r"hpctrain: world (ranks? [\d-]+) on node node2 failed; the world re-formed from (\d) to (\d)",
+                      text)
+    assert said in ([("ranks 2-3", "4", "2")], [("rank 2", "4", "3"), ("rank 2", "3", "2")],
+                    [("rank 3", "4", "3"), ("rank 2", "3", "2")]), text[-3000:]
+    assert reformed_after < 10, f"{reformed_after:.1f} s from the loss of node2 to a re-formed world"
+    assert "the elastic job finished with 2 ranks" in text, text[-3000:]
+    summary = json.loads(out.with_name(out.name + ".json").read_text())
+    assert summary["size"] == 2 and len(summary["resumed_at"]) == len(said), summary
+    want, steps = reference(4, [(step, int(size)) for step, (_, _, size) in zip(summary["resumed_at"], said)])
+    got = load_file(str(out))
+    assert summary["steps"] == steps and sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14, err_msg=name)
