@@ -46,7 +46,8 @@ def _is_torch_tensor(x) -> bool:
 def variables_of(obj: Any) -> Optional[List[Any]]:
     """Return the variables an entry is saved as, in a fixed order, or None if it is not that kind.
 
-    A Keras 3 model or optimizer, or a ``tf.Module``: its ``variables`` list.
+    A Keras 3 model or optimizer, or a ``tf.Module``: its ``variables`` list
+    (of a Keras 2 optimizer, ``tf-keras``: what its ``variables()`` method returns).
     A ``tf.train.Checkpoint``: every variable reachable from it (models,
     optimizers, plain ``tf.Variable`` attributes), in the breadth-first order
     of TensorFlow's own checkpoint traversal, which depends only on the
@@ -59,6 +60,8 @@ def variables_of(obj: Any) -> Optional[List[Any]]:
         return [x for x in tf.train.TrackableView(obj).descendants()
                 if hasattr(x, "assign") and hasattr(x, "numpy") and hasattr(x, "shape")]
     variables = getattr(obj, "variables", None)
+    if callable(variables) and type(obj).__module__.startswith(("tf_keras.", "keras.")):
+        return list(variables())            # (a Keras 2 optimizer, tf-keras: a method)
     if variables is None or callable(variables):
         return None
     return list(variables)

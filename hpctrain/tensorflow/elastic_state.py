@@ -22,8 +22,8 @@ class KerasState(ObjectState):
     a restore assigns them back; :meth:`sync` broadcasts rank 0's variables
     (one broadcast per dtype) and its other values as one object.  A Keras
     optimizer makes its variables at its first step: a commit from before it
-    restores the model only.  Also works for a ``tf.Module`` (its
-    ``variables``).  Cost of a commit: one copy of the variables.
+    restores the model only.  Also works for Keras 2 (``tf-keras``) and a
+    ``tf.Module`` (their ``variables``).  Cost of a commit: one copy of the variables.
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, **values: Any):
@@ -33,7 +33,7 @@ class KerasState(ObjectState):
         held = {k: v for k, v in (("model", model), ("optimizer", optimizer)) if v is not None}
         for name, obj in held.items():
             if variables_of(obj) is None:
-                raise TypeError(f"KerasState: the {name} has no list of variables (a Keras 3 model or optimizer, "
+                raise TypeError(f"KerasState: the {name} has no list of variables (a Keras model or optimizer, "
                                 f"or a tf.Module); got {type(obj).__name__}")
         super().__init__(**held, **values)
 
