@@ -19,13 +19,16 @@ def _launch(args) -> int:
     if args.start_timeout is not None and not args.gloo:
         print("hpctrain launch: --start-timeout applies to --gloo launches (horovodrun's); mpirun and srun "
               "use their own start-up timeouts", file=sys.stderr)
+    if args.reset_limit is not None and not args.elastic:
+        raise ValueError("--reset-limit goes with --elastic")
     if args.host_discovery_script or args.max_np is not None:
         return _launch_discovered(args, argv)
     if args.n is None:
         print("hpctrain launch: give the number of ranks, -n N", file=sys.stderr)
         return 2
     cmd = build_command(args.n, argv, hosts=args.hosts, hostfile=args.hostfile, gloo=args.gloo,
-                        start_timeout=args.start_timeout, elastic=args.elastic, min_np=args.min_np)
+                        start_timeout=args.start_timeout, elastic=args.elastic, min_np=args.min_np,
+                        exports=_reset_limit(args))
     _check_before_launch(argv)
     if args.dry_run or args.verbose:
         print(" ".join(cmd), flush=True)
@@ -41,6 +44,17 @@ def _launch(args) -> int:
         return run_elastic(cmd)
     os.execv(cmd[0], cmd)
     return 0  # not reached
+
+
+def _reset_limit(args) -> dict:
+    """``--reset-limit N`` for the ranks (HPCTRAIN_ELASTIC_RESET_LIMIT)."""
+    from . import settings
+
+    if args.reset_limit is None:
+        return {}
+    if args.reset_limit < 0:
+        raise ValueError(f"--reset-limit must be 0 (no limit) or more, got {args.reset_limit}")
+    return {settings.setting("HPCTRAIN_ELASTIC_RESET_LIMIT").name: str(args.reset_limit)}
 
 
 def _launch_discovered(args, argv) -> int:
@@ -67,7 +81,7 @@ def _launch_discovered(args, argv) -> int:
     settings.mark_launch_checked()
     sys.stdout.flush()
     return run_with_discovery(argv, args.host_discovery_script, min_np, max_np, args.slots, build_command,
-                              run_elastic)
+                              run_elastic, exports=_reset_limit(args))
 
 
 def _check_before_launch(argv) -> None:
@@ -161,6 +175,8 @@ def main(argv=None) -> int:
                    help="with --host-discovery-script: the most ranks to grow to (default: every slot offered)")
     p.add_argument("--host-discovery-script", help="with --elastic: an executable printing the hosts available "
                    "now, one 'host' or 'host:slots' per line; the job follows it (hosts that leave, hosts added)")
+    p.add_argument("--reset-limit", type=int, help="with --elastic: end the job after this many re-formings "
+                   "and restarts (as horovodrun's; default: no limit)")
     p.add_argument("--slots", type=int, default=1, help="slots of a host the discovery script prints without "
                    "':slots' (default 1)")
     p.add_argument("--verbose", action="store_true", help="print the command before running it")

@@ -168,6 +168,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "to (0: as many as the hosts offer; set by `hpctrain launch --max-np`)", minimum=0),
     Setting("HPCTRAIN_ELASTIC_RESUME", "flag", False, "elastic mode: this job is the launcher's restart on more "
             "hosts; `hpctrain.elastic.run` first loads the commit written for it (set by the launcher)"),
+    Setting("HPCTRAIN_ELASTIC_RESETS_DONE", "int", 0, "elastic mode: resets of this job before the launcher's "
+            "last restart on more hosts (each restart counts one; set by the launcher), counted against "
+            "HPCTRAIN_ELASTIC_RESET_LIMIT", minimum=0),
     Setting("HPCTRAIN_ELASTIC_DISCOVERY_S", "seconds", 1.0, "elastic mode: seconds between two runs of the host "
             "discovery script by the launcher"),
     Setting("HPCTRAIN_ELASTIC_TIMEOUT_S", "seconds", 600.0, "elastic mode: how long the launcher waits for the "

@@ -316,3 +316,16 @@ def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_un
     listing.write_text("a:2\nb:2\nc:1\n")                          # b returns: offered again
     watch.poll()
     assert offered() == (4, [("a", 2), ("b", 2), ("c", 1)])
+
+
+@pytest.mark.parametrize("options, said", [
+    (["-n", "2", "--reset-limit", "1"], "--reset-limit goes with --elastic"),
+    (["--elastic", "-n", "2", "--max-np", "3"], "--max-np needs --host-discovery-script"),
+    (["--elastic", "--host-discovery-script", "/nonexistent/discover.sh"], "no executable host discovery script"),
+    (["--elastic", "--host-discovery-script", "/bin/true", "-H", "a:2"], "leave out -H, --hostfile and --gloo"),
+    (["--elastic", "--host-discovery-script", "/bin/true", "--min-np", "3", "--max-np", "2"],
+     "--max-np (2) is below --min-np (3)"),
+])
+def test_elastic_launch_options_that_do_not_fit_are_refused_before_anything_starts(options, said):
+    res = run([str(BIN / "hpctrain"), "launch", *options, str(EXAMPLE)], base_env(), 60)
+    assert res.returncode == 2 and said in res.stdout, res.stdout

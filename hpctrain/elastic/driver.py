@@ -125,19 +125,21 @@ def _order(hosts: Hosts, first: Sequence[str]) -> Hosts:
 
 
 def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, slots: int,
-                       build: Callable[..., List[str]], run: Callable[..., int]) -> int:
+                       build: Callable[..., List[str]], run: Callable[..., int],
+                       exports: Optional[Dict[str, str]] = None) -> int:
     """Run the elastic job on the discovery script's hosts, restarting it on more (module docstring); its status.
 
     ``build(n, argv, hosts=..., elastic=True, min_np=..., exports=...)`` makes
     mpirun's command (:func:`hpctrain.launch.build_command`) and
-    ``run(cmd, watch=...)`` runs it (:func:`hpctrain.launch.run_elastic`).
+    ``run(cmd, watch=...)`` runs it (:func:`hpctrain.launch.run_elastic`);
+    ``exports`` are more settings for the ranks.
     """
     control = os.path.abspath(os.path.join(".hpctrain-elastic", str(os.getpid())))
     os.makedirs(control, exist_ok=True)
     watch = _Watch(script, slots, control)
     try:
         hosts = _wait_for_hosts(watch, min_np)
-        resume, starts = False, 0
+        resume, starts, resets = False, 0, 0
         while True:
             n = min(sum(s for _, s in hosts), max_np) if max_np else sum(s for _, s in hosts)
             names = [h for h, s in hosts for _ in range(s)][:n]
@@ -145,14 +147,15 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
             watch.post(hosts)
             for name in (RESTART_FILE, WORLD_FILE):
                 _remove(os.path.join(control, name))
-            exports = {settings.setting("HPCTRAIN_ELASTIC_CONTROL").name: control,
-                       settings.setting("HPCTRAIN_ELASTIC_HOSTS_VERSION").name: str(watch.version),
-                       settings.setting("HPCTRAIN_ELASTIC_RANK_HOSTS").name: ",".join(names),
-                       settings.setting("HPCTRAIN_ELASTIC_MAX_NP").name: str(max_np)}
+            env = {**(exports or {}), settings.setting("HPCTRAIN_ELASTIC_CONTROL").name: control,
+                   settings.setting("HPCTRAIN_ELASTIC_HOSTS_VERSION").name: str(watch.version),
+                   settings.setting("HPCTRAIN_ELASTIC_RANK_HOSTS").name: ",".join(names),
+                   settings.setting("HPCTRAIN_ELASTIC_MAX_NP").name: str(max_np)}
             if resume:
-                exports[settings.setting("HPCTRAIN_ELASTIC_RESUME").name] = "1"
+                env[settings.setting("HPCTRAIN_ELASTIC_RESUME").name] = "1"
+                env[settings.setting("HPCTRAIN_ELASTIC_RESETS_DONE").name] = str(resets)
             cmd = build(n, argv, hosts=",".join(f"{h}:{s}" for h, s in hosts), elastic=True,
-                        min_np=min(min_np, n), exports=exports)
+                        min_np=min(min_np, n), exports=env)
             code = run(cmd, watch=watch.poll)
             starts += 1
             restart = read_json(os.path.join(control, RESTART_FILE))
@@ -160,7 +163,7 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
                 return code
             world = read_json(os.path.join(control, WORLD_FILE)) or {"hosts": names}
             hosts = _order(watch.offered() or hosts, world["hosts"])
-            resume = True
+            resume, resets = True, int(restart.get("resets", 0))
             sys.stdout.write(f"hpctrain launch: restarting the elastic job on {', '.join(f'{h}:{s}' for h, s in hosts)}"
                              f" from commit {restart['commit']} (start {starts + 1})\n")
             sys.stdout.flush()

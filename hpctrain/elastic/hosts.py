@@ -179,6 +179,7 @@ def _restart(state, comm, doc: dict, hosts: Sequence[str]) -> None:
     if comm.rank == 0:
         write_json(os.path.join(control, RESTART_FILE),
                    {"commit": state.commit_number, "size": comm.size, "version": doc["version"],
+                    "resets": resets_done(state) + 1,
                     "save_s": time.monotonic() - start, "time": time.time()})
         from ..launch import ELASTIC_RESTARTING
 
@@ -189,6 +190,11 @@ def _restart(state, comm, doc: dict, hosts: Sequence[str]) -> None:
     comm.barrier()
     _mark_restarting()
     raise SystemExit(0)
+
+
+def resets_done(state) -> int:
+    """Resets of this job so far: re-formings and restarts, across the launcher's restarts on more hosts."""
+    return settings.get("HPCTRAIN_ELASTIC_RESETS_DONE") + getattr(state, "_resets", 0)
 
 
 def _checkpoint(state, comm):

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 
 from .. import settings
 from ..errors import WorldFailedError
-from .hosts import resume
+from .hosts import resets_done, resume
 from .reform import WorldTooSmallError, reform
 
 __all__ = ["run"]
@@ -84,7 +84,7 @@ def _recover(state, exc: WorldFailedError) -> None:
     limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
     formings: List = []          # the re-formings of this recovery (more than one when ranks fail during it)
     while True:
-        done = sum(len(r["formings"]) for r in state.recoveries) + len(formings)
+        done = resets_done(state) + len(formings)
         if limit and done >= limit:
             _end(f"hpctrain: {exc}; the world re-formed {limit} times already "
                  f"(HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job")
@@ -111,6 +111,7 @@ def _recover(state, exc: WorldFailedError) -> None:
                   "shrink_s": sum(f.shrink_s for f in formings), "build_s": sum(f.build_s for f in formings),
                   "recover_s": t2 - t1, "reform_s": t1 - failed_at, "commit": number, "failed_at": failed_wall}
         state.recoveries.append(record)
+        state._resets = getattr(state, "_resets", 0) + len(formings)
         if world.rank == 0:
             lost = "; then ".join(f"{f.lost_text} failed" + (" during the recovery" if i else "")
                                   for i, f in enumerate(formings))

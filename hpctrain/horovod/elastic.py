@@ -47,7 +47,7 @@ def run(func):
     """
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        skip_sync, resets = False, 0
+        skip_sync, resets = False, settings.get("HPCTRAIN_ELASTIC_RESETS_DONE")
         limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
         if resuming():          # (the launcher's restart on more hosts: load the commit written for it)
             basics.shutdown()
@@ -70,10 +70,11 @@ def run(func):
                 state.restore()
                 skip_sync, why = False, exc
             resets += 1
+            state._resets = resets - settings.get("HPCTRAIN_ELASTIC_RESETS_DONE")
             if limit and resets > limit:
                 from ..comm.abort import exit_after_failure
 
-                exit_after_failure(f"hpctrain.horovod: {why}; reset {limit} times already "
+                exit_after_failure(f"hpctrain.horovod: {why}; reset {limit} time(s) already "
                                    f"(HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job", 1)
             _reset()
             state.on_reset()
