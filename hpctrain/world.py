@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Callable, Optional
 
 from . import settings
@@ -370,6 +371,21 @@ def on_reform(callback: Callable[[Communicator], object]) -> Callable[[], None]:
         if callback in _reform_hooks:
             _reform_hooks.remove(callback)
     return remove
+
+
+def on_reform_of(owner: object, callback: Callable[[object, Communicator], object]) -> None:
+    """:func:`on_reform` for what ``owner`` holds: ``callback(owner, new_world)``, with ``owner`` held weakly
+    (once it is dropped the callback is taken back)."""
+    ref = weakref.ref(owner)
+
+    def follow(world: Communicator) -> None:
+        held = ref()
+        if held is None:
+            remove()
+            return
+        callback(held, world)
+
+    remove = on_reform(follow)
 
 
 def _replace_world(new: Communicator) -> None:

@@ -69,22 +69,6 @@ class _Pending:
         self.step, self.partial, self.future, self.committer = step, partial, future, committer
 
 
-def _follow_world(manager: "CheckpointManager") -> None:
-    """Elastic mode: a manager made without ``comm=`` goes on over each re-formed world (held weakly)."""
-    from ..world import on_reform
-
-    ref = weakref.ref(manager)
-
-    def follow(world) -> None:
-        m = ref()
-        if m is None:
-            remove()
-            return
-        m._move_to(world)
-
-    remove = on_reform(follow)
-
-
 class CheckpointManager(CommitSteps):
     """Save and restore the training state of every rank together; keep the newest ``keep`` checkpoints.
 
@@ -176,8 +160,10 @@ class CheckpointManager(CommitSteps):
         if err:
             raise CheckpointError(err)
         self._register_with(comm)
-        if follow and settings.get("HPCTRAIN_ELASTIC"):
-            _follow_world(self)
+        if follow and settings.get("HPCTRAIN_ELASTIC"):        # (held weakly: a dropped manager stops following)
+            from ..world import on_reform_of
+
+            on_reform_of(self, CheckpointManager._move_to)
 
     def _register_with(self, comm) -> None:
         """Have ``comm``'s close wait for the save in flight, and its interruption say what is saved."""

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import settings
@@ -108,9 +109,7 @@ class _Watch:
         self.suspect &= names                     # (a host the script dropped comes back as a new one)
         world = read_json(os.path.join(self.control, WORLD_FILE))
         if world is not None:
-            now: Dict[str, int] = {}
-            for h in world["hosts"]:
-                now[h] = now.get(h, 0) + 1
+            now = Counter(world["hosts"])
             posted = dict(self.posted)
             self.suspect |= {h for h, n in self.launched.items()
                              if now.get(h, 0) < min(n, posted.get(h, 0)) and h in names}
@@ -143,7 +142,7 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
         while True:
             n = min(sum(s for _, s in hosts), max_np) if max_np else sum(s for _, s in hosts)
             names = [h for h, s in hosts for _ in range(s)][:n]
-            watch.launched = {h: names.count(h) for h in dict.fromkeys(names)}
+            watch.launched = Counter(names)
             watch.post(hosts)
             for name in (RESTART_FILE, WORLD_FILE):
                 _remove(os.path.join(control, name))

@@ -237,7 +237,7 @@ def resume(state) -> Optional[int]:
         return None
     for name in state._names:
         value = entries[name]
-        if name not in state._local and not hasattr(value, "obj") and value is not getattr(state, name):
+        if name not in state._local and value is not getattr(state, name):
             setattr(state, name, value)
     state._number = int(entries["__commit_number"]) - 1
     return step

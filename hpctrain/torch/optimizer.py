@@ -40,7 +40,6 @@ staged through a float32 host copy for the compressor.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Dict, Iterable, Optional
 
 import torch
@@ -143,18 +142,9 @@ def _follow_the_world(optimizer, averaging: tuple, passes: int, cap_bytes: int) 
     Held weakly: a dropped optimizer stops following.  The compressor object
     (and its error-feedback residuals) carries over.
     """
-    from ..world import on_reform
+    from ..world import on_reform_of
 
-    ref = weakref.ref(optimizer)
-
-    def follow(world) -> None:
-        opt = ref()
-        if opt is None:
-            remove()
-            return
-        rebuild_on(opt, world, averaging, passes, cap_bytes)
-
-    remove = on_reform(follow)
+    on_reform_of(optimizer, lambda opt, world: rebuild_on(opt, world, averaging, passes, cap_bytes))
 
 
 def rebuild_on(optimizer, comm, averaging: tuple, passes: int, cap_bytes: int) -> None:
