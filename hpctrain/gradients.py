@@ -39,7 +39,7 @@ a sparse gradient stays sparse.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -65,12 +65,19 @@ class GradientAverager:
         compression: a compressor of :mod:`hpctrain.compression`, its name, or None.
         policy: which tensors the compressor takes (default :class:`~hpctrain.compression.Policy`).
         sparse_as_dense: densify sparse gradients instead of gathering their rows (module docstring).
+        bucket_hook: ``hook(comm, flat, bucket, op) -> handle`` (whose ``wait()`` returns the reduced
+            buffer) replaces :meth:`start_bucket`'s all-reduce: how a strategy such as ZeRO's
+            reduce-scatter (:mod:`hpctrain.torch.zero`) reduces a bucket.  Not with a compressor.
     """
 
     def __init__(self, comm=None, op: str = "avg", compression=None, policy: Optional[Policy] = None,
-                 sparse_as_dense: bool = False):
+                 sparse_as_dense: bool = False, bucket_hook: Optional[Callable[..., Any]] = None):
         from .world import comm_or_world
 
+        if bucket_hook is not None and (compression is not None or op == "adasum"):
+            raise ValueError("a bucket hook reduces buckets its own way: it does not take compression or "
+                             f"op='adasum' (got compression={compression!r}, op={op!r})")
+        self.bucket_hook = bucket_hook
         self.adasum = AdasumUpdates(comm, compression) if op == "adasum" else None
         self.compressor = gradient_compressor(op, compression) if self.adasum is None else None
         self.comm, self.op, self.sparse_as_dense = comm_or_world(comm), op, bool(sparse_as_dense)
@@ -113,6 +120,10 @@ class GradientAverager:
         is a writable float numpy array whose gradients are compressed by name
         while its flags are all-reduced uncompressed.
         """
+        if self.bucket_hook is not None:
+            if self.comm.size > 1:
+                self._sent += bucket.numel * flat.itemsize
+            return self.bucket_hook(self.comm, flat, bucket, self.op)
         if self.reducer is None:
             if self.comm.size > 1:
                 self._sent += bucket.numel * flat.itemsize

@@ -12,13 +12,14 @@ and :class:`hpctrain.data.DistributedSampler` gives each rank its share of the d
 from .state_broadcast import allreduce, average_metrics, broadcast_optimizer_state, broadcast_parameters
 from .joining import Join
 from .optimizer import DistributedOptimizer
+from .zero import ShardedOptimizer
 from .elastic_state import TorchState
 from .pipeline import Pipeline, PipelineError
 from .observe import trace_forward, track_steps
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .tensor_parallel import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "allreduce",
+__all__ = ["DistributedOptimizer", "ShardedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "allreduce",
            "average_metrics", "Join", "SyncBatchNorm", "convert_sync_batchnorm", "Pipeline", "PipelineError",
            "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "track_steps", "trace_forward",
            "TorchState"]

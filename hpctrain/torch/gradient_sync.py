@@ -36,14 +36,17 @@ class GradientSync:
         self.averager, self.comm, self.op, self.k = averager, averager.comm, averager.op, passes_per_step
         params, self.names = trainable_parameters(optimizer, named_parameters, self.comm)
         self.params, self.shapes = params, [tuple(p.shape) for p in params]
-        self.buckets = plan_buckets([(p.numel(), p.element_size(), (p.dtype, p.device)) for p in params],
-                                    cap_bytes)
+        self.buckets = plan_buckets([(p.numel(), p.element_size(), self._kind(p)) for p in params], cap_bytes)
         self.bucket_of = {m: b.index for b in self.buckets for m in b.members}
         self.flat = [self._bucket_buffer(b) for b in self.buckets] if averager.communicates else []
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         self.skip = self.no_sync = False
         self.join_flag = False          # set by hpctrain.torch.Join
         self.reset()
+
+    def _kind(self, param) -> tuple:
+        """What parameters must share to share a bucket: dtype and device."""
+        return param.dtype, param.device
 
     def _bucket_buffer(self, bucket) -> torch.Tensor:
         """A zeroed flat buffer for ``bucket``: in node-shared memory when it is a CPU float32/float64 bucket.

@@ -124,16 +124,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         if comm is None:
             _follow_the_world(optimizer, (op, compression, compression_policy, sparse_as_dense),
                               backward_passes_per_step, int(bucket_mb * 2 ** 20))
+    keep_patched_step(optimizer)
+    return optimizer
+
+
+def keep_patched_step(optimizer) -> None:
+    """Route a ``step`` set on the instance (an LR scheduler made before the class swap) through ``_around_step``.
+
+    Such a wrapper calls the original class's step and would bypass the swap.
+    """
     patched = optimizer.__dict__.get("step")
     if patched is not None:
-        # Something (an LR scheduler created before this call) replaced step on the instance with a
-        # wrapper of the original class's step, which would bypass the class swap: go around it.
         def step(closure=None):
             return optimizer._around_step(patched, closure)
 
         step.__dict__.update(getattr(patched, "__dict__", {}))   # keep the scheduler's markers
         optimizer.step = step
-    return optimizer
 
 
 def _follow_the_world(optimizer, averaging: tuple, passes: int, cap_bytes: int) -> None:

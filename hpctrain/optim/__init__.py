@@ -1,0 +1,1 @@
+"""Optimizers over the data-parallel ranks, framework-neutral: ZeRO sharding (:mod:`hpctrain.optim.zero`)."""

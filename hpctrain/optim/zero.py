@@ -1,0 +1,94 @@
+"""ZeRO sharding of an optimizer over the data-parallel ranks: which elements each rank owns, on flat buffers.
+
+The gradients of one optimizer are already grouped into buckets
+(:mod:`hpctrain.collectives.buckets`); ZeRO splits every bucket's flat buffer
+of ``n`` elements into ``N`` equal chunks of ``c = ceil(n / N)`` elements, the
+last one padded: rank ``r`` owns elements ``[r c, min((r + 1) c, n))`` of
+every bucket.  Shards are balanced to one element per bucket whatever the
+parameter sizes (torch's ZeroRedundancyOptimizer assigns whole parameters, so
+its shards differ by up to the largest parameter).
+
+Per step, for a bucket (``m`` tensors):
+
+* reduce-scatter: the bucket's gradients are packed as an ``N x (c + m)``
+  array, row ``r`` holding chunk ``r`` followed by the ``m`` has-gradient flags
+  (the same flags in every row), and reduce-scattered: each rank receives its
+  own chunk, reduced, and the flags summed over the ranks;
+* the optimizer steps on the owned chunk only (its state: ``1/N`` of the
+  unsharded optimizer's);
+* allgather: every rank's updated chunk (padded to ``c``) is all-gathered;
+  the result's first ``n`` elements are the bucket's flat parameters.
+
+Cost per step: ``(N-1)/N`` of the gradient bytes sent by the reduce-scatter
+plus ``(N-1)/N`` of the parameter bytes by the allgather: the bytes of one
+ring all-reduce.  Memory: optimizer state ``1/N``; with stage 2 gradients
+``1/N`` plus the buckets in flight.
+
+Everything here is arithmetic on indices and numpy arrays; the framework
+adapters (:mod:`hpctrain.torch.zero`) move their tensors through it.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence, Tuple
+
+__all__ = ["ShardLayout", "per_element"]
+
+
+class ShardLayout:
+    """The chunks of each bucket and the one rank ``rank`` of ``size`` owns.
+
+    Args:
+        numels: elements of each bucket's gradients (without flags).
+        size, rank: the data-parallel group.
+    """
+
+    def __init__(self, numels: Sequence[int], size: int, rank: int):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"rank {rank} of size {size} is not a rank of a group")
+        self.numels, self.size, self.rank = [int(n) for n in numels], size, rank
+        self.chunks = [max(1, -(-n // size)) for n in self.numels]
+
+    def own(self, b: int, rank: int = -1) -> Tuple[int, int]:
+        """The element range ``[lo, hi)`` of bucket ``b`` that ``rank`` (default: this rank) owns."""
+        r = self.rank if rank < 0 else rank
+        c, n = self.chunks[b], self.numels[b]
+        return min(r * c, n), min((r + 1) * c, n)
+
+    def own_numel(self, b: int) -> int:
+        """Elements of bucket ``b`` this rank owns (0 when the bucket has fewer elements than ranks before it)."""
+        lo, hi = self.own(b)
+        return hi - lo
+
+    def segments(self, b: int, offset: int, numel: int) -> Iterator[Tuple[int, int, int, int]]:
+        """Where elements ``[offset, offset + numel)`` of bucket ``b`` lie in its ``N x c`` chunk rows.
+
+        Yields ``(row, column, source offset, length)``: the tensor's elements
+        ``[source, source + length)`` go to ``row``'s columns
+        ``[column, column + length)``.
+        """
+        c = self.chunks[b]
+        pos, end = offset, offset + numel
+        while pos < end:
+            row, col = divmod(pos, c)
+            length = min(c - col, end - pos)
+            yield row, col, pos - offset, length
+            pos += length
+
+    def own_parts(self, b: int, offset: int, numel: int) -> Tuple[int, int, int, int]:
+        """Elements ``[offset, offset + numel)`` of bucket ``b`` in this rank's chunk:
+        ``(chunk lo, chunk hi, tensor lo, tensor hi)``, empty ranges when it owns none of them."""
+        own_lo, own_hi = self.own(b)
+        lo, hi = max(own_lo, offset), min(own_hi, offset + numel)
+        if lo >= hi:
+            return 0, 0, 0, 0
+        return lo - own_lo, hi - own_lo, lo - offset, hi - offset
+
+
+def per_element(key: str, value, shape: Sequence[int]) -> bool:
+    """Whether optimizer state ``key`` of a tensor of ``shape`` is per element (a moment) or one for the tensor.
+
+    Per element: an array of the tensor's own shape, but for ``"step"`` (the
+    step counters of torch's and Keras's optimizers are per tensor, whatever
+    its shape).
+    """
+    return key != "step" and tuple(getattr(value, "shape", (None,))) == tuple(shape)

@@ -1,0 +1,332 @@
+"""ShardedOptimizer: ZeRO stages 1 and 2 for torch, the optimizer state (and gradients) split over the ranks.
+
+``optimizer = hpctrain.torch.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=...), stage=2)``
+replaces :func:`~hpctrain.torch.DistributedOptimizer` (do not use both).
+Per step (:mod:`hpctrain.optim.zero` for the layout):
+
+* during backward, every bucket of gradients is reduce-scattered as it
+  becomes ready (:class:`~hpctrain.torch.zero_sync.ZeroSync`): each rank
+  receives the average of its own chunk only;
+* ``step()`` runs the wrapped optimizer's own update on this rank's chunk of
+  every bucket (a flat tensor per bucket; the state of the chunks is the only
+  optimizer state this rank holds: ``1/N`` of it);
+* the updated chunks are all-gathered into the parameters, so every rank
+  holds the whole model again for the next forward pass.
+
+Same results as :func:`~hpctrain.torch.DistributedOptimizer` with the same
+optimizer: the update is applied element by element on the same averaged
+gradients (bit for bit where the reduce-scatter sums in the all-reduce's
+order).  That is why the optimizer must be element-wise (SGD, Adam, AdamW,
+Adagrad, RMSprop, ...): a chunk cuts across parameters, so per-tensor norms
+(LAMB, LARS) would be wrong.  A parameter for which no rank had a gradient
+keeps its value and moments, as in the unsharded optimizer (its step counter
+is its chunk's).
+
+Stage 1 shards the optimizer state; each parameter's ``.grad`` stays the
+local (not averaged) gradient.  Stage 2 also drops each parameter's
+``.grad`` once its bucket is packed: gradient memory is ``1/N`` plus the
+buckets in flight.  Cost per step: one reduce-scatter and one allgather of
+the model's bytes (together those of one all-reduce), one copy of ``1/N`` of
+the parameters into the chunks.
+
+The wrapped optimizer keeps its param groups (learning-rate schedulers work
+on them); its ``state`` stays empty.  ``consolidate_state_dict(to)`` then
+``state_dict()`` give the whole state in the wrapped optimizer's own format
+(a plain torch optimizer loads it); ``load_state_dict`` takes that format at
+any world size (each rank keeps its chunks).  The checkpoint manager and the
+elastic state consolidate on their own.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Dict, List, Optional
+
+import torch
+
+from ..optim.zero import per_element
+from .optimizer import keep_patched_step
+from .zero_sync import ZeroSync
+
+__all__ = ["ShardedOptimizer", "ELEMENTWISE"]
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam", "ASGD",
+               "Rprop")
+_CLASSES: Dict[type, type] = {}
+
+
+def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_parameters=None, bucket_mb: float = 25,
+                     backward_passes_per_step: int = 1, comm=None, elementwise: Optional[bool] = None):
+    """Shard ``optimizer``'s state (stage 1) and gradients (stage 2) over the ranks of ``comm`` (ZeRO).
+
+    The optimizer object itself is returned, its class changed (as
+    :func:`~hpctrain.torch.DistributedOptimizer` does).  Create it on every
+    rank over the same parameters, after broadcasting the initial parameters.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` with an element-wise update.
+        stage: 1 (optimizer state sharded) or 2 (also the gradients).
+        named_parameters: ``model.named_parameters()``, for error messages.
+        bucket_mb: bucket size in MiB (the unit of the reduce-scatter).
+        backward_passes_per_step: passes accumulated locally before the reduction (averaged).
+        comm: the data-parallel communicator (default: the world; the layout's ``dp`` group with
+            pipeline or tensor parallelism).
+        elementwise: say the optimizer's update is element by element when its class is not one of
+            torch's in :data:`ELEMENTWISE` (refused otherwise).
+    """
+    from ..world import comm_or_world
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"ShardedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if hasattr(optimizer, "_hpctrain") or hasattr(optimizer, "_hpctrain_zero"):
+        raise ValueError("this optimizer is already distributed (DistributedOptimizer or ShardedOptimizer): "
+                         "wrap the plain torch optimizer once")
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (also gradients), got {stage!r}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    base = type(optimizer)
+    known = base.__module__.startswith("torch.optim") and base.__name__ in ELEMENTWISE
+    if not (known if elementwise is None else elementwise):
+        raise ValueError(f"ShardedOptimizer steps on chunks that cut across parameters, so the update must be "
+                         f"element by element; {base.__name__} is not one of torch's element-wise optimizers "
+                         f"{ELEMENTWISE}: pass elementwise=True if its update is (no per-tensor norms)")
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(f"Sharded{base.__name__}", (_ShardedMixin, base),
+                                    {"__module__": __name__, "__doc__": base.__doc__})
+    sync = ZeroSync(optimizer, named_parameters, comm_or_world(comm), backward_passes_per_step,
+                    int(bucket_mb * 2 ** 20), stage)
+    optimizer.__class__ = cls
+    optimizer._hpctrain_zero = _Shards(optimizer, base, sync)
+    keep_patched_step(optimizer)
+    return optimizer
+
+
+class _Shards:
+    """This rank's chunks: flat tensors (padded to the chunk size), the inner optimizer over them, the allgather."""
+
+    def __init__(self, outer: torch.optim.Optimizer, base: type, sync: ZeroSync):
+        self.sync, self.layout, self.comm = sync, sync.layout, sync.comm
+        self.padded: List[torch.Tensor] = []
+        self.chunks: List[torch.Tensor] = []
+        for b, bucket in enumerate(sync.buckets):
+            dtype, device, _ = bucket.kind
+            self.padded.append(torch.zeros(self.layout.chunks[b], dtype=dtype, device=device))
+            self.chunks.append(self.padded[b][:self.layout.own_numel(b)])
+        self.parts = [[(i, *self.layout.own_parts(b, off, n)) for i, off, n in zip(bk.members, bk.offsets, bk.numels)]
+                      for b, bk in enumerate(sync.buckets)]
+        self.group_of_inner = sorted(set(sync.group))
+        groups = [{**_hyper(outer.param_groups[g]),
+                   "params": [self.chunks[b] for b in range(len(self.chunks)) if sync.group[b] == g]}
+                  for g in self.group_of_inner]
+        accepted = inspect.signature(base.__init__).parameters       # (defaults may hold more than __init__ takes)
+        self.inner = base(groups, **{k: v for k, v in outer.defaults.items() if k in accepted}) if groups else None
+        self.consolidated: Optional[dict] = None
+        self.consolidated_for = -1
+        self.steps = 0
+
+    def load_chunks(self) -> None:
+        """Copy this rank's part of the parameters into its chunks (the parameters may have been loaded since)."""
+        with torch.no_grad():
+            for b, parts in enumerate(self.parts):
+                for i, lo, hi, plo, phi in parts:
+                    if lo < hi:
+                        self.chunks[b][lo:hi].copy_(self.sync.params[i].detach().reshape(-1)[plo:phi])
+
+    def step(self, outer_groups) -> None:
+        """Step the chunks on their reduced gradients, then all-gather them into the parameters."""
+        sync = self.sync
+        self.load_chunks()
+        if self.inner is not None:
+            for inner_group, g in zip(self.inner.param_groups, self.group_of_inner):
+                inner_group.update(_hyper(outer_groups[g]))
+            for b, chunk in enumerate(self.chunks):
+                chunk.grad = sync.shard_grads[b]
+            kept = self._keep_without_grad()
+            self.inner.step()
+            self._put_back(kept)
+            for chunk in self.chunks:
+                chunk.grad = None
+        sync.shard_grads = [None] * len(self.chunks)
+        self.allgather()
+        self.steps += 1
+
+    def _keep_without_grad(self) -> list:
+        """Copies of the ranges of the chunks (and their state) where no rank had a gradient."""
+        kept = []
+        for b, ranges in enumerate(self.sync.without_grad):
+            if ranges:
+                chunk, state = self.chunks[b], self.inner.state.get(self.chunks[b], {})
+                moments = {k: v for k, v in state.items() if per_element(k, v, chunk.shape)}
+                kept.append((b, [(lo, hi, chunk[lo:hi].clone(), {k: v[lo:hi].clone() for k, v in moments.items()})
+                                 for lo, hi in ranges]))
+        return kept
+
+    def _put_back(self, kept: list) -> None:
+        with torch.no_grad():
+            for b, ranges in kept:
+                chunk, state = self.chunks[b], self.inner.state.get(self.chunks[b], {})
+                for lo, hi, value, moments in ranges:
+                    chunk[lo:hi].copy_(value)
+                    for k, v in state.items():
+                        if per_element(k, v, chunk.shape):
+                            v[lo:hi].copy_(moments[k]) if k in moments else v[lo:hi].zero_()
+
+    def allgather(self) -> None:
+        """Every rank's chunks into every parameter (one allgather per bucket, all in flight together)."""
+        handles = [self.comm.allgather_async(p) for p in self.padded]
+        with torch.no_grad():
+            for b, h in enumerate(handles):
+                flat = h.wait()
+                bucket = self.sync.buckets[b]
+                for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                    p = self.sync.params[i]
+                    p.copy_(flat[off:off + n].view_as(p))
+
+    # -- the whole state, in the wrapped optimizer's format ---------------------------------
+    def consolidate(self, outer, to: Optional[int]) -> None:
+        """Gather every chunk's state into a plain state dict of ``outer``'s parameters, kept on rank ``to``
+        (every rank for None).  Collective: one allgather per per-element state of each bucket."""
+        sync, layout = self.sync, self.layout
+        index = _indices(outer)
+        state: Dict[int, dict] = {}
+        for b, bucket in enumerate(sync.buckets):
+            chunk = self.chunks[b]
+            own = {} if self.inner is None else self.inner.state.get(chunk, {})
+            for key in sorted(own):
+                value = own[key]
+                if per_element(key, value, chunk.shape):
+                    padded = torch.zeros(layout.chunks[b], dtype=value.dtype, device=value.device)
+                    padded[:len(chunk)] = value
+                    flat = self.comm.allgather(padded)
+                    for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                        p = sync.params[i]
+                        state.setdefault(index[id(p)], {})[key] = flat[off:off + n].reshape(p.shape).clone()
+                else:
+                    for i in bucket.members:
+                        v = value.clone() if torch.is_tensor(value) else value
+                        state.setdefault(index[id(sync.params[i])], {})[key] = v
+        keep = to is None or self.comm.rank == to
+        groups = torch.optim.Optimizer.state_dict(outer)["param_groups"]
+        self.consolidated = {"state": state, "param_groups": groups} if keep else None
+        self.consolidated_for = self.steps
+
+    def load(self, outer, state_dict: dict) -> None:
+        """Keep this rank's chunks of a plain state dict's per-element states, and its per-tensor ones."""
+        index = _indices(outer)
+        states = state_dict["state"]
+        for b, bucket in enumerate(self.sync.buckets):
+            chunk, mine = self.chunks[b], {}
+            for i, lo, hi, plo, phi in self.parts[b]:
+                p = self.sync.params[i]
+                for key, value in states.get(index[id(p)], {}).items():
+                    if per_element(key, value, p.shape):
+                        if key not in mine:
+                            mine[key] = torch.zeros(len(chunk), dtype=value.dtype, device=chunk.device)
+                        if lo < hi:
+                            mine[key][lo:hi] = value.reshape(-1)[plo:phi].to(chunk.device)
+                    elif key not in mine:
+                        mine[key] = value.clone() if torch.is_tensor(value) else value
+            if self.inner is not None:
+                self.inner.state.pop(chunk, None)
+                if mine:
+                    self.inner.state[chunk] = mine
+        self.consolidated = None
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _indices(optimizer) -> Dict[int, int]:
+    """Each parameter's index in a state dict of ``optimizer`` (torch numbers them over the groups in order)."""
+    out: Dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.setdefault(id(p), len(out))
+    return out
+
+
+class _ShardedMixin:
+    """The methods a ShardedOptimizer adds to the wrapped optimizer's class."""
+
+    _hpctrain_zero: _Shards
+    hpctrain_state_spans_ranks = True       # (the checkpoint manager and elastic states consolidate first)
+
+    @property
+    def stage(self) -> int:
+        return self._hpctrain_zero.sync.stage
+
+    def step(self, closure=None):
+        """Finish the reduce-scatter, step this rank's chunks, all-gather the parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        zero = self._hpctrain_zero
+        timeline = getattr(zero.comm, "timeline", None)
+        span = timeline.span if timeline is not None and timeline.on else (lambda *a: contextlib.nullcontext())
+        with span("synchronize gradients", "torch"):
+            if not zero.sync.skip:
+                zero.sync.synchronize()
+        with span("optimizer step", "torch"):
+            zero.step(self.param_groups)
+        zero.sync.reset()
+        self._opt_called = True         # (what an LR scheduler's step counter marks)
+        return loss
+
+    def _around_step(self, local_step, closure=None):
+        return self.step(closure)
+
+    def synchronize(self) -> None:
+        """Finish reduce-scattering the gradients now; ``step()`` then does not wait again."""
+        self._hpctrain_zero.sync.synchronize()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Within this context backward passes only accumulate gradients locally (no communication)."""
+        self._hpctrain_zero.sync.no_sync = True
+        try:
+            yield
+        finally:
+            self._hpctrain_zero.sync.no_sync = False
+
+    def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
+        """Gather the whole optimizer state on rank ``to`` (every rank for None); collective."""
+        self._hpctrain_zero.consolidate(self, to)
+
+    def state_dict(self) -> dict:
+        """The whole state in the wrapped optimizer's format, after :meth:`consolidate_state_dict` on this rank."""
+        zero = self._hpctrain_zero
+        if zero.consolidated is None or zero.consolidated_for != zero.steps:
+            raise RuntimeError(f"rank {zero.comm.rank}: call optimizer.consolidate_state_dict(to=...) on every rank "
+                               "after the last step, then state_dict() on the rank it was gathered to")
+        return zero.consolidated
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state (this class's or a plain optimizer's of the same parameters), keeping this rank's chunks."""
+        torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": state_dict["param_groups"]})
+        self._hpctrain_zero.load(self, state_dict)
+
+    def shard_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its chunks' state)."""
+        inner = self._hpctrain_zero.inner
+        if inner is None:
+            return 0
+        return sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values()
+                   if torch.is_tensor(v))
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_hpctrain_zero", None) is not None:
+            raise NotImplementedError("ShardedOptimizer: add parameter groups before wrapping the optimizer")
+        super().add_param_group(param_group)
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the optimizer then no longer communicates)."""
+        self._hpctrain_zero.sync.remove_hooks()
+
+
+_ShardedMixin.step.hooked = True        # (see hpctrain.torch.optimizer: torch must not wrap this step again)
