@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--sleep-in-recovery", type=float, default=0.0, metavar="S",
                    help="every survivor sleeps S seconds in its on_reform callback (rank 0 prints 'recovering' first)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep each step (to kill a node by hand)")
+    p.add_argument("--zero", type=int, choices=(1, 2), help="shard the optimizer (ZeRO stage 1 or 2)")
     p.add_argument("--log-steps", action="store_true", help="rank 0 prints 'step N' after each step")
     p.add_argument("--out", help="file for the final parameters (.safetensors) and its .json summary")
     p.add_argument("--checkpoint-dir", help="also save checkpoints to disk here (every --checkpoint-every steps), "
@@ -64,7 +65,10 @@ def main() -> None:
     first_rank = world.rank
     x, y = make_data(args.samples)
     model, opt = make_model()
-    opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    if args.zero:       # (ZeRO: each rank holds its chunk of the momentum; a re-forming reshards it)
+        opt = ht.ShardedOptimizer(opt, stage=args.zero, named_parameters=model.named_parameters())
+    else:
+        opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     sampler = hpctrain.elastic.ElasticSampler(args.samples, shuffle=True, seed=3)
     state = ht.TorchState(model, opt, sampler=sampler, epoch=0, step=0)
     if first_rank in args.kill_in_recovery:

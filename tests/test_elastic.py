@@ -47,11 +47,11 @@ def newest_checkpoint(directory, out):
     return int(re.search(r"STEP (\d+)", res.stdout).group(1))
 
 
-def launch(n, tmp_path, kills=(), *options, in_recovery=(), timeout=120):
+def launch(n, tmp_path, kills=(), *options, in_recovery=(), example=(), timeout=120):
     """``hpctrain launch --elastic`` of the example at ``n`` ranks, ``kills`` = ((first-world rank, step), ...),
-    ``in_recovery`` = first-world ranks that die during the first recovery."""
+    ``in_recovery`` = first-world ranks that die during the first recovery, ``example``: more example options."""
     out = tmp_path / "final.safetensors"
-    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(n), *options] + example_args(out)
+    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(n), *options] + example_args(out) + list(example)
     for rank, step in kills:
         cmd += ["--kill", f"{rank}:{step}"]
     for rank in in_recovery:
@@ -105,9 +105,11 @@ def reference(n, resumes, at_step=None):
     return (final, step, then) if at_step is not None else (final, step)
 
 
-# (ranks, kills: (first-world rank, step), ranks killed during the first recovery, resumes: (step, new size))
+# (ranks, kills: (first-world rank, step), ranks killed during the first recovery, resumes: (step, new size)
+#  [, example options]); with --zero 2 the momentum is sharded over the ranks and resharded at each new size
 CASES = {"1-none": (1, (), (), ()), "2-rank1": (2, ((1, 5),), (), ((4, 1),)), "3-rank0": (3, ((0, 7),), (), ((4, 2),)),
-         "4-rank3-rank1-in-recovery-then-rank0": (4, ((3, 6), (0, 21)), (1,), ((4, 2), (20, 1)))}
+         "4-rank3-rank1-in-recovery-then-rank0": (4, ((3, 6), (0, 21)), (1,), ((4, 2), (20, 1))),
+         "4-zero2-rank3-then-rank1": (4, ((3, 6), (1, 13)), (), ((4, 3), (12, 2)), ("--zero", "2"))}
 
 
 @pytest.mark.timeout(240)
@@ -119,8 +121,8 @@ def test_killed_ranks_leave_a_smaller_world_that_finishes_bit_identical_to_a_ref
     third failure leaves one."""
     from safetensors.numpy import load_file
 
-    n, kills, in_recovery, resumes = CASES[case]
-    res, out = launch(n, tmp_path, kills, in_recovery=in_recovery)
+    n, kills, in_recovery, resumes, *example = CASES[case]
+    res, out = launch(n, tmp_path, kills, in_recovery=in_recovery, example=example[0] if example else ())
     assert res.returncode == 0, res.stdout[-4000:]
     summary = json.loads(out.with_name(out.name + ".json").read_text())
     want, steps = reference(n, list(resumes))

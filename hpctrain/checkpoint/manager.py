@@ -329,6 +329,9 @@ class CheckpointManager(CommitSteps):
         shard_of_rank = [s for s, _ in plan]
         writes_shard = my_shard is not None and shard_of_rank.index(my_shard) == comm.rank
         verify = self.verify_replicas != "off" and comm.size > 1
+        for obj in replicated.values():     # (a ShardedOptimizer: its whole state, gathered from every rank)
+            if getattr(obj, "hpctrain_state_spans_ranks", False):
+                obj.consolidate_state_dict(to=None if verify else 0)
         # snapshot (errors such as an entry that is not data are raised on every rank)
         jobs, err = [], None
         try:

@@ -154,6 +154,8 @@ class ObjectState(State):
         out = {}
         for name in self._names if names is None else names:
             value = getattr(self, name)
+            if getattr(value, "hpctrain_state_spans_ranks", False):    # (a ShardedOptimizer: collective)
+                value.consolidate_state_dict(to=None)
             out[name] = copy.deepcopy(value.state_dict() if _has_state_dict(value) else value)
         return out
 

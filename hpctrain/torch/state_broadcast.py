@@ -84,6 +84,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0, c
     structure travels as a small object, the tensors by one broadcast per dtype.
     """
     comm = comm_or_world(comm)
+    if getattr(optimizer, "hpctrain_state_spans_ranks", False):    # (a ShardedOptimizer: gathered on root)
+        optimizer.consolidate_state_dict(to=root)
     sd = optimizer.state_dict() if comm.rank == root else None
     tensors: List[torch.Tensor] = []
     skeleton = _strip(sd, tensors) if sd is not None else None

@@ -102,7 +102,24 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_par
     optimizer.__class__ = cls
     optimizer._hpctrain_zero = _Shards(optimizer, base, sync)
     keep_patched_step(optimizer)
+    if comm is None:
+        from ..world import on_reform_of
+
+        on_reform_of(optimizer, lambda opt, world: _reshard_on(opt, world, base, backward_passes_per_step,
+                                                                int(bucket_mb * 2 ** 20)))
     return optimizer
+
+
+def _reshard_on(optimizer, world, base: type, passes: int, cap_bytes: int) -> None:
+    """Shard ``optimizer`` anew over ``world`` (a re-formed world, elastic mode); its chunks start without state.
+
+    The state comes back from the elastic commit being restored (a whole
+    state: ``load_state_dict`` keeps the new chunks of it).
+    """
+    old = optimizer._hpctrain_zero.sync
+    old.remove_hooks()
+    sync = ZeroSync(optimizer, list(zip(old.names, old.params)), world, passes, cap_bytes, old.stage)
+    optimizer._hpctrain_zero = _Shards(optimizer, base, sync)
 
 
 class _Shards:
