@@ -9,11 +9,11 @@ is this rank's chunk of the averaged gradients, which becomes the gradient of
 its shard.  Buckets never mix parameter groups, so a shard has one group's
 hyperparameters.
 
-Stage 1 keeps one rows buffer per bucket for the whole run and leaves the
-parameters' own (local, not averaged) gradients alone; stage 2 makes the rows
-buffer when the bucket launches, drops each parameter's gradient once it is
-packed, and keeps at most ``IN_FLIGHT`` buckets in flight during backward:
-gradient memory is this rank's chunks plus those buckets.
+A bucket's rows buffer is made when the bucket launches and dropped once its
+chunk is applied; at most ``IN_FLIGHT`` buckets are in flight during
+backward.  Stage 1 leaves the parameters' own (local, not averaged) gradients
+alone; stage 2 drops each parameter's gradient once it is packed: gradient
+memory is this rank's chunks plus the buckets in flight.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from .gradient_sync import GradientSync
 
 __all__ = ["ZeroSync"]
 
-IN_FLIGHT = 4       # stage 2: buckets reduce-scattering at once during backward
+IN_FLIGHT = 4       # buckets reduce-scattering at once during backward
 
 
 def _reduce_scatter_rows(comm, rows, bucket, op):
@@ -45,7 +45,6 @@ class ZeroSync(GradientSync):
                          passes_per_step, cap_bytes)
         self.layout = ShardLayout([b.numel for b in self.buckets], self.comm.size, self.comm.rank)
         self.group = [self._group_of[id(self.params[b.members[0]])] for b in self.buckets]
-        self.flat = [self._rows(b) if stage == 1 else None for b in range(len(self.buckets))]
         self.shard_grads: List[Optional[torch.Tensor]] = [None] * len(self.buckets)
         self.without_grad: List[List[Tuple[int, int]]] = [[] for _ in self.buckets]
 
@@ -70,11 +69,11 @@ class ZeroSync(GradientSync):
         self.applied = 0
 
     def _launch(self, b: int) -> None:
-        rows = self.flat[b] if self.stage == 1 else self._rows(b)
+        rows = self._rows(b)
         self._pack_rows(b, rows)
         self.handles[b] = self.averager.start_bucket(rows, self.buckets[b], self.names, self.shapes)
         self.launched = b + 1
-        while self.stage == 2 and self.launched - self.applied > IN_FLIGHT:
+        while self.launched - self.applied > IN_FLIGHT:
             self._apply_next()
 
     def _pack_rows(self, b: int, rows: torch.Tensor) -> None:
