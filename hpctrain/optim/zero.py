@@ -29,9 +29,11 @@ adapters (:mod:`hpctrain.torch.zero`) move their tensors through it.
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
-__all__ = ["ShardLayout", "per_element"]
+import numpy as np
+
+__all__ = ["ShardLayout", "Exchange", "per_element"]
 
 
 class ShardLayout:
@@ -92,3 +94,40 @@ def per_element(key: str, value, shape: Sequence[int]) -> bool:
     its shape).
     """
     return key != "step" and tuple(getattr(value, "shape", (None,))) == tuple(shape)
+
+
+class Exchange:
+    """ZeRO's two collectives for buckets of numpy arrays (the Keras adapter's path; torch packs its own tensors).
+
+    Without has-gradient flags: a caller passes zeros for a tensor without a
+    gradient.  ``buckets`` are :class:`~hpctrain.collectives.buckets.Bucket`
+    objects of the tensors, ``layout`` their :class:`ShardLayout` over ``comm``.
+    """
+
+    def __init__(self, comm, layout: ShardLayout, buckets):
+        self.comm, self.layout, self.buckets = comm, layout, buckets
+
+    def reduce_scatter(self, arrays: Sequence[np.ndarray], op: str = "avg") -> List[np.ndarray]:
+        """This rank's chunk of every bucket of ``arrays`` (all tensors, in order), reduced over the ranks.
+
+        Cost: one reduce-scatter per bucket, ``(N-1)/N`` of the bucket's bytes sent.
+        """
+        out = []
+        for b, bucket in enumerate(self.buckets):
+            c = self.layout.chunks[b]
+            first = arrays[bucket.members[0]]
+            rows = np.zeros(self.layout.size * c, dtype=first.dtype)
+            for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                rows[off:off + n] = np.asarray(arrays[i]).reshape(-1)
+            mine = self.comm.reduce_scatter(rows.reshape(self.layout.size, c), op=op)
+            out.append(np.ascontiguousarray(mine.reshape(-1)[:self.layout.own_numel(b)]))
+        return out
+
+    def allgather(self, chunks: Sequence[np.ndarray]) -> List[np.ndarray]:
+        """Every bucket's flat values from every rank's chunk of it (``chunks``: this rank's, one per bucket)."""
+        out = []
+        for b, chunk in enumerate(chunks):
+            padded = np.zeros(self.layout.chunks[b], dtype=chunk.dtype)
+            padded[:len(chunk)] = chunk
+            out.append(self.comm.allgather(padded)[:self.layout.numels[b]])
+        return out

@@ -29,8 +29,9 @@ from .adasum_apply import apply_with_adasum
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin
 from .ops import average_gradients, host_call
 from .tape import _name
+from .zero import ShardedOptimizer
 
-__all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+__all__ = ["DistributedOptimizer", "ShardedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "StepMetricsCallback",
            "TimelineCallback"]
 
