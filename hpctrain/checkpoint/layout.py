@@ -25,7 +25,7 @@ from .state import decode
 from .tensorfile import CorruptFileError, read_tensors, write_tensors
 
 __all__ = ["FORMAT", "Sharded", "Mismatch", "write_files", "write_manifest", "read_entries", "compare_replicas",
-           "by_rank", "fsync_dir"]
+           "by_rank", "fsync_dir", "split_spread", "read_spread", "SPREAD"]
 
 FORMAT = "hpctrain-checkpoint/1"
 
@@ -49,6 +49,40 @@ class Sharded:
         if shard is not None and (not isinstance(shard, int) or shard < 0):
             raise ValueError(f"shard must be a non-negative int, got {shard!r}")
         self.obj, self.shard, self.missing = obj, shard, missing
+
+
+SPREAD = "spread:"      # the shard-file key of an entry whose state is spread over the ranks (a ShardedOptimizer)
+
+
+def split_spread(state: Mapping[str, Any], replicated: Dict[str, Any], sharded: Dict[str, Any], rank: int) -> List[str]:
+    """Write each entry spread over the ranks (``hpctrain_state_spans_ranks``, with ``shard_state_dict()``) as
+    its common part in ``replicated`` and this rank's part in ``sharded`` (its shard file, id = rank); return their keys.
+
+    Not when some :class:`Sharded` entry has an id other than the rank (one
+    shard file per rank): those entries are then gathered whole instead.
+    """
+    keys = [k for k, v in replicated.items() if getattr(v, "hpctrain_state_spans_ranks", False)
+            and callable(getattr(v, "shard_state_dict", None))]
+    if not keys or any(isinstance(v, Sharded) and v.shard not in (None, rank) for v in state.values()):
+        return []
+    for k in keys:
+        replicated[k], sharded[SPREAD + k] = replicated[k].shard_state_dict()
+    return keys
+
+
+def read_spread(path: str, key: str, rank: int) -> Any:
+    """The part a rank wrote of spread entry ``key`` (:func:`split_spread`), read from its shard file and verified."""
+    with open(os.path.join(path, "manifest.json")) as f:
+        files = json.load(f)["files"]
+    fname = f"shard-{rank}.safetensors"
+    info = files.get(fname)
+    if not isinstance(info, dict) or not {"size", "crc32"} <= set(info):
+        raise CorruptFileError(f"{path}/manifest.json lists no {fname} (the shard of rank {rank} of a spread state)")
+    tensors, metadata = read_tensors(os.path.join(path, fname), info["size"], info["crc32"])
+    tree = json.loads(metadata["hpctrain.tree"])
+    if SPREAD + key not in tree:
+        raise Mismatch(f"checkpoint {path}: {fname} has no part of {key!r}")
+    return decode(tree[SPREAD + key]["value"], tensors)
 
 
 def write_manifest(partial: str, final: str, step: int, world_size: int, results: List[dict]) -> None:

@@ -51,7 +51,7 @@ from ..errors import CheckpointError
 from .commit import BackgroundCommit
 from .commit_steps import CommitSteps
 from .hostcopy import HostCopier, default_copy_threads
-from .layout import Sharded, write_files
+from .layout import Sharded, split_spread, write_files
 from .restore import committed_steps, restore_newest, step_path
 from .state import encode
 
@@ -307,10 +307,13 @@ class CheckpointManager(CommitSteps):
             raise TypeError("state must be a dict with str keys")
         replicated = {k: v for k, v in state.items() if not isinstance(v, Sharded)}
         sharded = {k: v.obj for k, v in state.items() if isinstance(v, Sharded)}
+        spread = split_spread(state, replicated, sharded, comm.rank)
         # plan
         check_same(comm, "the checkpoint step and entries", (step, sorted(replicated), sorted(sharded)),
                    f"step {step}, replicated {sorted(replicated)}, sharded {sorted(sharded)}")
         shard_ids = {v.shard if v.shard is not None else comm.rank for v in state.values() if isinstance(v, Sharded)}
+        if spread:
+            shard_ids.add(comm.rank)
         my_shard = min(shard_ids) if shard_ids else None
         partial = self.step_dir(step) + ".partial"
         err = None
@@ -329,7 +332,7 @@ class CheckpointManager(CommitSteps):
         shard_of_rank = [s for s, _ in plan]
         writes_shard = my_shard is not None and shard_of_rank.index(my_shard) == comm.rank
         verify = self.verify_replicas != "off" and comm.size > 1
-        for obj in replicated.values():     # (a ShardedOptimizer: its whole state, gathered from every rank)
+        for obj in replicated.values():     # (a ShardedOptimizer beside Sharded entries of other ids: gathered whole)
             if getattr(obj, "hpctrain_state_spans_ranks", False):
                 obj.consolidate_state_dict(to=None if verify else 0)
         # snapshot (errors such as an entry that is not data are raised on every rank)

@@ -19,7 +19,7 @@ import re
 from typing import Any, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
-from .layout import Mismatch, Sharded, by_rank, read_entries
+from .layout import Mismatch, Sharded, by_rank, read_entries, read_spread
 from .state import load_entry
 from .tensorfile import CorruptFileError
 
@@ -91,6 +91,10 @@ def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optiona
                     holder = {key: target.obj}
                     load_entry(holder, key, kind, value)
                     target.obj = holder[key]      # plain values are replaced, not loaded in place
+                elif kind == "value" and isinstance(value, dict) and callable(getattr(target, "load_shard_state_dict",
+                                                                                      None)):
+                    # (a state spread over the ranks: its common part here, each saved rank's part in its shard file)
+                    target.load_shard_state_dict(value, lambda r, key=key: read_spread(path, key, r))
                 else:
                     load_entry(state, key, kind, value)
             err = None

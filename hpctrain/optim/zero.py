@@ -33,7 +33,9 @@ from typing import Iterator, List, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["ShardLayout", "Exchange", "per_element"]
+__all__ = ["ShardLayout", "Exchange", "per_element", "layout_record", "reshard_copies", "SHARDS_FORMAT"]
+
+SHARDS_FORMAT = "hpctrain-zero/1"     # (the mark of a sharded state in a checkpoint: see layout_record)
 
 
 class ShardLayout:
@@ -131,3 +133,46 @@ class Exchange:
             padded[:len(chunk)] = chunk
             out.append(self.comm.allgather(padded)[:self.layout.numels[b]])
         return out
+
+
+def layout_record(layout: ShardLayout, buckets, index_of: Sequence[int]) -> List[dict]:
+    """What a checkpoint keeps of a sharding, so that another one can take its chunks: per bucket its elements,
+    chunk size, and its tensors as ``[tensor index, offset, numel]`` (``index_of``: each tensor's index)."""
+    return [{"numel": layout.numels[b], "chunk": layout.chunks[b],
+             "members": [[int(index_of[i]), int(off), int(n)] for i, off, n in zip(bk.members, bk.offsets, bk.numels)]}
+            for b, bk in enumerate(buckets)]
+
+
+def reshard_copies(saved: Sequence[dict], layout: ShardLayout, buckets, index_of: Sequence[int]
+                   ) -> Iterator[Tuple[int, int, int, int, int, int]]:
+    """The copies that fill this rank's chunks from the chunks of a saved sharding (:func:`layout_record`).
+
+    Yields ``(bucket, lo, hi, saved rank, saved bucket, saved lo)``: elements
+    ``[lo, hi)`` of this rank's chunk of ``bucket`` are elements
+    ``[saved lo, saved lo + hi - lo)`` of ``saved rank``'s chunk of ``saved
+    bucket``.  The world size, bucket sizes and order may differ; tensors are
+    matched by index.  Raises ValueError for a tensor the record lacks or whose
+    size differs.  Cost: O(tensors + copies), no data touched.
+    """
+    where = {}
+    for sb, rec in enumerate(saved):
+        for idx, off, n in rec["members"]:
+            where[int(idx)] = (sb, int(off), int(n))
+    for b, bucket in enumerate(buckets):
+        for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
+            lo, hi, plo, phi = layout.own_parts(b, off, n)
+            if lo >= hi:
+                continue
+            idx = int(index_of[i])
+            if idx not in where or where[idx][2] != n:
+                raise ValueError(f"the saved sharding has no tensor {idx} of {n} elements "
+                                 f"(it has {where.get(idx, (None, None, 'none'))[2]})")
+            sb, soff, _ = where[idx]
+            c = int(saved[sb]["chunk"])
+            pos, end = soff + plo, soff + phi       # (the tensor's elements, in the saved bucket's coordinates)
+            while pos < end:
+                rank, col = divmod(pos, c)
+                length = min(c - col, end - pos)
+                yield b, lo, lo + length, rank, sb, col
+                lo += length
+                pos += length

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from ..agreement import check_same
 from ..collectives.buckets import plan_buckets
-from ..optim.zero import Exchange, ShardLayout
+from ..optim.zero import SHARDS_FORMAT, Exchange, ShardLayout, layout_record, reshard_copies
 from .ops import host_call
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE"]
@@ -87,8 +87,8 @@ class _Shards:
 
     def __init__(self, outer, variables, base: type, comm, cap: int):
         self.variables = list(variables)
-        shapes = [(v.path, tuple(v.shape), str(v.dtype)) for v in self.variables]
-        check_same(comm, "the variables given to ShardedOptimizer (path, shape, dtype)", shapes,
+        shapes = [(tuple(v.shape), str(v.dtype)) for v in self.variables]     # (not names: Keras numbers them per process)
+        check_same(comm, "the variables given to ShardedOptimizer (shape, dtype)", shapes,
                    f"{len(shapes)} variables, first: {shapes[:3]}")
         self.buckets = plan_buckets([(int(np.prod(v.shape)), np.dtype(v.dtype).itemsize, str(v.dtype))
                                      for v in self.variables], cap)
@@ -159,6 +159,39 @@ class _Shards:
         padded[:len(chunk)] = chunk
         return self.comm.allgather(padded)[:self.layout.numels[b]]
 
+    def shard_state(self) -> tuple:
+        """``(common, own)``: the layout, slot names and step count, and this rank's chunks of every slot."""
+        names = [[] for _ in self.buckets]
+        own: dict = {f"b{b}": {} for b in range(len(self.buckets))}
+        for b, name, v in self.slots():
+            names[b].append(name)
+            own[f"b{b}"][name] = np.asarray(v.numpy())
+        common = {"format": SHARDS_FORMAT, "world": self.comm.size, "slots": names,
+                  "iterations": np.asarray(int(self.inner.iterations.numpy()), np.int64),
+                  "buckets": layout_record(self.layout, self.buckets, range(len(self.variables)))}
+        return common, own
+
+    def load_shards(self, outer, common: dict, read) -> None:
+        """Take this rank's chunks from a saved sharding of any size (``read(rank)``: a saved rank's ``own``)."""
+        chunks = {(b, name): np.zeros(int(np.prod(v.shape)), np.dtype(v.dtype)) for b, name, v in self.slots()}
+        cache: dict = {}
+        for b, lo, hi, rank, sb, slo in reshard_copies(common["buckets"], self.layout, self.buckets,
+                                                       range(len(self.variables))):
+            if rank not in cache:
+                cache[rank] = read(rank)
+            for name, src in cache[rank][f"b{sb}"].items():
+                if (b, name) in chunks:
+                    chunks[(b, name)][lo:hi] = np.asarray(src)[slo:slo + hi - lo]
+        for b, name, v in self.slots():
+            v.assign(chunks[(b, name)])
+        self._set_iterations(outer, common["iterations"])
+
+    def _set_iterations(self, outer, steps) -> None:
+        steps = int(np.asarray(steps))
+        self.inner.iterations.assign(steps)
+        outer.iterations.assign(steps)
+        self.consolidated = None
+
     def load(self, outer, state: dict) -> None:
         for b, name, v in self.slots():
             arrays = state["slots"][name]
@@ -167,10 +200,7 @@ class _Shards:
                 if lo < hi:
                     chunk[lo:hi] = np.asarray(arrays[i]).reshape(-1)[plo:phi]
             v.assign(chunk)
-        steps = int(np.asarray(state["iterations"]))
-        self.inner.iterations.assign(steps)
-        outer.iterations.assign(steps)
-        self.consolidated = None
+        self._set_iterations(outer, state["iterations"])
 
 
 class _ShardedMixin:
@@ -209,6 +239,14 @@ class _ShardedMixin:
     def load_state_dict(self, state: dict) -> None:
         """Load a whole state (from :meth:`state_dict`, any world size), keeping this rank's chunks."""
         self._zero().load(self, state)
+
+    def shard_state_dict(self) -> tuple:
+        """``(common, own)``: the state as a checkpoint writes it, each rank its own chunks (no gathering)."""
+        return self._zero().shard_state()
+
+    def load_shard_state_dict(self, common: dict, read) -> None:
+        """Load a state written by :meth:`shard_state_dict` at any world size (``read(rank)``: that rank's ``own``)."""
+        self._zero().load_shards(self, common, read)
 
     def shard_bytes(self) -> int:
         """Bytes of per-element optimizer state this rank holds."""

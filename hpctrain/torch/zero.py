@@ -45,8 +45,9 @@ from typing import Dict, List, Optional
 import torch
 
 from ..optim.zero import per_element
+from . import zero_state
 from .optimizer import keep_patched_step
-from .zero_sync import ZeroSync
+from .zero_sync import IN_FLIGHT, ZeroSync
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE"]
 
@@ -193,78 +194,25 @@ class _Shards:
                             v[lo:hi].copy_(moments[k]) if k in moments else v[lo:hi].zero_()
 
     def allgather(self) -> None:
-        """Every rank's chunks into every parameter (one allgather per bucket, all in flight together)."""
-        handles = [self.comm.allgather_async(p) for p in self.padded]
+        """Every rank's chunks into every parameter: one allgather per bucket, at most ``IN_FLIGHT`` at once (each
+        result, the bucket's size, is dropped once copied into the parameters)."""
+        handles: dict = {}
         with torch.no_grad():
-            for b, h in enumerate(handles):
-                flat = h.wait()
-                bucket = self.sync.buckets[b]
-                for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                    p = self.sync.params[i]
-                    p.copy_(flat[off:off + n].view_as(p))
-
-    # -- the whole state, in the wrapped optimizer's format ---------------------------------
-    def consolidate(self, outer, to: Optional[int]) -> None:
-        """Gather every chunk's state into a plain state dict of ``outer``'s parameters, kept on rank ``to``
-        (every rank for None).  Collective: one allgather per per-element state of each bucket."""
-        sync, layout = self.sync, self.layout
-        index = _indices(outer)
-        state: Dict[int, dict] = {}
-        for b, bucket in enumerate(sync.buckets):
-            chunk = self.chunks[b]
-            own = {} if self.inner is None else self.inner.state.get(chunk, {})
-            for key in sorted(own):
-                value = own[key]
-                if per_element(key, value, chunk.shape):
-                    padded = torch.zeros(layout.chunks[b], dtype=value.dtype, device=value.device)
-                    padded[:len(chunk)] = value
-                    flat = self.comm.allgather(padded)
+            for b in range(len(self.padded) + IN_FLIGHT):
+                if b < len(self.padded):
+                    handles[b] = self.comm.allgather_async(self.padded[b])
+                done = b - IN_FLIGHT
+                if done >= 0:
+                    flat = handles.pop(done).wait()
+                    bucket = self.sync.buckets[done]
                     for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                        p = sync.params[i]
-                        state.setdefault(index[id(p)], {})[key] = flat[off:off + n].reshape(p.shape).clone()
-                else:
-                    for i in bucket.members:
-                        v = value.clone() if torch.is_tensor(value) else value
-                        state.setdefault(index[id(sync.params[i])], {})[key] = v
-        keep = to is None or self.comm.rank == to
-        groups = torch.optim.Optimizer.state_dict(outer)["param_groups"]
-        self.consolidated = {"state": state, "param_groups": groups} if keep else None
-        self.consolidated_for = self.steps
-
-    def load(self, outer, state_dict: dict) -> None:
-        """Keep this rank's chunks of a plain state dict's per-element states, and its per-tensor ones."""
-        index = _indices(outer)
-        states = state_dict["state"]
-        for b, bucket in enumerate(self.sync.buckets):
-            chunk, mine = self.chunks[b], {}
-            for i, lo, hi, plo, phi in self.parts[b]:
-                p = self.sync.params[i]
-                for key, value in states.get(index[id(p)], {}).items():
-                    if per_element(key, value, p.shape):
-                        if key not in mine:
-                            mine[key] = torch.zeros(len(chunk), dtype=value.dtype, device=chunk.device)
-                        if lo < hi:
-                            mine[key][lo:hi] = value.reshape(-1)[plo:phi].to(chunk.device)
-                    elif key not in mine:
-                        mine[key] = value.clone() if torch.is_tensor(value) else value
-            if self.inner is not None:
-                self.inner.state.pop(chunk, None)
-                if mine:
-                    self.inner.state[chunk] = mine
-        self.consolidated = None
+                        p = self.sync.params[i]
+                        p.copy_(flat[off:off + n].view_as(p))
+                    del flat
 
 
 def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
-
-
-def _indices(optimizer) -> Dict[int, int]:
-    """Each parameter's index in a state dict of ``optimizer`` (torch numbers them over the groups in order)."""
-    out: Dict[int, int] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            out.setdefault(id(p), len(out))
-    return out
 
 
 class _ShardedMixin:
@@ -313,7 +261,7 @@ class _ShardedMixin:
 
     def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (every rank for None); collective."""
-        self._hpctrain_zero.consolidate(self, to)
+        zero_state.consolidate(self._hpctrain_zero, self, to)
 
     def state_dict(self) -> dict:
         """The whole state in the wrapped optimizer's format, after :meth:`consolidate_state_dict` on this rank."""
@@ -326,7 +274,16 @@ class _ShardedMixin:
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (this class's or a plain optimizer's of the same parameters), keeping this rank's chunks."""
         torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": state_dict["param_groups"]})
-        self._hpctrain_zero.load(self, state_dict)
+        zero_state.load(self._hpctrain_zero, self, state_dict)
+
+    def shard_state_dict(self) -> tuple:
+        """``(common, own)``: the state as a checkpoint writes it, each rank its own chunks (no gathering)."""
+        return zero_state.shard_state(self._hpctrain_zero, self)
+
+    def load_shard_state_dict(self, common: dict, read) -> None:
+        """Load a state written by :meth:`shard_state_dict` at any world size; ``read(rank)`` gives that rank's
+        ``own`` (the checkpoint manager reads it from the rank's shard file)."""
+        zero_state.load_shards(self._hpctrain_zero, self, common, read)
 
     def shard_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its chunks' state)."""
