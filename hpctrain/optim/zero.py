@@ -33,7 +33,8 @@ from typing import Iterator, List, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["ShardLayout", "Exchange", "per_element", "layout_record", "reshard_copies", "SHARDS_FORMAT"]
+__all__ = ["ShardLayout", "Exchange", "per_element", "layout_record", "reshard_copies", "refuse_compression",
+           "SHARDS_FORMAT"]
 
 SHARDS_FORMAT = "hpctrain-zero/1"     # (the mark of a sharded state in a checkpoint: see layout_record)
 
@@ -86,6 +87,14 @@ class ShardLayout:
         if lo >= hi:
             return 0, 0, 0, 0
         return lo - own_lo, hi - own_lo, lo - offset, hi - offset
+
+
+def refuse_compression(compression) -> None:
+    """Raise ValueError for any compressor: hpctrain's are defined for all-reduce (error feedback on the whole
+    gradient), not for a reduce-scatter's chunks."""
+    if compression is not None:
+        raise ValueError(f"ShardedOptimizer reduce-scatters the gradients; compression ({compression!r}) is "
+                         "defined for all-reduce only: use DistributedOptimizer(compression=...) or no compression")
 
 
 def per_element(key: str, value, shape: Sequence[int]) -> bool:

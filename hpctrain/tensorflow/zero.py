@@ -15,8 +15,9 @@ the torch adapter's sake).  The update must be element-wise (a chunk cuts
 across variables): SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, Nadam,
 Lion.  A variable without a gradient gets zeros (Adam and SGD leave it as it
 is; AdamW's weight decay still shrinks it), ``exclude_from_weight_decay`` does
-not see the model's variable names, and EMA and gradient accumulation are
-refused.  Cost per step: one reduce-scatter and one allgather per bucket
+not see the model's variable names, EMA is refused; with
+``gradient_accumulation_steps=k`` each rank adds up k micro-batches' gradients
+locally (whole-model buffers, as Keras does) before the reduce-scatter.  Cost per step: one reduce-scatter and one allgather per bucket
 (together the bytes of one all-reduce), one copy of ``1/N`` of the variables
 into the chunks.
 
@@ -36,7 +37,7 @@ import tensorflow as tf
 
 from ..agreement import check_same
 from ..collectives.buckets import plan_buckets
-from ..optim.zero import SHARDS_FORMAT, Exchange, ShardLayout, layout_record, reshard_copies
+from ..optim.zero import SHARDS_FORMAT, Exchange, ShardLayout, layout_record, refuse_compression, reshard_copies
 from .ops import host_call
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE"]
@@ -47,13 +48,15 @@ _CLASSES: dict = {}
 
 
 def ShardedOptimizer(optimizer: keras.optimizers.Optimizer, stage: int = 2, comm=None, bucket_mb: float = 25,
-                     elementwise: Optional[bool] = None) -> keras.optimizers.Optimizer:
+                     elementwise: Optional[bool] = None, compression=None) -> keras.optimizers.Optimizer:
     """Shard ``optimizer``'s state over the ranks of ``comm`` (ZeRO; module docstring).
 
     The optimizer object is returned with its class changed (as
     :func:`~hpctrain.tensorflow.keras.DistributedOptimizer`).  Wrap it before it
     is built (before ``compile``/``fit`` build it).  ``elementwise=True`` lets
-    an optimizer class outside :data:`ELEMENTWISE` through.
+    an optimizer class outside :data:`ELEMENTWISE` through; ``compression`` is refused (it is defined for
+    all-reduce only).  With ``gradient_accumulation_steps=k`` the micro-batches' gradients add up locally and
+    every k-th step reduce-scatters their mean.
     """
     from ..world import comm_or_world
 
@@ -72,8 +75,9 @@ def ShardedOptimizer(optimizer: keras.optimizers.Optimizer, stage: int = 2, comm
     if not (base.__name__ in ELEMENTWISE if elementwise is None else elementwise):
         raise ValueError(f"ShardedOptimizer updates chunks that cut across variables, so the update must be element "
                          f"by element; {base.__name__} is not one of {ELEMENTWISE}: pass elementwise=True if it is")
-    if optimizer.use_ema or optimizer.gradient_accumulation_steps:
-        raise ValueError("ShardedOptimizer does not take use_ema or gradient_accumulation_steps")
+    refuse_compression(compression)
+    if optimizer.use_ema:
+        raise ValueError("ShardedOptimizer does not take use_ema (the averages would be whole-model copies)")
     if base not in _CLASSES:
         _CLASSES[base] = type(f"Sharded{base.__name__}", (_ShardedMixin, base), {"__module__": __name__})
     optimizer.__class__ = _CLASSES[base]
@@ -101,6 +105,7 @@ class _Shards:
                                       name=f"hpctrain_zero_chunk_{b}") for b, bk in enumerate(self.buckets)]
         config = outer.get_config()
         config["name"] = f"{config.get('name') or 'optimizer'}_shards"
+        config["gradient_accumulation_steps"] = None        # (the outer optimizer accumulates, this one updates)
         self.inner = base.from_config(config)
         self.inner.build(self.chunks)
         self.consolidated = None
@@ -216,7 +221,24 @@ class _ShardedMixin:
             self._hpctrain_zero = _Shards(self, variables, base, comm, cap)
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        self._hpctrain_zero.apply(self, grads, trainable_variables)
+        k = self.gradient_accumulation_steps
+        if not k:
+            self._hpctrain_zero.apply(self, grads, trainable_variables)
+            return
+        sums = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
+
+        def update():           # (every rank takes the same branch: the step count is the same everywhere)
+            self._hpctrain_zero.apply(self, [(s + g) / k for s, g in zip(sums, grads)], trainable_variables)
+            for s in sums:
+                s.assign(tf.zeros_like(s))
+            return tf.constant(True)
+
+        def add():
+            for s, g in zip(sums, grads):
+                s.assign_add(g)
+            return tf.constant(False)
+
+        tf.cond((self._iterations + 1) % k == 0, update, add)
 
     def _zero(self) -> _Shards:
         if self._hpctrain_zero is None:

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..optim.zero import per_element
+from ..optim.zero import per_element, refuse_compression
 from . import zero_state
 from .optimizer import keep_patched_step
 from .zero_sync import IN_FLIGHT, ZeroSync
@@ -57,7 +57,8 @@ _CLASSES: Dict[type, type] = {}
 
 
 def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_parameters=None, bucket_mb: float = 25,
-                     backward_passes_per_step: int = 1, comm=None, elementwise: Optional[bool] = None):
+                     backward_passes_per_step: int = 1, comm=None, elementwise: Optional[bool] = None,
+                     compression=None):
     """Shard ``optimizer``'s state (stage 1) and gradients (stage 2) over the ranks of ``comm`` (ZeRO).
 
     The optimizer object itself is returned, its class changed (as
@@ -74,6 +75,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_par
             pipeline or tensor parallelism).
         elementwise: say the optimizer's update is element by element when its class is not one of
             torch's in :data:`ELEMENTWISE` (refused otherwise).
+        compression: refused (hpctrain's compressors are defined for all-reduce, not reduce-scatter).
     """
     from ..world import comm_or_world
 
@@ -84,6 +86,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_par
                          "wrap the plain torch optimizer once")
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (also gradients), got {stage!r}")
+    refuse_compression(compression)
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
     if bucket_mb <= 0:

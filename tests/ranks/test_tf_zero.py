@@ -64,6 +64,23 @@ def test_sharded_keras_training_equals_the_plain_optimizer_on_the_whole_batch(co
     assert sum(owned) == slots * 4 * 113
 
 
+def test_keras_gradient_accumulation_equals_the_plain_optimizers(comm):
+    """gradient_accumulation_steps=2: two micro-batches a step; the plain optimizer accumulates the same
+    micro-batches of every rank at once."""
+    n, r = comm.size, comm.rank
+    opt = hk.ShardedOptimizer(keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), bucket_mb=0.0001)
+    model, ref = make_model(opt), make_model(keras.optimizers.Adam(0.01, gradient_accumulation_steps=2))
+    for step in range(4):
+        x, y = data(step, n)
+        for half in (slice(0, B // 2), slice(B // 2, B)):
+            rows = np.concatenate([np.arange(k * B, (k + 1) * B)[half] for k in range(n)])
+            mine = np.arange(r * B, (r + 1) * B)[half]
+            model.train_on_batch(x[mine], y[mine])
+            ref.train_on_batch(x[rows], y[rows])
+    assert int(opt.iterations.numpy()) == 4
+    assert_close(model, ref)
+
+
 def test_a_keras_state_gathered_at_one_size_loads_at_a_smaller_one(comm):
     n, r = comm.size, comm.rank
     opt = hk.ShardedOptimizer(keras.optimizers.Adam(0.01), bucket_mb=0.0001)
@@ -117,6 +134,8 @@ def test_a_keras_checkpoint_holds_each_ranks_chunks_and_restores_at_a_smaller_si
 def test_what_keras_cannot_shard_is_refused(comm):
     with pytest.raises(ValueError, match="element by element.*Lamb"):
         hk.ShardedOptimizer(keras.optimizers.Lamb())
+    with pytest.raises(ValueError, match="compression.*all-reduce only"):
+        hk.ShardedOptimizer(keras.optimizers.Adam(), compression="fp16")
     with pytest.raises(ValueError, match="use_ema"):
         hk.ShardedOptimizer(keras.optimizers.Adam(use_ema=True))
     built = keras.optimizers.Adam()

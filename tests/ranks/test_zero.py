@@ -241,6 +241,8 @@ def test_what_cannot_be_sharded_is_refused(comm):
     model = Net()
     with pytest.raises(ValueError, match="element by element.*LBFGS"):
         ht.ShardedOptimizer(torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(ValueError, match="compression.*all-reduce only"):
+        ht.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression="fp16")
     with pytest.raises(ValueError, match="stage must be 1"):
         ht.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
     opt = ht.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
