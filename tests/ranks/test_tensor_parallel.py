@@ -46,7 +46,10 @@ def layouts(n):
     return [(1, n)] + ([(2, 2)] if n == 4 else [])
 
 
-def test_attention_and_mlp_blocks_train_like_one_process(comm):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_attention_and_mlp_blocks_train_like_one_process(comm, sharded):
+    """The tensor-parallel blocks inside data parallelism; ``sharded``: the optimizer state and gradients
+    sharded over the data-parallel group (ZeRO stage 2), the tensor-parallel ranks each holding their own."""
     for dp, tp in layouts(comm.size):
         layout = ParallelLayout(dp=dp, tp=tp, comm=comm)
         tpc = layout.tp_comm
@@ -57,7 +60,9 @@ def test_attention_and_mlp_blocks_train_like_one_process(comm):
         model = torch.nn.Sequential(ht.ParallelSelfAttention.from_linears(*shard[:4], heads=HEADS, tp_comm=tpc,
                                                                           causal=True),
                                     ht.ParallelMLP.from_linears(shard[4], shard[5], tpc))
-        opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), comm=layout.dp_comm)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+        opt = ht.ShardedOptimizer(sgd, stage=2, comm=layout.dp_comm) if sharded else \
+            ht.DistributedOptimizer(sgd, comm=layout.dp_comm)
         replica = layout.coords["dp"]
         for step in range(STEPS):
             x, y = data(step, replica)
