@@ -161,6 +161,35 @@ def test_fewer_survivors_than_min_np_end_the_job_naming_what_was_lost(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_sharded_part_lost_with_its_peer_copy_ends_the_job_naming_it(tmp_path):
+    """ZeRO state is committed as each rank's own chunks plus a copy on the next rank: ranks 2 and 3 dying
+    together lose rank 2's part and its copy (on rank 3), so every survivor ends with the same clear message."""
+    start = time.monotonic()
+    res, out = launch(4, tmp_path, ((2, 6), (3, 6)), example=("--zero", "2"))
+    assert res.returncode != 0 and not out.exists(), res.stdout[-3000:]
+    assert time.monotonic() - start < 60
+    said = re.findall(r"the committed part of old rank\(s\) \[2\] and its copy on the buddy rank are both lost",
+                      res.stdout)
+    assert len(said) == 2, res.stdout[-3000:]       # (both survivors say it)
+
+
+def test_peer_copies_go_to_another_node_and_a_damaged_one_is_refused():
+    from hpctrain.elastic import peer_copy
+
+    assert peer_copy.buddies([0, 0, 1, 1]) == [2, 2, 0, 0]
+    assert peer_copy.buddies([0, 1, 0, 1]) == [1, 2, 3, 0]
+    assert peer_copy.buddies([0, 0, 0]) == [1, 2, 0]
+    part = {"b0": {"exp_avg": np.arange(5, dtype=np.float32)}, "b1": {}}
+    raw, crc = peer_copy.pack(part)
+    back = peer_copy.unpack(raw, crc)
+    assert sorted(back) == ["b0", "b1"] and np.array_equal(back["b0"]["exp_avg"], part["b0"]["exp_avg"])
+    damaged = raw.copy()
+    damaged[len(damaged) // 2] ^= 1
+    with pytest.raises(ValueError, match="checksum"):
+        peer_copy.unpack(damaged, crc)
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_that_stalls_without_dying_ends_the_job_naming_it(tmp_path):
     """A rank stopped (SIGSTOP: alive, never answering) is not a failure ULFM reports: the stall watchdog ends the
     job within HPCTRAIN_STALL_TIMEOUT_S, naming the call and the rank it waits for (no hang, nothing half-done)."""

@@ -11,6 +11,7 @@ from typing import Callable, List, Optional
 from .. import settings
 from ..errors import WorldFailedError
 from .hosts import resets_done, resume
+from .peer_copy import PartLost
 from .reform import WorldTooSmallError, reform
 
 __all__ = ["run"]
@@ -104,6 +105,8 @@ def _recover(state, exc: WorldFailedError) -> None:
         except WorldFailedError as again:
             exc = again
             continue
+        except PartLost as lost:
+            _end(f"{lost} ({exc})")
         t2 = time.monotonic()
         first, last = formings[0], formings[-1]
         record = {"old_size": first.old_size, "new_size": last.new_size,

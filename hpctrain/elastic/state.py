@@ -8,7 +8,11 @@ commit is one commit behind the others, so the last two are kept), each
 restores it, and rank 0's copy is broadcast so that every rank continues
 from the same bits.  Cost of a commit: one copy of the state in memory
 (:class:`~hpctrain.torch.elastic_state.TorchState`: the model's and the
-optimizer's tensors), no communication.
+optimizer's tensors), no communication.  A value spread over the ranks (a
+:class:`~hpctrain.torch.ShardedOptimizer`) is committed as this rank's part
+plus a copy on a buddy rank of another node (one all-to-all of ``1/N`` of it),
+and rebuilt after a re-forming from the survivors' parts and copies
+(:mod:`hpctrain.elastic.peer_copy`).
 """
 from __future__ import annotations
 
@@ -115,8 +119,12 @@ class State:
                                 f"{dict(enumerate(kept))}")
         number = max(common)
         self.restore(number)
+        self._recover_spread(comm)
         self._sync(comm)
         return number
+
+    def _recover_spread(self, comm) -> None:
+        """Bring back the state spread over the old world's ranks (collective; nothing to do here)."""
 
     def register_reset_callbacks(self, callbacks: List[Callable[[], object]]) -> None:
         """Call each of ``callbacks`` (no arguments) after every re-forming, once the state is restored
@@ -154,21 +162,32 @@ class ObjectState(State):
         out = {}
         for name in self._names if names is None else names:
             value = getattr(self, name)
-            if getattr(value, "hpctrain_state_spans_ranks", False):    # (a ShardedOptimizer: collective)
-                value.consolidate_state_dict(to=None)
+            if _is_spread(value):           # (a ShardedOptimizer: its own chunks here, a copy on the buddy rank)
+                out[name] = _Spread.capture(value)
+                continue
             out[name] = copy.deepcopy(value.state_dict() if _has_state_dict(value) else value)
         return out
 
     def _apply(self, saved: Dict[str, Any]) -> None:
         for name, value in saved.items():
             current = getattr(self, name)
-            if _has_state_dict(current):
+            if isinstance(value, _Spread):
+                value.load_own(current)
+            elif _has_state_dict(current):
                 current.load_state_dict(copy.deepcopy(value))     # (loading may keep the tensors it is given)
             else:
                 setattr(self, name, copy.deepcopy(value))
 
     def _sync(self, comm) -> None:
         self._sync_values(comm, ())
+
+    def _recover_spread(self, comm) -> None:
+        """Give each spread value (committed as parts) the chunks of the new world from the old world's parts:
+        each old rank's own copy where it survived, else its buddy's (:func:`hpctrain.elastic.peer_copy.recover`)."""
+        saved = self._commits[-1][1]
+        for name, value in saved.items():
+            if isinstance(value, _Spread):
+                value.load_all(getattr(self, name), comm)
 
     def _sync_values(self, comm, skip: Sequence[str]) -> None:
         """Give every rank rank 0's values, but for the local ones and ``skip`` (one pickled broadcast)."""
@@ -186,6 +205,44 @@ class ObjectState(State):
     def _allgather_object(self, comm, value: Any) -> list:
         """Every rank's ``value``, in rank order (one pickled all-gather over ``comm``)."""
         return comm.allgather_object(value)
+
+
+def _is_spread(value: Any) -> bool:
+    return getattr(value, "hpctrain_state_spans_ranks", False) and callable(getattr(value, "shard_state_dict", None))
+
+
+class _Spread:
+    """The commit of a value spread over the ranks: the common part, this rank's part (bytes + CRC) and the parts
+    of the ranks whose buddy this rank is (:mod:`hpctrain.elastic.peer_copy`).  Sharded over the world."""
+
+    def __init__(self, common, own, wards, rank: int, size: int):
+        self.common, self.own, self.wards, self.rank, self.size = common, own, wards, rank, size
+
+    @classmethod
+    def capture(cls, value) -> "_Spread":
+        from ..world import world
+        from . import peer_copy
+
+        comm = world()
+        common, own = value.shard_state_dict()
+        raw, crc = peer_copy.pack(own)
+        return cls(copy.deepcopy(common), (raw, crc), peer_copy.exchange(comm, raw, crc), comm.rank, comm.size)
+
+    def load_own(self, value) -> None:
+        """Put this rank's part back (the same world as at the commit; after a re-forming :meth:`load_all`)."""
+        from ..world import world
+        from . import peer_copy
+
+        w = world()
+        if (w.rank, w.size) == (self.rank, self.size):
+            part = peer_copy.unpack(*self.own)
+            value.load_shard_state_dict(self.common, lambda r: part)
+
+    def load_all(self, value, comm) -> None:
+        from . import peer_copy
+
+        parts = peer_copy.recover(comm, self.rank, self.own, self.wards, self.size)
+        value.load_shard_state_dict(self.common, parts.__getitem__)
 
 
 def _has_state_dict(value: Any) -> bool:

@@ -36,6 +36,6 @@ class TorchState(ObjectState):
         model, optimizer = getattr(self, "model", None), getattr(self, "optimizer", None)
         if model is not None:
             broadcast_parameters(model.state_dict(), root=0, comm=comm)
-        if optimizer is not None:
-            broadcast_optimizer_state(optimizer, root=0, comm=comm)
+        if optimizer is not None and not getattr(optimizer, "hpctrain_state_spans_ranks", False):
+            broadcast_optimizer_state(optimizer, root=0, comm=comm)     # (a sharded one: each rank its own chunks)
         self._sync_values(comm, ("model", "optimizer"))

@@ -75,7 +75,8 @@ def load_shards(shards, outer, common: dict, read) -> None:
         if rank not in cache:
             cache[rank] = read(rank)
         for key, src in cache[rank][f"b{sb}"].items():
-            states[b][key][lo:hi] = src[slo:slo + hi - lo].to(states[b][key].device, states[b][key].dtype)
+            dst = states[b][key]
+            dst[lo:hi] = torch.as_tensor(src[slo:slo + hi - lo]).to(dst.device, dst.dtype)
     if shards.inner is not None:
         for chunk, st in zip(shards.chunks, states):
             shards.inner.state.pop(chunk, None)

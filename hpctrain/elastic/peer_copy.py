@@ -1,0 +1,124 @@
+"""Committed state that differs per rank, kept also on a peer of another node, and brought back after a failure.
+
+A state spread over the ranks (a :class:`~hpctrain.torch.ShardedOptimizer`:
+each rank holds its own chunks) is committed without gathering it: each rank
+keeps its part (:func:`pack`: a safetensors byte string with its CRC-32, no
+pickle) and sends a copy to its *buddy*, the next rank (cyclically) on
+another node, or the next rank on a one-node world (:func:`buddies`,
+:func:`exchange`: one all-to-all).  After a failure :func:`recover` gives
+every survivor every old rank's part: the rank's own copy where it
+survived, else its buddy's; a part whose copy fails its checksum counts as
+lost.  When both copies of a part are gone every rank raises the same
+:class:`PartLost`, naming the ranks.
+
+Cost of a commit: one copy of this rank's part and one all-to-all of its
+bytes (``1/N`` of the spread state per rank).  Memory: two parts per rank
+(its own and its wards').  Recovery: one allgather of the old ranks' parts
+(the whole spread state passes through every survivor once).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import HpctrainError
+
+__all__ = ["PartLost", "pack", "unpack", "buddies", "exchange", "recover"]
+
+
+class PartLost(HpctrainError):
+    """A rank's part of a committed state and its copy on the buddy rank both died with their ranks."""
+
+
+def pack(tree: Dict[str, Dict[str, object]]) -> Tuple[np.ndarray, int]:
+    """A part (``{group: {name: array or tensor}}``) as bytes and their CRC-32."""
+    from safetensors.numpy import save
+
+    flat = {f"{group}/{name}": _numpy(value) for group, values in tree.items() for name, value in values.items()}
+    flat["__groups__"] = np.frombuffer(",".join(sorted(tree)).encode() or b" ", dtype=np.uint8)
+    raw = np.frombuffer(save(flat), dtype=np.uint8)
+    return raw, zlib.crc32(raw)
+
+
+def unpack(raw: np.ndarray, crc: int) -> Dict[str, Dict[str, np.ndarray]]:
+    """The part :func:`pack` made; ValueError when the bytes do not match their CRC-32."""
+    from safetensors.numpy import load
+
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if zlib.crc32(raw) != crc:
+        raise ValueError("a committed part does not match its checksum")
+    flat = load(raw.tobytes())
+    groups = flat.pop("__groups__").tobytes().decode().strip()
+    tree: Dict[str, Dict[str, np.ndarray]] = {g: {} for g in groups.split(",") if g}
+    for key, value in flat.items():
+        group, name = key.split("/", 1)
+        tree.setdefault(group, {})[name] = value
+    return tree
+
+
+def _numpy(value) -> np.ndarray:
+    if hasattr(value, "detach"):        # (a torch tensor)
+        return value.detach().cpu().numpy().copy()
+    return np.array(value, copy=True)
+
+
+def buddies(nodes: Sequence[int]) -> List[int]:
+    """Each rank's buddy: the next rank (cyclically) whose node differs, or the next rank when all share one."""
+    n = len(nodes)
+    out = []
+    for r in range(n):
+        others = [(r + k) % n for k in range(1, n) if nodes[(r + k) % n] != nodes[r]]
+        out.append(others[0] if others else (r + 1) % n)
+    return out
+
+
+def exchange(comm, raw: np.ndarray, crc: int) -> Dict[int, Tuple[np.ndarray, int]]:
+    """Send this rank's part to its buddy; return the parts its wards sent, ``{rank: (bytes, crc)}``.
+
+    Collective (one small allgather of the nodes and sizes, one all-to-all).
+    """
+    if comm.size == 1:
+        return {}
+    nodes_sizes = comm.allgather_object((comm.topology.node_rank, int(raw.size), int(crc)))
+    buddy = buddies([node for node, _, _ in nodes_sizes])
+    splits = [raw.size if r == buddy[comm.rank] else 0 for r in range(comm.size)]
+    got = comm.alltoall(raw, splits=splits)
+    out, pos = {}, 0
+    for r, (_, size, crc_r) in enumerate(nodes_sizes):
+        if buddy[r] == comm.rank:
+            out[r] = (got[pos:pos + size].copy(), crc_r)
+            pos += size
+    return out
+
+
+def recover(comm, old_rank: int, own: Tuple[np.ndarray, int], wards: Dict[int, Tuple[np.ndarray, int]],
+            old_size: int) -> Dict[int, Dict[str, Dict[str, np.ndarray]]]:
+    """Every old rank's part, on every rank of the re-formed ``comm``: ``{old rank: part}``.
+
+    Each survivor offers its own part and those of its wards whose rank did
+    not survive (a part offered twice is taken once, its owner's first).
+    Collective.  Raises :class:`PartLost` on every rank when some old rank's
+    part has no intact copy left.
+    """
+    offers = comm.allgather_object((old_rank, sorted(wards)))
+    alive = {r for r, _ in offers}
+    mine = {old_rank: own}
+    mine.update({r: part for r, part in wards.items() if r not in alive})
+    gathered = comm.allgather_object({r: (raw.tobytes(), crc) for r, (raw, crc) in mine.items()})
+    parts: Dict[int, Dict[str, Dict[str, np.ndarray]]] = {}
+    for offer in gathered:
+        for r, (raw, crc) in offer.items():
+            if r in parts:
+                continue
+            try:
+                parts[r] = unpack(np.frombuffer(raw, dtype=np.uint8), crc)
+            except ValueError:
+                continue
+    lost = [r for r in range(old_size) if r not in parts]
+    if lost:
+        raise PartLost(f"hpctrain: the committed part of old rank(s) {lost} and its copy on the buddy rank are both "
+                       f"lost (or fail their checksum); the in-memory commit cannot be rebuilt: restart from the "
+                       f"newest disk checkpoint (CheckpointManager)")
+    return parts
