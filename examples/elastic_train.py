@@ -88,6 +88,16 @@ def main() -> None:
         if manager.restore(on_disk) is not None:
             state.epoch, state.step = on_disk["epoch"], on_disk["step"]
             state.save()
+
+        def from_disk():        # (a re-forming that cannot rebuild the in-memory commit goes back to the disk)
+            entries = {"model": model, "optimizer": opt, "sampler": state.sampler, "epoch": 0, "step": 0}
+            step = manager.restore(entries)
+            if step is None:
+                raise RuntimeError(f"no disk checkpoint in {args.checkpoint_dir} to go back to")
+            state.epoch, state.step = entries["epoch"], entries["step"]
+            return step
+
+        state.register_disk_fallback(from_disk)
     resumed_at = []         # the step each re-forming went back to
     state.register_reset_callbacks([lambda: resumed_at.append(state.step)])
 

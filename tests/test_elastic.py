@@ -163,7 +163,8 @@ def test_fewer_survivors_than_min_np_end_the_job_naming_what_was_lost(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_sharded_part_lost_with_its_peer_copy_ends_the_job_naming_it(tmp_path):
     """ZeRO state is committed as each rank's own chunks plus a copy on the next rank: ranks 2 and 3 dying
-    together lose rank 2's part and its copy (on rank 3), so every survivor ends with the same clear message."""
+    together lose rank 2's part and its copy (on rank 3); without a disk checkpoint to go back to (none is due
+    before step 8) every survivor ends with the same clear message."""
     start = time.monotonic()
     res, out = launch(4, tmp_path, ((2, 6), (3, 6)), example=("--zero", "2"))
     assert res.returncode != 0 and not out.exists(), res.stdout[-3000:]
@@ -171,6 +172,26 @@ def test_a_sharded_part_lost_with_its_peer_copy_ends_the_job_naming_it(tmp_path)
     said = re.findall(r"the committed part of old rank\(s\) \[2\] and its copy on the buddy rank are both lost",
                       res.stdout)
     assert len(said) == 2, res.stdout[-3000:]       # (both survivors say it)
+    assert res.stdout.count("the disk fallback failed too: RuntimeError: no disk checkpoint in") == 2
+    assert "Traceback" not in res.stdout, res.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_part_and_its_copy_fall_back_to_the_disk_checkpoint_bit_identical(tmp_path):
+    """The same double kill with disk checkpoints every 8 steps (the example registers the disk fallback):
+    killed at step 10, the survivors go back to the disk checkpoint of step 8 at 2 ranks and finish as the
+    reference that went from 4 to 2 ranks at step 8."""
+    from safetensors.numpy import load_file
+
+    res, out = launch(4, tmp_path, ((2, 10), (3, 10)), example=("--zero", "2"))
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "went back to the disk checkpoint of step 8 (a part of the commit was lost)" in res.stdout, res.stdout[-3000:]
+    summary = json.loads(out.with_name(out.name + ".json").read_text())
+    want, steps = reference(4, [(8, 2)])
+    assert summary["steps"] == steps and summary["size"] == 2 and summary["resumed_at"] == [8], summary
+    got = load_file(str(out))
+    for name in want:
+        assert np.array_equal(got[name], want[name]), (name, np.abs(got[name] - want[name]).max())
 
 
 def test_peer_copies_go_to_another_node_and_a_damaged_one_is_refused():

@@ -101,12 +101,23 @@ def _recover(state, exc: WorldFailedError) -> None:
         t1 = time.monotonic()
         try:
             number = state.recover(world)
+            what = f"commit {number}"
             state.on_reset()
         except WorldFailedError as again:
             exc = again
             continue
-        except PartLost as lost:
-            _end(f"{lost} ({exc})")
+        except PartLost as gone:        # (a rank's part of the commit and its copy died: the disk, if it can)
+            if getattr(state, "_from_disk", None) is None:
+                _end(f"{gone} ({exc})")
+            try:
+                step = state.from_disk()
+                number, what = f"disk:{step}", f"the disk checkpoint of step {step} (a part of the commit was lost)"
+                state.on_reset()
+            except WorldFailedError as again:
+                exc = again
+                continue
+            except Exception as failed:        # noqa: BLE001 - every survivor ends with the same message
+                _end(f"{gone}; the disk fallback failed too: {type(failed).__name__}: {failed}")
         t2 = time.monotonic()
         first, last = formings[0], formings[-1]
         record = {"old_size": first.old_size, "new_size": last.new_size,
@@ -119,7 +130,7 @@ def _recover(state, exc: WorldFailedError) -> None:
             lost = "; then ".join(f"{f.lost_text} failed" + (" during the recovery" if i else "")
                                   for i, f in enumerate(formings))
             sys.stderr.write(f"hpctrain: {lost}; the world re-formed from {first.old_size} to {last.new_size} "
-                             f"ranks in {t1 - failed_at:.3f} s and went back to commit {number} in "
+                             f"ranks in {t1 - failed_at:.3f} s and went back to {what} in "
                              f"{t2 - t1:.3f} s\n")
             sys.stderr.flush()
         return

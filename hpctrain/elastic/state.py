@@ -40,6 +40,7 @@ class State:
         self._number = 0                                        # commits so far (the number of the newest)
         self.commit_s = 0.0                                     # time of the last commit
         self._reset_callbacks: List[Callable[[], object]] = []
+        self._from_disk: Optional[Callable[[], object]] = None
 
     # -- for subclasses -------------------------------------------------------
     def _capture(self) -> Any:
@@ -125,6 +126,25 @@ class State:
 
     def _recover_spread(self, comm) -> None:
         """Bring back the state spread over the old world's ranks (collective; nothing to do here)."""
+
+    def register_disk_fallback(self, load: Callable[[], object]) -> None:
+        """Call ``load()`` on every rank of the re-formed world when the in-memory commit cannot be rebuilt (a
+        rank's part and its peer copy both lost): it loads the newest disk checkpoint into the live objects and
+        this state's values (``CheckpointManager.restore``, collective), and returns its step; the state is then
+        committed anew and training goes on from there.  Without one such a loss ends the job."""
+        self._from_disk = load
+
+    def from_disk(self) -> object:
+        """Run the disk fallback (:meth:`register_disk_fallback`) and commit what it loaded; return its result.
+
+        Raises the :class:`~hpctrain.elastic.peer_copy.PartLost` it was called for when none is registered."""
+        from .peer_copy import PartLost
+
+        if self._from_disk is None:
+            raise PartLost("no disk fallback is registered (state.register_disk_fallback)")
+        loaded = self._from_disk()
+        self.save()
+        return loaded
 
     def register_reset_callbacks(self, callbacks: List[Callable[[], object]]) -> None:
         """Call each of ``callbacks`` (no arguments) after every re-forming, once the state is restored
