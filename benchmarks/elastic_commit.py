@@ -7,7 +7,8 @@ parameter, the larger state to copy) under ``hpctrain launch --elastic``, holdin
 window, so a shared machine's slow moments hit all alike); the figure per interval is the median over
 windows of (window time / the no-commit window's time of the same round) - 1: the share of step time that
 committing costs.  ``commit`` is the median time of one ``state.commit()`` (deep copies of the model's
-and the optimizer's state dicts and the RNG states into host memory: no communication).
+and the optimizer's state dicts and the RNG states into host memory: no communication; with
+``--optimizers zero2`` a ShardedOptimizer's chunks are packed and copied to the buddy rank: one all-to-all).
 
     python benchmarks/elastic_commit.py --ranks 2 4 --out results/elastic_commit
 
@@ -30,7 +31,7 @@ from scaling import MODELS, build  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-def worker(models, intervals, steps: int, windows: int) -> None:
+def worker(models, intervals, steps: int, windows: int, zero: bool = False) -> None:
     """Time windows of each interval for each model on this launch's ranks; rank 0 prints RESULT {...}."""
     import torch
     import torch.nn.functional as F
@@ -44,8 +45,9 @@ def worker(models, intervals, steps: int, windows: int) -> None:
     for name in models:
         torch.manual_seed(0)
         model, shape, classes = build(name)
-        opt = ht.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4),
-                                      named_parameters=model.named_parameters())
+        adam = torch.optim.Adam(model.parameters(), lr=1e-4)
+        opt = ht.ShardedOptimizer(adam, stage=2, named_parameters=model.named_parameters()) if zero else \
+            ht.DistributedOptimizer(adam, named_parameters=model.named_parameters())
         batch = MODELS[name]
         x, y = torch.randn(batch, *shape), torch.randint(0, classes, (batch,))
         state = ht.TorchState(model, opt, step=0)
@@ -87,41 +89,46 @@ def main() -> None:
                    help="commit every k steps (0: never, the baseline; it must be first)")
     p.add_argument("--steps", type=int, default=10, help="steps a window")
     p.add_argument("--windows", type=int, default=6, help="windows per interval")
+    p.add_argument("--optimizers", nargs="+", default=["replicated"], choices=["replicated", "zero2"],
+                   help="zero2: a ShardedOptimizer, committed as each rank's chunks plus a copy on its buddy rank")
     p.add_argument("--out", type=Path, default=REPO / "results" / "elastic_commit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.intervals[0] != 0:
         p.error("--intervals must start with 0 (no commit: the baseline)")
     if args.worker:
-        worker(args.models, args.intervals, args.steps, args.windows)
+        worker(args.models, args.intervals, args.steps, args.windows, args.zero)
         return
     rows = []
-    for n in args.ranks:
+    for n, optimizer in [(n, o) for n in args.ranks for o in args.optimizers]:
         argv = [__file__, "--worker", "--models", *args.models, "--intervals", *map(str, args.intervals),
-                "--steps", str(args.steps), "--windows", str(args.windows)]
+                "--steps", str(args.steps), "--windows", str(args.windows)] + (["--zero"] if optimizer == "zero2" else [])
         got = launch_worker(n, argv, elastic=True)
         for name, r in got.items():
             base = r["times"]["0"]
             per_step = statistics.median(base) / args.steps
             for every in args.intervals[1:]:
                 cost = statistics.median(t / b - 1 for t, b in zip(r["times"][str(every)], base))
-                rows.append({"ranks": n, "model": name, "params": r["params"], "every": every,
+                rows.append({"ranks": n, "model": name, "optimizer": optimizer, "params": r["params"], "every": every,
                              "step_s": per_step, "commit_s": r["commit_s"], "cost": cost})
     data = {"rows": rows, "cores": CORES, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                    for k, v in vars(args).items()}}
     lines = [f"Elastic commit cost: step time with state.commit() every k steps against no commit, Adam, medians of "
              f"{args.windows} alternating windows of {args.steps} steps ({CORES}-core machine).\n",
-             "| ranks | model | parameters | commit every | step (no commit) | one commit | cost (share of step time) |",
-             "|---|---|---|---|---|---|---|"]
+             "| ranks | model | optimizer | parameters | commit every | step (no commit) | one commit | "
+             "cost (share of step time) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['ranks']}{oversubscribed(r['ranks'])} | {r['model']} | {r['params'] / 1e6:.1f} M | "
+        lines.append(f"| {r['ranks']}{oversubscribed(r['ranks'])} | {r['model']} | {r['optimizer']} | "
+                     f"{r['params'] / 1e6:.1f} M | "
                      f"{r['every']} | {r['step_s'] * 1e3:.0f} ms | {r['commit_s'] * 1e3:.1f} ms | "
                      f"{r['cost'] * 100:+.1f}% |")
     table = "\n".join(lines)
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        labels = [f"{r['model']}, {r['ranks']} ranks, every {r['every']}" for r in rows]
+        labels = [f"{r['model']} ({r['optimizer']}), {r['ranks']} ranks, every {r['every']}" for r in rows]
         ax.barh(range(len(rows)), [r["cost"] * 100 for r in rows])
         ax.axvline(5, color="grey", linestyle="--", label="5% of step time")
         ax.set_yticks(range(len(rows)), labels, fontsize=8)
