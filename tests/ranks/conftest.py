@@ -1,5 +1,7 @@
 """Fixtures for tests that run on every rank of a launch."""
 import os
+import shutil
+import tempfile
 
 import numpy as np
 
@@ -16,6 +18,16 @@ def comm():
     assert expected is None or c.backend == expected, f"backend {c.backend}, expected {expected}"
     yield c
     c.barrier()
+
+
+@pytest.fixture
+def ckdir(comm):
+    """A fresh directory shared by all ranks (rank 0 creates and removes it)."""
+    path = comm.broadcast_object(tempfile.mkdtemp(prefix="hpctrain-ckpt-") if comm.rank == 0 else None)
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ import copy
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 
 import numpy as np
@@ -18,16 +16,6 @@ from safetensors.numpy import load_file
 
 from hpctrain.checkpoint import CheckpointError, CheckpointManager, RNGState, Sharded
 from hpctrain.data import DistributedSampler
-
-
-@pytest.fixture
-def ckdir(comm):
-    """A fresh directory shared by all ranks (rank 0 creates and removes it)."""
-    path = comm.broadcast_object(tempfile.mkdtemp(prefix="hpctrain-ckpt-") if comm.rank == 0 else None)
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _trained(seed=0, steps=3):

@@ -5,9 +5,6 @@ the average of the ranks' gradients equals the whole batch's), so it shares no c
 parameters (a prime: no world size divides it) in tiny buckets, so chunks cut across variables.  float32 sums
 in another order: 1e-5 relative, as the unsharded Keras tests.
 """
-import shutil
-import tempfile
-
 import keras
 import numpy as np
 import pytest
@@ -104,31 +101,25 @@ def test_a_keras_state_gathered_at_one_size_loads_at_a_smaller_one(comm):
     assert_close(smaller, ref)
 
 
-def test_a_keras_checkpoint_holds_each_ranks_chunks_and_restores_at_a_smaller_size(comm):
+def test_a_keras_checkpoint_holds_each_ranks_chunks_and_restores_at_a_smaller_size(comm, ckdir):
     from hpctrain.checkpoint import CheckpointManager
 
     n, r = comm.size, comm.rank
-    path = comm.broadcast_object(tempfile.mkdtemp(prefix="hpctrain-tfzero-") if r == 0 else None)
-    try:
-        opt = hk.ShardedOptimizer(keras.optimizers.Adam(0.01), bucket_mb=0.0001)
-        model, ref = make_model(opt), make_model(keras.optimizers.Adam(0.01))
-        train(model, ref, n, r, range(3))
-        with CheckpointManager(path, comm=comm) as manager:
-            manager.save(3, {"model": model, "optimizer": opt})
-        m = max(1, n - 1)
-        sub = comm.split(0 if r < m else None)
-        if sub is not None:
-            opt2 = hk.ShardedOptimizer(keras.optimizers.Adam(0.01), comm=sub, bucket_mb=0.0002)
-            fresh = make_model(opt2)
-            opt2.build(fresh.trainable_variables)
-            assert CheckpointManager(path, comm=sub).restore({"model": fresh, "optimizer": opt2}) == 3
-            assert int(opt2.iterations.numpy()) == 3
-            train(fresh, ref, m, r, range(3, 6))
-            assert_close(fresh, ref)
-        comm.barrier()
-    finally:
-        if r == 0:
-            shutil.rmtree(path, ignore_errors=True)
+    opt = hk.ShardedOptimizer(keras.optimizers.Adam(0.01), bucket_mb=0.0001)
+    model, ref = make_model(opt), make_model(keras.optimizers.Adam(0.01))
+    train(model, ref, n, r, range(3))
+    with CheckpointManager(ckdir, comm=comm) as manager:
+        manager.save(3, {"model": model, "optimizer": opt})
+    m = max(1, n - 1)
+    sub = comm.split(0 if r < m else None)
+    if sub is not None:
+        opt2 = hk.ShardedOptimizer(keras.optimizers.Adam(0.01), comm=sub, bucket_mb=0.0002)
+        fresh = make_model(opt2)
+        opt2.build(fresh.trainable_variables)
+        assert CheckpointManager(ckdir, comm=sub).restore({"model": fresh, "optimizer": opt2}) == 3
+        assert int(opt2.iterations.numpy()) == 3
+        train(fresh, ref, m, r, range(3, 6))
+        assert_close(fresh, ref)
 
 
 def test_what_keras_cannot_shard_is_refused(comm):
