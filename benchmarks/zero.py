@@ -4,7 +4,8 @@ Same run, same model (``--layers`` x Linear(``--width``, ``--width``): 24 x 2048
 ``--ranks`` ranks, each peer in its own mpirun launch, peers alternating over ``--repeats`` rounds:
 
 * ``unsharded``  ``hpctrain.torch.DistributedOptimizer`` (every rank holds all of Adam's moments);
-* ``zero1``, ``zero2``  ``hpctrain.torch.ShardedOptimizer(stage=1 | 2)``;
+* ``zero1``, ``zero2``  ``hpctrain.torch.ShardedOptimizer(stage=1 | 2)``; ``zero2-overlap`` with
+  ``overlap_allgather=True`` (each layer waits for its parameters' allgather just before its forward);
 * ``torch-zero``  DDP (gloo) with torch's ``ZeroRedundancyOptimizer`` (Adam), the peer's way of sharding.
 
 Per peer (medians over the rounds): the step time (median of the timed steps of a launch), the optimizer-state
@@ -30,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import CORES, launch_worker, oversubscribed, write_results  # noqa: E402
 
-PEERS = ("unsharded", "zero1", "zero2", "torch-zero")
+PEERS = ("unsharded", "zero1", "zero2", "zero2-overlap", "torch-zero")
 BATCH = 8
 
 
@@ -71,7 +72,8 @@ def worker(args) -> None:
         if args.worker == "unsharded":
             opt = ht.DistributedOptimizer(adam, named_parameters=model.named_parameters())
         else:
-            opt = ht.ShardedOptimizer(adam, stage=int(args.worker[-1]), named_parameters=model.named_parameters())
+            opt = ht.ShardedOptimizer(adam, stage=int(args.worker[4]), named_parameters=model.named_parameters(),
+                                      overlap_allgather=args.worker.endswith("-overlap"))
         gather = comm.allgather_object
 
         def state_bytes():
@@ -141,7 +143,7 @@ def _table(summary, args) -> str:
         base, peer = by.get("unsharded"), by.get("torch-zero")
         for name, s in by.items():
             p = s["params"]
-            formula = {"zero1": 8 * p * (1 - 1 / n), "zero2": 12 * p * (1 - 1 / n)}.get(name)
+            formula = {"zero1": 8 * p * (1 - 1 / n), "zero2": 12 * p * (1 - 1 / n)}.get(name)   # (overlap: more in flight)
             cells = [str(n) + oversubscribed(n), name, f"{s['step_s']:.3f}",
                      f"{s['step_s'] / base['step_s']:.2f}" if base else "-",
                      f"{s['step_s'] / peer['step_s']:.2f}" if peer else "-",

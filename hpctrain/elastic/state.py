@@ -180,6 +180,10 @@ class ObjectState(State):
 
     def _capture(self, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         out = {}
+        for name in self._names:        # (a ShardedOptimizer's allgathers in flight finish before anything is read)
+            wait = getattr(getattr(self, name), "wait_parameters", None)
+            if callable(wait):
+                wait()
         for name in self._names if names is None else names:
             value = getattr(self, name)
             if _is_spread(value):           # (a ShardedOptimizer: its own chunks here, a copy on the buddy rank)

@@ -246,6 +246,9 @@ class _ShardedMixin:
                                "at model.fit / optimizer.build(model.trainable_variables))")
         return self._hpctrain_zero
 
+    def wait_parameters(self) -> None:
+        """Nothing to wait for: the Keras step gathers the variables before it returns (the torch adapter's API)."""
+
     def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (every rank for None); collective, eager."""
         self._zero().consolidate(self, to)

@@ -58,7 +58,7 @@ _CLASSES: Dict[type, type] = {}
 
 def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_parameters=None, bucket_mb: float = 25,
                      backward_passes_per_step: int = 1, comm=None, elementwise: Optional[bool] = None,
-                     compression=None):
+                     compression=None, overlap_allgather: bool = False):
     """Shard ``optimizer``'s state (stage 1) and gradients (stage 2) over the ranks of ``comm`` (ZeRO).
 
     The optimizer object itself is returned, its class changed (as
@@ -76,6 +76,11 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_par
         elementwise: say the optimizer's update is element by element when its class is not one of
             torch's in :data:`ELEMENTWISE` (refused otherwise).
         compression: refused (hpctrain's compressors are defined for all-reduce, not reduce-scatter).
+        overlap_allgather: ``step()`` only starts the allgathers (first layers' bucket first); each module
+            waits for its parameters' bucket just before its next forward (a forward pre-hook), so the
+            allgather overlaps that forward pass.  Costs up to one more copy of the parameters in flight;
+            parameters read outside their module's forward (``model.state_dict()``, tied weights used by
+            another module) need ``optimizer.wait_parameters()`` first.  Off by default.
     """
     from ..world import comm_or_world
 
@@ -104,7 +109,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_par
     sync = ZeroSync(optimizer, named_parameters, comm_or_world(comm), backward_passes_per_step,
                     int(bucket_mb * 2 ** 20), stage)
     optimizer.__class__ = cls
-    optimizer._hpctrain_zero = _Shards(optimizer, base, sync)
+    optimizer._hpctrain_zero = _Shards(optimizer, base, sync, overlap_allgather)
     keep_patched_step(optimizer)
     if comm is None:
         from ..world import on_reform_of
@@ -120,17 +125,22 @@ def _reshard_on(optimizer, world, base: type, passes: int, cap_bytes: int) -> No
     The state comes back from the elastic commit being restored (a whole
     state: ``load_state_dict`` keeps the new chunks of it).
     """
-    old = optimizer._hpctrain_zero.sync
+    shards = optimizer._hpctrain_zero
+    old = shards.sync
     old.remove_hooks()
+    shards.drop_pending()           # (the old world's allgathers: the commit being restored has the values)
     sync = ZeroSync(optimizer, list(zip(old.names, old.params)), world, passes, cap_bytes, old.stage)
-    optimizer._hpctrain_zero = _Shards(optimizer, base, sync)
+    optimizer._hpctrain_zero = _Shards(optimizer, base, sync, shards.overlap)
 
 
 class _Shards:
     """This rank's chunks: flat tensors (padded to the chunk size), the inner optimizer over them, the allgather."""
 
-    def __init__(self, outer: torch.optim.Optimizer, base: type, sync: ZeroSync):
-        self.sync, self.layout, self.comm = sync, sync.layout, sync.comm
+    def __init__(self, outer: torch.optim.Optimizer, base: type, sync: ZeroSync, overlap: bool = False):
+        self.sync, self.layout, self.comm, self.overlap = sync, sync.layout, sync.comm, bool(overlap)
+        self.pending: Dict[int, object] = {}       # bucket -> its allgather in flight (overlap_allgather)
+        self.bucket_of = {id(sync.params[i]): b for b, bk in enumerate(sync.buckets) for i in bk.members}
+        self._hook = None
         self.padded: List[torch.Tensor] = []
         self.chunks: List[torch.Tensor] = []
         for b, bucket in enumerate(sync.buckets):
@@ -160,6 +170,7 @@ class _Shards:
     def step(self, outer_groups) -> None:
         """Step the chunks on their reduced gradients, then all-gather them into the parameters."""
         sync = self.sync
+        self.wait_parameters()
         self.load_chunks()
         if self.inner is not None:
             for inner_group, g in zip(self.inner.param_groups, self.group_of_inner):
@@ -198,7 +209,15 @@ class _Shards:
 
     def allgather(self) -> None:
         """Every rank's chunks into every parameter: one allgather per bucket, at most ``IN_FLIGHT`` at once (each
-        result, the bucket's size, is dropped once copied into the parameters)."""
+        result, the bucket's size, is dropped once copied into the parameters).  With ``overlap`` only started
+        (the last bucket first: the first layers' parameters), finished by :meth:`wait_parameters` or module by
+        module just before their forward."""
+        if self.overlap:
+            for b in reversed(range(len(self.padded))):
+                self.pending[b] = self.comm.allgather_async(self.padded[b])
+            if self._hook is None and self.pending:
+                self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+            return
         handles: dict = {}
         with torch.no_grad():
             for b in range(len(self.padded) + IN_FLIGHT):
@@ -212,6 +231,39 @@ class _Shards:
                         p = self.sync.params[i]
                         p.copy_(flat[off:off + n].view_as(p))
                     del flat
+
+    def _unpack(self, b: int, flat) -> None:
+        bucket = self.sync.buckets[b]
+        with torch.no_grad():
+            for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                p = self.sync.params[i]
+                p.copy_(flat[off:off + n].view_as(p))
+
+    def _before_forward(self, module, args) -> None:
+        """The forward pre-hook of overlap_allgather: finish the buckets of ``module``'s own parameters."""
+        for p in module.parameters(recurse=False):
+            b = self.bucket_of.get(id(p))
+            if b in self.pending:
+                self._unpack(b, self.pending.pop(b).wait())
+        if not self.pending:
+            self._release_hook()
+
+    def wait_parameters(self) -> None:
+        """Finish every allgather still in flight, so that every parameter holds this step's values."""
+        while self.pending:
+            b = next(iter(self.pending))
+            self._unpack(b, self.pending.pop(b).wait())
+        self._release_hook()
+
+    def drop_pending(self) -> None:
+        """Forget the allgathers in flight (their world failed) and the hook."""
+        self.pending.clear()
+        self._release_hook()
+
+    def _release_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 def _hyper(group: dict) -> dict:
@@ -262,6 +314,11 @@ class _ShardedMixin:
         finally:
             self._hpctrain_zero.sync.no_sync = False
 
+    def wait_parameters(self) -> None:
+        """With ``overlap_allgather``: finish the parameters' allgathers now (before reading the parameters
+        outside a forward pass); otherwise nothing to do."""
+        self._hpctrain_zero.wait_parameters()
+
     def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (every rank for None); collective."""
         zero_state.consolidate(self._hpctrain_zero, self, to)
@@ -303,6 +360,7 @@ class _ShardedMixin:
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the optimizer then no longer communicates)."""
+        self._hpctrain_zero.wait_parameters()
         self._hpctrain_zero.sync.remove_hooks()
 
 

@@ -17,6 +17,7 @@ __all__ = ["consolidate", "load", "shard_state", "load_shards"]
 def consolidate(shards, outer, to: Optional[int]) -> None:
     """Gather every chunk's state into a plain state dict of ``outer``'s parameters, kept on rank ``to``
     (every rank for None).  Collective: one allgather per per-element state of each bucket."""
+    shards.wait_parameters()
     sync, layout = shards.sync, shards.layout
     index = _indices(outer)
     state: Dict[int, dict] = {}
@@ -44,6 +45,7 @@ def consolidate(shards, outer, to: Optional[int]) -> None:
 def shard_state(shards, outer) -> tuple:
     """``(common, own)``: what every rank has alike (the layout, per-tensor states, param groups) and this
     rank's chunks of the per-element states (a checkpoint's shard file)."""
+    shards.wait_parameters()
     index = _indices(outer)
     keys, scalars, own = [], [], {}
     for b, chunk in enumerate(shards.chunks):
@@ -59,6 +61,7 @@ def shard_state(shards, outer) -> tuple:
 
 def load_shards(shards, outer, common: dict, read) -> None:
     """Take this rank's chunks from a saved sharding of any size: ``read(rank)`` gives a saved rank's ``own``."""
+    shards.wait_parameters()
     torch.optim.Optimizer.load_state_dict(outer, {"state": {}, "param_groups": common["param_groups"]})
     index = _indices(outer)
     index_of = [index[id(p)] for p in shards.sync.params]
@@ -86,6 +89,7 @@ def load_shards(shards, outer, common: dict, read) -> None:
 
 def load(shards, outer, state_dict: dict) -> None:
     """Keep this rank's chunks of a plain state dict's per-element states, and its per-tensor ones."""
+    shards.wait_parameters()
     index = _indices(outer)
     states = state_dict["state"]
     for b, bucket in enumerate(shards.sync.buckets):
