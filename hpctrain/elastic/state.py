@@ -119,7 +119,11 @@ class State:
             raise HpctrainError(f"the ranks kept no common commit to go back to (rank: commits kept): "
                                 f"{dict(enumerate(kept))}")
         number = max(common)
-        self.restore(number)
+        self._recovering = True         # (spread values come back in _recover_spread, from every rank's parts)
+        try:
+            self.restore(number)
+        finally:
+            self._recovering = False
         self._recover_spread(comm)
         self._sync(comm)
         return number
@@ -196,7 +200,7 @@ class ObjectState(State):
         for name, value in saved.items():
             current = getattr(self, name)
             if isinstance(value, _Spread):
-                value.load_own(current)
+                value.load_own(current, strict=not getattr(self, "_recovering", False))
             elif _has_state_dict(current):
                 current.load_state_dict(copy.deepcopy(value))     # (loading may keep the tensors it is given)
             else:
@@ -209,9 +213,11 @@ class ObjectState(State):
         """Give each spread value (committed as parts) the chunks of the new world from the old world's parts:
         each old rank's own copy where it survived, else its buddy's (:func:`hpctrain.elastic.peer_copy.recover`)."""
         saved = self._commits[-1][1]
-        for name, value in saved.items():
-            if isinstance(value, _Spread):
-                value.load_all(getattr(self, name), comm)
+        spread = [(name, value) for name, value in saved.items() if isinstance(value, _Spread)]
+        for name, value in spread:
+            value.load_all(getattr(self, name), comm)
+        if spread:      # (commit at once in the new world: its parts, and their copies, are of the new sharding)
+            self.save()
 
     def _sync_values(self, comm, skip: Sequence[str]) -> None:
         """Give every rank rank 0's values, but for the local ones and ``skip`` (one pickled broadcast)."""
@@ -248,12 +254,16 @@ class _Spread:
         from . import peer_copy
 
         comm = world()
+        if getattr(value, "shard_comm", comm) is not comm:
+            raise HpctrainError("an elastic state commits a ShardedOptimizer as parts of the world's ranks: shard "
+                                "it over the world (comm=None), not over a group")
         common, own = value.shard_state_dict()
         raw, crc = peer_copy.pack(own)
         return cls(copy.deepcopy(common), (raw, crc), peer_copy.exchange(comm, raw, crc), comm.rank, comm.size)
 
-    def load_own(self, value) -> None:
-        """Put this rank's part back (the same world as at the commit; after a re-forming :meth:`load_all`)."""
+    def load_own(self, value, strict: bool = True) -> None:
+        """Put this rank's part back (the world of the commit); in another world only a recovery can
+        (:meth:`load_all`): HpctrainError when ``strict``, else left to it."""
         from ..world import world
         from . import peer_copy
 
@@ -261,6 +271,10 @@ class _Spread:
         if (w.rank, w.size) == (self.rank, self.size):
             part = peer_copy.unpack(*self.own)
             value.load_shard_state_dict(self.common, lambda r: part)
+        elif strict:
+            raise HpctrainError(f"this commit holds rank {self.rank}'s part of a state sharded over {self.size} "
+                                f"ranks; this is rank {w.rank} of {w.size}: only a recovery (hpctrain.elastic.run) "
+                                "can bring it back here")
 
     def load_all(self, value, comm) -> None:
         from . import peer_copy

@@ -246,6 +246,11 @@ class _ShardedMixin:
                                "at model.fit / optimizer.build(model.trainable_variables))")
         return self._hpctrain_zero
 
+    @property
+    def shard_comm(self):
+        """The communicator whose ranks hold the chunks."""
+        return self._hpctrain_zero.comm if self._hpctrain_zero is not None else self._hpctrain_zero_setup[1]
+
     def wait_parameters(self) -> None:
         """Nothing to wait for: the Keras step gathers the variables before it returns (the torch adapter's API)."""
 

@@ -314,6 +314,11 @@ class _ShardedMixin:
         finally:
             self._hpctrain_zero.sync.no_sync = False
 
+    @property
+    def shard_comm(self):
+        """The communicator whose ranks hold the chunks."""
+        return self._hpctrain_zero.comm
+
     def wait_parameters(self) -> None:
         """With ``overlap_allgather``: finish the parameters' allgathers now (before reading the parameters
         outside a forward pass); otherwise nothing to do."""
