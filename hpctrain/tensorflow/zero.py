@@ -23,8 +23,9 @@ into the chunks.
 
 State: ``consolidate_state_dict(to)`` then ``state_dict()`` give
 ``{"iterations", "slots": {slot name: [one array per variable]}}``;
-``load_state_dict`` takes it at any world size.  The checkpoint manager does
-this on its own.
+``load_state_dict`` takes it at any world size.  The checkpoint manager
+writes each rank's chunks instead (``shard_state_dict()``) and restores them
+at any world size (``load_shard_state_dict``).
 """
 from __future__ import annotations
 
@@ -211,7 +212,7 @@ class _Shards:
 class _ShardedMixin:
     """What a ShardedOptimizer adds to the wrapped Keras optimizer's class."""
 
-    hpctrain_state_spans_ranks = True       # (the checkpoint manager consolidates first)
+    hpctrain_state_spans_ranks = True       # (checkpoints and elastic states take it as per-rank parts)
     _hpctrain_zero: Optional[_Shards]
 
     def build(self, variables):

@@ -34,7 +34,10 @@ on them); its ``state`` stays empty.  ``consolidate_state_dict(to)`` then
 ``state_dict()`` give the whole state in the wrapped optimizer's own format
 (a plain torch optimizer loads it); ``load_state_dict`` takes that format at
 any world size (each rank keeps its chunks).  The checkpoint manager and the
-elastic state consolidate on their own.
+elastic states do not gather: ``shard_state_dict()`` gives the layout and this
+rank's chunks, which a checkpoint writes to the rank's shard file and an
+elastic commit copies to a buddy rank; ``load_shard_state_dict`` reshards
+them at any world size (:func:`hpctrain.optim.zero.reshard_copies`).
 """
 from __future__ import annotations
 
@@ -122,8 +125,9 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_par
 def _reshard_on(optimizer, world, base: type, passes: int, cap_bytes: int) -> None:
     """Shard ``optimizer`` anew over ``world`` (a re-formed world, elastic mode); its chunks start without state.
 
-    The state comes back from the elastic commit being restored (a whole
-    state: ``load_state_dict`` keeps the new chunks of it).
+    The state comes back from the elastic commit being restored: every old
+    rank's part, from its own copy or its buddy's (:mod:`hpctrain.elastic.peer_copy`),
+    resharded by ``load_shard_state_dict``.
     """
     shards = optimizer._hpctrain_zero
     old = shards.sync
@@ -219,18 +223,12 @@ class _Shards:
                 self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
             return
         handles: dict = {}
-        with torch.no_grad():
-            for b in range(len(self.padded) + IN_FLIGHT):
-                if b < len(self.padded):
-                    handles[b] = self.comm.allgather_async(self.padded[b])
-                done = b - IN_FLIGHT
-                if done >= 0:
-                    flat = handles.pop(done).wait()
-                    bucket = self.sync.buckets[done]
-                    for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                        p = self.sync.params[i]
-                        p.copy_(flat[off:off + n].view_as(p))
-                    del flat
+        for b in range(len(self.padded) + IN_FLIGHT):
+            if b < len(self.padded):
+                handles[b] = self.comm.allgather_async(self.padded[b])
+            done = b - IN_FLIGHT
+            if done >= 0:
+                self._unpack(done, handles.pop(done).wait())
 
     def _unpack(self, b: int, flat) -> None:
         bucket = self.sync.buckets[b]
@@ -274,7 +272,7 @@ class _ShardedMixin:
     """The methods a ShardedOptimizer adds to the wrapped optimizer's class."""
 
     _hpctrain_zero: _Shards
-    hpctrain_state_spans_ranks = True       # (the checkpoint manager and elastic states consolidate first)
+    hpctrain_state_spans_ranks = True       # (checkpoints and elastic states take it as per-rank parts)
 
     @property
     def stage(self) -> int:
