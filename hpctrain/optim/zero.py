@@ -136,12 +136,13 @@ class Exchange:
 
     def allgather(self, chunks: Sequence[np.ndarray]) -> List[np.ndarray]:
         """Every bucket's flat values from every rank's chunk of it (``chunks``: this rank's, one per bucket)."""
-        out = []
-        for b, chunk in enumerate(chunks):
-            padded = np.zeros(self.layout.chunks[b], dtype=chunk.dtype)
-            padded[:len(chunk)] = chunk
-            out.append(self.comm.allgather(padded)[:self.layout.numels[b]])
-        return out
+        return [self.gather(b, chunk) for b, chunk in enumerate(chunks)]
+
+    def gather(self, b: int, chunk: np.ndarray) -> np.ndarray:
+        """Bucket ``b``'s flat values (or those of any per-element state of it) from every rank's chunk."""
+        padded = np.zeros(self.layout.chunks[b], dtype=chunk.dtype)
+        padded[:len(chunk)] = chunk
+        return self.comm.allgather(padded)[:self.layout.numels[b]]
 
 
 def layout_record(layout: ShardLayout, buckets, index_of: Sequence[int]) -> List[dict]:

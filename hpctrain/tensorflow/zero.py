@@ -150,7 +150,7 @@ class _Shards:
         """Gather every chunk's slots into whole-variable arrays, kept on rank ``to`` (every rank for None); eager."""
         slots: dict = {}
         for b, name, v in self.slots():
-            flat = self._gather(b, np.asarray(v.numpy()))
+            flat = self.exchange.gather(b, np.asarray(v.numpy()))
             bucket = self.buckets[b]
             per_var = slots.setdefault(name, [None] * len(self.variables))
             for i, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
@@ -159,11 +159,6 @@ class _Shards:
         self.consolidated = {"iterations": np.asarray(int(self.inner.iterations.numpy()), np.int64),
                              "slots": slots} if keep else None
         self.consolidated_at = int(outer.iterations.numpy())
-
-    def _gather(self, b: int, chunk: np.ndarray) -> np.ndarray:
-        padded = np.zeros(self.layout.chunks[b], dtype=chunk.dtype)
-        padded[:len(chunk)] = chunk
-        return self.comm.allgather(padded)[:self.layout.numels[b]]
 
     def shard_state(self) -> tuple:
         """``(common, own)``: the layout, slot names and step count, and this rank's chunks of every slot."""
