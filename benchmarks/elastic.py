@@ -7,7 +7,7 @@ process of rank ``--victim`` (found by its launcher's rank variable) and measure
 
 * ``recovered``: kill -> the first step completed after the recovery (the first ``step`` line after the
   re-forming message, or after torchrun's ``resumed at step``);
-* ``lost steps``: the last step done before the kill minus the step the job went back to;
+* ``lost steps``: the last step done before the job noticed the kill minus the step it went back to;
 * ``caught up``: kill -> the job again at the step it had reached before the kill;
 * for hpctrain the split of the lost time: detection (kill -> the survivors' WorldFailedError), re-forming
   (shrink, new world), state recovery (agree on a commit, restore, broadcast), redone steps.
@@ -21,7 +21,18 @@ on with the other half; its survivors notice the loss when their Gloo collective
 ``HOROVOD_GLOO_TIMEOUT_SECONDS``), benchmarks/elastic_horovod_worker.py; ``hpctrain.horovod``: the same worker on
 hpctrain.horovod under ``hpctrain launch --elastic``.  Medians over ``--repeats``, the peers alternating.
 
+``--fault node`` (needs root) loses a whole node instead: two namespace nodes of scripts/cluster.sh (1 Gbit/s
+links), half the ranks on each, every process of node2 SIGKILLed at once (its launcher's daemons and agents
+too).  hpctrain and hpctrain.horovod: ``hpctrain launch --elastic -H node1:2,node2:2`` on node1 (Open MPI
+reaches node2 through ``cluster.sh ssh``, ssh's place); torchrun: one ``torchrun --nnodes 1:2``
+agent a node (c10d rendezvous on node1), the survivors' agent restarts its workers at the smaller size
+from the newest checkpoint; Horovod: ``horovodrun`` on node1 with a discovery script naming both nodes,
+reaching node2 through the same ``ssh``.  Open MPI's runtime ends the whole job when a node's daemon is lost,
+so hpctrain's launcher starts it again on node1 and the ranks resume from the newest disk checkpoint
+(``--checkpoint-every``; their in-memory commits went with the job).
+
     python benchmarks/elastic.py --ranks 4 --repeats 3 --out results/elastic
+    python benchmarks/elastic.py --fault node --ranks 4 --repeats 3 --out results/elastic-node
 """
 from __future__ import annotations
 
@@ -41,6 +52,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import CORES, write_results  # noqa: E402
+from multinode import Nodes  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -55,26 +67,41 @@ HOROVOD_WORKER = str(REPO / "benchmarks" / "elastic_horovod_worker.py")
 
 
 def command(peer: str, args, work: Path) -> list:
+    """The command lines of ``peer``'s job (the first one's output is read; on nodes, one a node for torchrun)."""
+    hosts = [("localhost", args.ranks - args.ranks // 2), ("127.0.0.1", args.ranks // 2)]
+    if args.fault == "node":
+        hosts = [("node1", args.ranks - args.ranks // 2), ("node2", args.ranks // 2)]
+    on = (lambda argv: args.nodes.on("node1", argv)) if args.fault == "node" else (lambda argv: argv)
+    launch = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(args.ranks)]
+    if args.fault == "node":
+        launch += ["-H", ",".join(f"{h}:{s}" for h, s in hosts)]
     if peer == "hpctrain":
-        return [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(args.ranks),
-                str(REPO / "examples" / "elastic_train.py"), *training_args(args), "--log-steps",
-                "--out", str(work / "final.safetensors")]
+        # (on nodes, also disk checkpoints at torchrun's interval: a lost daemon ends Open MPI's whole job)
+        disk = ["--checkpoint-dir", str(work / "ckpt"), "--checkpoint-every", str(args.commit_every)]
+        return [on([*launch, str(REPO / "examples" / "elastic_train.py"), *training_args(args), "--log-steps",
+                    "--out", str(work / "final.safetensors"), *(disk if args.fault == "node" else [])])]
     if peer == "hpctrain.horovod":
-        return [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(args.ranks), HOROVOD_WORKER,
-                "--api", "hpctrain.horovod", *training_args(args)]
+        return [on([*launch, HOROVOD_WORKER, "--api", "hpctrain.horovod", *training_args(args)])]
     if peer == "horovod":
-        # Two "hosts" of this machine (as Horovod's own elastic tests do): Horovod leaves a failed rank's whole
-        # host out, so a kill of the last rank goes on with the first host's half.
-        half = args.ranks // 2
+        # Two hosts (as Horovod's own elastic tests do, this machine twice; or the two nodes): Horovod leaves a
+        # failed rank's whole host out, so a kill of the last rank goes on with the first host's half.
         script = work / "discover.sh"
-        script.write_text(f"#!/bin/sh\necho localhost:{args.ranks - half}\necho 127.0.0.1:{half}\n")
+        script.write_text("#!/bin/sh\n" + "".join(f"echo {h}:{s}\n" for h, s in hosts))
         script.chmod(0o755)
-        return [str(BIN / "horovodrun"), "-np", str(args.ranks), "--min-np", "1", "--max-np", str(args.ranks),
-                "--host-discovery-script", str(script), sys.executable,
-                HOROVOD_WORKER, "--api", "horovod", *training_args(args)]
-    return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(args.ranks), "--max-restarts", "1",
-            str(REPO / "benchmarks" / "elastic_torchrun_worker.py"), *training_args(args),
-            "--ckpt", str(work / "ckpt.pt")]
+        extra = ["--network-interface", "eth0"] if args.fault == "node" else []
+        return [on([str(BIN / "horovodrun"), "-np", str(args.ranks), "--min-np", "1", "--max-np", str(args.ranks),
+                    "--host-discovery-script", str(script), *extra, sys.executable,
+                    HOROVOD_WORKER, "--api", "horovod", *training_args(args)])]
+    worker = [str(REPO / "benchmarks" / "elastic_torchrun_worker.py"), *training_args(args),
+              "--ckpt", str(work / "ckpt.pt")]
+    if args.fault != "node":
+        return [[str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(args.ranks), "--max-restarts", "1",
+                 *worker]]
+    # One agent a node, rendezvous on node1; the survivors' agent restarts its workers at the smaller size.
+    return [args.nodes.on(h, [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc-per-node", str(s),
+                              "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29400",
+                              "--rdzv-id", work.name, "--rdzv-conf", "last_call_timeout=2", *worker])
+            for h, s in hosts]
 
 
 def victim_pid(marker: str, rank: int) -> int:
@@ -93,17 +120,24 @@ def victim_pid(marker: str, rank: int) -> int:
 
 def one_run(peer: str, args, attempt: int = 0) -> dict:
     """Launch, kill the victim at the kill step, and time the recovery."""
-    with tempfile.TemporaryDirectory(prefix=f"elastic-{peer}-") as tmp:
+    node = args.fault == "node"
+    with tempfile.TemporaryDirectory(prefix=f"elastic-{peer}-", dir=args.nodes.shared if node else None) as tmp:
         work = Path(tmp)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPCTRAIN_STALL_TIMEOUT_S="120")
+        env = dict(args.nodes.env if node else os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   HPCTRAIN_STALL_TIMEOUT_S="120")
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")     # (torchrun --standalone: gloo on the loopback it rendezvouses on)
-        proc = subprocess.Popen(command(peer, args, work), cwd=REPO, env=env, stdout=subprocess.PIPE,
+        first, *others = command(peer, args, work)
+        helpers = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(work / f"other{i}.log", "w"),
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+                   for i, cmd in enumerate(others)]
+        proc = subprocess.Popen(first, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         marker = {"hpctrain": "elastic_train.py", "torchrun": "elastic_torchrun_worker.py"}.get(
             peer, f"--api {peer}")
         killed_at = recovered_at = caught_up_at = None
         before = resumed = None
         log = []
+        seen = {}         # (node loss, hpctrain: when the launcher said so, restarted, loaded the checkpoint)
         try:
             for line in proc.stdout:
                 log.append(line)
@@ -112,14 +146,24 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
                 m = re.search(r"\bstep (\d+)$", text)
                 if m and killed_at is None and int(m.group(1)) >= args.kill_step:
                     before = int(m.group(1))
-                    pid = victim_pid(marker, args.victim)
-                    killed_at = time.time()
-                    os.kill(pid, signal.SIGKILL)
+                    if node:
+                        killed_at = time.time()
+                        args.nodes.kill("node2")
+                    else:
+                        pid = victim_pid(marker, args.victim)
+                        killed_at = time.time()
+                        os.kill(pid, signal.SIGKILL)
                     continue
                 if killed_at is None:
                     continue
-                r = re.search(r"resumed at step (\d+)", text) or re.search(r"re-formed", text)
+                if m and resumed is None:       # (steps done until the job noticed: lost work too)
+                    before = max(before, int(m.group(1)))
+                for key, said in (("lost", "was lost with Open MPI's daemon"), ("restarted", "hpctrain: elastic mode:")):
+                    if said in text:
+                        seen.setdefault(key, now)
+                r = re.search(r"resumed (?:at|from) step (\d+)", text) or re.search(r"re-formed", text)
                 if r and resumed is None:
+                    seen["resumed"] = now
                     resumed = int(r.group(1)) if r.groups() else -1
                     continue
                 if m and resumed is not None:
@@ -130,8 +174,13 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
                         caught_up_at = now
             proc.wait(timeout=args.timeout)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            for p in (proc, *helpers):
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            if node:
+                args.nodes.kill("node1")       # (what a launcher left behind on the nodes)
+                args.nodes.kill("node2")
         text = "".join(log)
         if killed_at is None and attempt < 2:
             # (torchrun's gloo start-up on an oversubscribed machine sometimes times out connecting: say so, retry)
@@ -141,7 +190,13 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
             raise RuntimeError(f"{peer}: exit status {proc.returncode}, no recovery seen:\n{text[-3000:]}")
         row = {"peer": peer, "recovered_s": recovered_at - killed_at, "caught_up_s": caught_up_at - killed_at,
                "before": before}
-        if peer == "hpctrain":
+        if peer == "hpctrain" and node:
+            # (the launcher's restart: detection = kill -> its message, re-forming = -> the new job's start,
+            # state recovery = -> the checkpoint loaded)
+            row.update(detect_s=seen["lost"] - killed_at, reform_s=seen["restarted"] - seen["lost"],
+                       recover_s=seen["resumed"] - seen["restarted"], new_size=args.ranks - args.ranks // 2)
+            row["redo_s"] = row["caught_up_s"] - (seen["resumed"] - killed_at)
+        elif peer == "hpctrain":
             summary = json.loads((work / "final.safetensors.json").read_text())
             rec = summary["recoveries"][0]
             resumed = summary["resumed_at"][0]
@@ -159,6 +214,8 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--fault", choices=["rank", "node"], default="rank",
+                   help="kill one rank (--victim), or every process of one of two namespace nodes (needs root)")
     p.add_argument("--victim", type=int, default=None, help="rank to kill (default: the last)")
     p.add_argument("--kill-step", type=int, default=30)
     p.add_argument("--commit-every", type=int, default=4)
@@ -167,18 +224,27 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--peers", nargs="+", default=["hpctrain", "torchrun", "horovod", "hpctrain.horovod"],
-                   choices=["hpctrain", "torchrun", "horovod", "hpctrain.horovod"])
+    p.add_argument("--peers", nargs="+", choices=["hpctrain", "torchrun", "horovod", "hpctrain.horovod"],
+                   help="default: all four; with --fault node all but hpctrain.horovod (whose worker keeps no disk "
+                        "checkpoint to go back to when Open MPI's runtime ends the job)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", type=Path, default=REPO / "results" / "elastic")
     args = p.parse_args()
     if args.victim is None:
         args.victim = args.ranks - 1
+    if args.peers is None:
+        args.peers = ["hpctrain", "torchrun", "horovod"] + (["hpctrain.horovod"] if args.fault == "rank" else [])
+    args.nodes = Nodes(2, "1gbit") if args.fault == "node" else None
     runs = []
-    for r in range(args.repeats):
-        for peer in (args.peers if r % 2 == 0 else args.peers[::-1]):
-            runs.append(one_run(peer, args))
-            print(json.dumps(runs[-1]), flush=True)
+    try:
+        for r in range(args.repeats):
+            for peer in (args.peers if r % 2 == 0 else args.peers[::-1]):
+                runs.append(one_run(peer, args))
+                print(json.dumps(runs[-1]), flush=True)
+    finally:
+        if args.nodes:
+            args.nodes.down()
+    args.nodes = None
     write_outputs(runs, args)
 
 
@@ -200,7 +266,9 @@ def write_outputs(runs, args) -> None:
     data = {"rows": rows, "runs": runs, "cores": CORES, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                                     for k, v in vars(args).items()},
             "over_hpctrain": over}
-    lines = [f"Recovery from SIGKILL of rank {args.victim} of {args.ranks} at step {args.kill_step}, commits or "
+    lost = (f"node2 of 2 namespace nodes ({args.ranks // 2} of {args.ranks} ranks, every process on it)"
+            if args.fault == "node" else f"rank {args.victim} of {args.ranks}")
+    lines = [f"Recovery from SIGKILL of {lost} at step {args.kill_step}, commits or "
              f"checkpoints every {args.commit_every} steps, {args.step_sleep * 1e3:.0f} ms of sleep a step; medians "
              f"of {args.repeats} runs ({CORES}-core machine{', oversubscribed' if args.ranks > CORES else ''}).\n",
              "| peer | goes on at | kill -> first step after recovery | kill -> back at the pre-kill step | "

@@ -73,7 +73,7 @@ def main() -> None:
         epoch, processed = epoch + 1, 0
         save()
     if rank == 0:
-        print(f"finished: {step} steps", flush=True)
+        print(f"finished: {step} steps, world of {size}", flush=True)
     dist.destroy_process_group()
 
 

@@ -104,6 +104,20 @@ class Nodes:
     def down(self) -> None:
         subprocess.run([str(CLUSTER), "down"], env=self.env, capture_output=True)
 
+    @property
+    def shared(self) -> Path:
+        """The directory every node sees (a cluster's shared file system)."""
+        return Path(self.env["HPCTRAIN_CLUSTER_DIR"]) / "shared"
+
+    def on(self, node: str, argv) -> list:
+        """The command line that runs the launcher ``argv`` on ``node`` (in the current directory), reaching the
+        other nodes as it would through ssh (``cluster.sh launcher``)."""
+        return [str(CLUSTER), "launcher", node, *map(str, argv)]
+
+    def kill(self, node: str) -> None:
+        """A node crash: SIGKILL to everything running on ``node`` at once."""
+        self.script([CLUSTER, "kill", node])
+
     def launch(self, nodes: int, argv, timeout: float = 1800, per_node: int = PER_NODE, **env) -> dict:
         hosts = ",".join(f"node{i}:{per_node}" for i in range(1, nodes + 1))
         cmd = [str(CLUSTER), "mpirun", "-H", hosts, sys.executable, *map(str, argv)]

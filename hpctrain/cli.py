@@ -39,11 +39,31 @@ def _launch(args) -> int:
     if not args.gloo:
         remove_stale_session_dirs(pid=os.getpid())   # mpirun gets this pid: a killed one's folder stops it
     if args.elastic:
+        from .elastic.driver import run_fixed_hosts
         from .launch import run_elastic
 
-        return run_elastic(cmd)
+        hosts = _fixed_hosts(args)
+        if hosts is None:           # (one host: no remote daemon to lose)
+            return run_elastic(cmd)
+        return run_fixed_hosts(args.n, argv, hosts, args.min_np or 1, build_command, run_elastic,
+                               exports=_reset_limit(args))
     os.execv(cmd[0], cmd)
     return 0  # not reached
+
+
+def _fixed_hosts(args):
+    """The hosts and slots of ``-H`` or ``--hostfile`` (``[(host, slots)]``), or None for a launch on this host."""
+    from .elastic.driver import parse_hosts
+
+    if args.hosts:
+        return parse_hosts(args.hosts.replace(",", "\n"))
+    if args.hostfile:
+        with open(args.hostfile) as f:
+            lines = [line.split("#")[0].split() for line in f]
+        return parse_hosts("\n".join(
+            f"{words[0]}:{next((w.split('=')[1] for w in words[1:] if w.startswith('slots=')), 1)}"
+            for words in lines if words))
+    return None
 
 
 def _reset_limit(args) -> dict:

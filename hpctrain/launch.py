@@ -249,8 +249,13 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
     return cmd + program
 
 
-def run_elastic(cmd: List[str], watch=None) -> int:
-    """Run an elastic launch's ``cmd`` (mpirun), relaying its standard output; return the job's exit status.
+# Open MPI's runtime (PRRTE) when a node's daemon is gone: it ends the whole job, whatever ULFM could do for the ranks
+_LOST_DAEMON = (re.compile(rb"Remote daemon:\s+\S+ on node (\S+)"),       # lost after the start
+                re.compile(rb"^\s*Remote host:\s+(\S+)"))                  # its ssh (launch agent) ended
+
+
+def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
+    """Run an elastic launch's ``cmd`` (mpirun), relaying its output; return the job's exit status.
 
     Under Open MPI's fault-tolerance extension a process that dies is no error
     of the job (its survivors go on), so mpirun says 0 even when every rank
@@ -262,13 +267,16 @@ def run_elastic(cmd: List[str], watch=None) -> int:
     returns mpirun's status); SIGTERM and SIGHUP are passed on to it.
     ``watch()``, when given, is called every HPCTRAIN_ELASTIC_DISCOVERY_S
     seconds while mpirun runs (the discovery script's poll:
-    :mod:`hpctrain.elastic.driver`).
+    :mod:`hpctrain.elastic.driver`).  The hosts whose Open MPI daemon was
+    lost after the job started (a node crash: its runtime then ends the whole
+    job, survivors too) are added to ``lost`` (Open MPI's report on stderr).
     """
     import signal
     import subprocess
+    import threading
 
     # (in the child before it execs mpirun: the stale session folder of the pid mpirun will have)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: remove_stale_session_dirs(pid=os.getpid()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -277,15 +285,35 @@ def run_elastic(cmd: List[str], watch=None) -> int:
 
     poll_while(proc, watch)
     started = finished = False
+    daemons_lost: set = set()
+
+    def note_lost(line: bytes) -> None:
+        for pattern in _LOST_DAEMON:
+            m = pattern.search(line)
+            if m:
+                daemons_lost.add(m.group(1).decode(errors="replace"))
+
+    def relay_errors():
+        for line in iter(proc.stderr.readline, b""):
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+            note_lost(line)
+    errors = threading.Thread(target=relay_errors, name="hpctrain-stderr", daemon=True)
+    errors.start()
     out = sys.stdout.buffer
     for line in iter(proc.stdout.readline, b""):
         started = started or line.startswith(ELASTIC_STARTED.encode())
         finished = finished or line.startswith((ELASTIC_FINISHED.encode(), ELASTIC_RESTARTING.encode()))
         out.write(line)
         out.flush()
+        note_lost(line)             # (Open MPI's runtime prints its reports on either stream)
     code = proc.wait()
+    errors.join(timeout=10)
+    if lost is not None and started and not finished:
+        lost |= daemons_lost
     if code == 0 and started and not finished:
-        sys.stderr.write("hpctrain launch: every rank of the elastic job failed (none ended normally); "
-                         "exit status 1\n")
+        if not (lost is not None and daemons_lost):       # (the caller says what follows the loss of a node)
+            sys.stderr.write("hpctrain launch: every rank of the elastic job failed (none ended normally); "
+                             "exit status 1\n")
         return 1
     return code if code >= 0 else 128 - code

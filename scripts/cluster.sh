@@ -15,6 +15,12 @@
 #                                                            command line matches it (grep -E)
 #   scripts/cluster.sh mpirun MPIRUN-ARGS...                 mpirun (${MPIRUN:-mpirun}) on node1 with what the
 #                                                            nodes need: the launch agent, eth0 only, root
+#   scripts/cluster.sh launcher NODE CMD [ARG...]            run a launcher (hpctrain launch, mpirun,
+#                                                            horovodrun) on NODE so that it reaches the
+#                                                            others: `ssh` on PATH is `cluster.sh ssh`,
+#                                                            Open MPI and Gloo keep to eth0
+#   scripts/cluster.sh ssh [SSH-OPTIONS] NODE CMDLINE...     ssh's place: ssh's options left out, the command
+#                                                            line run on NODE (a name or an address)
 #   scripts/cluster.sh status                                the nodes, their addresses and processes
 #
 # Each node has its own network namespace (one interface, eth0, 198.18.0.<i>/24, on a bridge that
@@ -109,6 +115,9 @@ up() {
     in_ns "node$i" ip link set eth0 up
     [ -z "$rate" ] || shape "$i" "$rate" add
   done
+  mkdir -p "$DIR/bin"     # (an ssh for launchers that know no other way to the nodes: `launcher`)
+  printf '#!/bin/sh\nHPCTRAIN_CLUSTER_DIR=%s exec %s ssh "$@"\n' "$DIR" "$(realpath "$0")" > "$DIR/bin/ssh"
+  chmod 755 "$DIR/bin/ssh"
   echo "$n" > "$DIR/nodes"
   echo "${rate:-unshaped}" > "$DIR/rate"
   for p in "${keep[@]}"; do echo "$p"; done > "$DIR/kept"
@@ -253,5 +262,14 @@ case $cmd in
   mpirun) cluster_mpirun "$@" ;;
   exec) run_on "$@" ;;
   agent) node=${1:?}; shift; run_on "$node" /bin/sh -c "$*" ;;
-  *) die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... | down | exec NODE CMD... | agent NODE CMDLINE | mpirun ARGS | rate RATE | kill NODE | status" ;;
+  ssh)
+    while [ $# -gt 0 ]; do case $1 in -[oplieFJ]) shift 2 ;; -*) shift ;; *) break ;; esac; done
+    node=${1:?usage: cluster.sh ssh [OPTIONS] NODE CMDLINE}; shift
+    run_on "$node" /bin/sh -c "$*" ;;
+  launcher)
+    node=${1:?usage: cluster.sh launcher NODE CMD...}; shift
+    export PATH="$DIR/bin:$PATH" OMPI_MCA_btl_tcp_if_include=eth0 OMPI_MCA_oob_tcp_if_include=eth0 \
+      PRTE_MCA_oob_tcp_if_include=eth0 GLOO_SOCKET_IFNAME=eth0
+    run_on "$node" "$@" ;;
+  *) die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... | down | exec NODE CMD... | agent NODE CMDLINE | launcher NODE CMD... | ssh NODE CMDLINE | mpirun ARGS | rate RATE | kill NODE | status" ;;
 esac

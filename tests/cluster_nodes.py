@@ -60,6 +60,10 @@ class Cluster:
         subprocess.run([str(SCRIPT), "kill", node] + ([pattern] if pattern else []), env={**os.environ, **self.env},
                        check=True, capture_output=True, timeout=30)
 
+    def launcher(self, node: str) -> list:
+        """The command prefix that runs a launcher (hpctrain launch, mpirun) on ``node``, reaching the others."""
+        return [str(SCRIPT), "launcher", node]
+
     def mpirun(self, nodes: int, per_node: int) -> list:
         """mpirun from node1 over ``nodes`` nodes with ``per_node`` ranks each (ranks fill node1 first)."""
         hosts = ",".join(f"node{i}:{per_node}" for i in range(1, nodes + 1))

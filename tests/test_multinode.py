@@ -10,17 +10,21 @@ in the shared directory.  Then a node is lost: every rank on it is SIGKILLed
 at once, the job must end within 30 s naming the node, and a restart resumes
 bit-identical from the newest committed checkpoint (in elastic mode the
 other node's ranks re-form the world and finish instead:
-tests/test_slurm_nodes.py, under slurm/elastic.sbatch).  Skipped, with the
-reason, where namespaces cannot be made.
+tests/test_slurm_nodes.py, under slurm/elastic.sbatch).  In elastic mode a
+whole node lost, Open MPI's daemon with its ranks, ends Open MPI's job: the
+launcher starts it again on the other node from the disk checkpoint.
+Skipped, with the reason, where namespaces cannot be made.
 """
+import json
 import re
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
-from harness import REPO, assert_bit_identical, base_env, kill_tree, run, saved_arrays
+from harness import BIN, REPO, assert_bit_identical, base_env, kill_tree, run, saved_arrays
 
 LAYOUTS = [(2, 1), (2, 2), (3, 2)]        # (3x1 is 2x1's loss of one rank a node; the elastic test below)
 COLLECTIVES = ("(world_shape or own_shared_memory or test_allreduce or allgather or broadcast or reduce_scatter "
@@ -104,6 +108,61 @@ def test_sigkill_of_a_whole_node_ends_the_job_naming_it_and_a_restart_resumes_bi
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert f"starting at step {max(committed)}" in resumed.stdout, resumed.stdout[-3000:]
     assert_bit_identical(saved_arrays(where / "ckpt.npz"), saved_arrays(where / "reference.npz"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hosts_from", ["-H", "discovery"])
+def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_disk_checkpoint(hosts_from, cluster):
+    """A node crash under ``hpctrain launch --elastic`` (2 nodes x 2 ranks; every process of node2 SIGKILLed at once,
+    Open MPI's daemon with the ranks): Open MPI's runtime then ends the whole job, so the launcher names the node
+    and starts the job again on node1, where the ranks resume from the newest disk checkpoint (step 8; the kill
+    comes after step 10).  The final model equals the single-process reference that went from 4 to 2 ranks at
+    step 8 (to 1e-12: the sums before ran across nodes).  With fixed hosts (-H) and with a discovery script that
+    still lists node2 (the launcher leaves it out)."""
+    from safetensors.numpy import load_file
+    from test_elastic import example_args, reference
+
+    where = cluster.shared / f"elastic-node-loss-{hosts_from}"
+    where.mkdir()
+    out = where / "final.safetensors"
+    if hosts_from == "-H":
+        hosts = ["-n", "4", "-H", "node1:2,node2:2"]
+    else:
+        script = where / "discover.sh"
+        script.write_text("#!/bin/sh\necho node1:2\necho node2:2\n")
+        script.chmod(0o755)
+        hosts = ["--min-np", "2", "--host-discovery-script", str(script)]
+    cmd = cluster.launcher("node1") + [str(BIN / "hpctrain"), "launch", "--elastic", *hosts, *example_args(out),
+                                       "--step-sleep", "0.1", "--log-steps"]
+    job = subprocess.Popen(cmd, cwd=where, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=60, **cluster.env),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines, resumed_after = [], None
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if line.strip() == "step 10":
+                cluster.kill("node2")
+                killed_at = time.monotonic()
+                break
+        for line in job.stdout:
+            lines.append(line)
+            if "resumed from step" in line:
+                resumed_after = time.monotonic() - killed_at
+        job.wait(timeout=120)
+    finally:
+        kill_tree(job)
+    log = "".join(lines)
+    assert job.returncode == 0, log[-4000:]
+    assert re.search(r"hpctrain launch: node node2 was lost with Open MPI's daemon on it, .*restarting the elastic "
+                     r"job on node1:2 \(start 2\)", log), log[-4000:]
+    assert "hpctrain: resumed from step 8" in log and "the elastic job finished with 2 ranks" in log, log[-4000:]
+    assert resumed_after is not None and resumed_after < 20, f"{resumed_after:.1f} s from the loss of node2 to the resumed job"
+    want, steps = reference(4, [(8, 2)])
+    got = load_file(str(out))
+    assert json.loads(out.with_name(out.name + ".json").read_text())["steps"] == steps
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14, err_msg=name)
 
 
 def test_cluster_sh_refuses_a_folder_the_nodes_cannot_see_and_says_which_they_can(cluster, tmp_path):

@@ -16,7 +16,14 @@ changes, and start the job again on more hosts.
    Horovod blacklists it) until ``S`` stops listing it and lists it again;
 3. when the job ended for a restart (``<control>/restart.json``), starts it
    again on the hosts offered now (those of the last world first, so rank 0
-   keeps its host), with ``HPCTRAIN_ELASTIC_RESUME=1``.
+   keeps its host), with ``HPCTRAIN_ELASTIC_RESUME=1``;
+4. when the job ended because a node was lost with Open MPI's daemon on it
+   (a node crash: Open MPI's runtime then ends the whole job, the survivors'
+   processes and in-memory commits too, whatever ULFM does for the ranks),
+   starts it again on the other hosts: the ranks start from what the script
+   loads at its start (its newest disk checkpoint), as after torchrun's
+   restart.  :func:`run_fixed_hosts` does the same for ``-H`` / ``--hostfile``
+   launches.  Each such restart counts towards ``--reset-limit``.
 
 The control folder (``.hpctrain-elastic/<launcher pid>`` in the current
 directory: the ranks of every host must see it) is removed at the end.
@@ -35,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .. import settings
 from .hosts import HOSTS_FILE, RESTART_FILE, WORLD_FILE, read_json, write_json
 
-__all__ = ["parse_hosts", "discover", "DiscoveryError", "run_with_discovery"]
+__all__ = ["parse_hosts", "discover", "DiscoveryError", "run_with_discovery", "run_fixed_hosts"]
 
 Hosts = List[Tuple[str, int]]
 
@@ -155,9 +162,17 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
                 env[settings.setting("HPCTRAIN_ELASTIC_RESETS_DONE").name] = str(resets)
             cmd = build(n, argv, hosts=",".join(f"{h}:{s}" for h, s in hosts), elastic=True,
                         min_np=min(min_np, n), exports=env)
-            code = run(cmd, watch=watch.poll)
+            lost: set = set()
+            code = run(cmd, watch=watch.poll, lost=lost)
             starts += 1
             restart = read_json(os.path.join(control, RESTART_FILE))
+            if lost and restart is None:
+                watch.suspect |= lost
+                hosts = _after_node_loss(lost, watch.offered(), min_np, starts, exports)
+                if hosts is None:
+                    return code or 1
+                resume = False         # (a commit written for an earlier restart is older than the disk's)
+                continue
             if code != 0 or restart is None:
                 return code
             world = read_json(os.path.join(control, WORLD_FILE)) or {"hosts": names}
@@ -172,6 +187,45 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
             os.rmdir(os.path.dirname(control))
         except OSError:
             pass
+
+
+def run_fixed_hosts(n: int, argv: List[str], hosts: Hosts, min_np: int, build: Callable[..., List[str]],
+                    run: Callable[..., int], exports: Optional[Dict[str, str]] = None) -> int:
+    """Run an elastic job on fixed hosts (``-H``, ``--hostfile``); after the loss of a node's daemon start it again
+    on the other hosts (module docstring, 4); its status."""
+    starts = 0
+    while True:
+        lost: set = set()
+        code = run(build(n, argv, hosts=",".join(f"{h}:{s}" for h, s in hosts), elastic=True,
+                         min_np=min(min_np, n), exports=exports), lost=lost)
+        starts += 1
+        if not lost:
+            return code
+        left = _after_node_loss(lost, [(h, s) for h, s in hosts if h not in lost], min_np, starts, exports)
+        if left is None:
+            return code or 1
+        hosts, n = left, min(n, sum(s for _, s in left))
+
+
+def _after_node_loss(lost: set, left: Hosts, min_np: int, starts: int, exports: Optional[Dict[str, str]]):
+    """The hosts to start the job again on after ``lost`` went with their daemons, or None (with the reason) when
+    fewer than ``min_np`` slots are left or the reset limit is reached."""
+    slots = sum(s for _, s in left)
+    limit = int((exports or {}).get(settings.setting("HPCTRAIN_ELASTIC_RESET_LIMIT").name, 0))
+    said = (f"hpctrain launch: node {', '.join(sorted(lost))} was lost with Open MPI's daemon on it, which ends "
+            f"the whole Open MPI job (the survivors' processes and in-memory commits too)")
+    if slots < max(min_np, 1):
+        sys.stderr.write(f"{said}; {slots} slot(s) left on {', '.join(h for h, _ in left) or 'no host'}, fewer "
+                         f"than --min-np {min_np}: the job ends\n")
+        return None
+    if limit and starts > limit:
+        sys.stderr.write(f"{said}; the reset limit ({limit}) is reached: the job ends\n")
+        return None
+    sys.stdout.write(f"{said}; restarting the elastic job on {', '.join(f'{h}:{s}' for h, s in left)} "
+                     f"(start {starts + 1}): the ranks start from what the script loads at its start "
+                     f"(its newest disk checkpoint)\n")
+    sys.stdout.flush()
+    return left
 
 
 def _wait_for_hosts(watch: _Watch, min_np: int) -> Hosts:
