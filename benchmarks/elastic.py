@@ -272,7 +272,8 @@ def write_outputs(runs, args) -> None:
              f"checkpoints every {args.commit_every} steps, {args.step_sleep * 1e3:.0f} ms of sleep a step; medians "
              f"of {args.repeats} runs ({CORES}-core machine{', oversubscribed' if args.ranks > CORES else ''}).\n",
              "| peer | goes on at | kill -> first step after recovery | kill -> back at the pre-kill step | "
-             "steps lost | detection | re-forming | state recovery | redone steps |",
+             f"steps lost | detection | {'restart (new job)' if args.fault == 'node' else 're-forming'} | "
+             f"state recovery{' (disk)' if args.fault == 'node' else ''} | redone steps |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split = " | ".join(f"{r[k]:.3f} s" if k in r else "-" for k in ("detect_s", "reform_s", "recover_s",
@@ -283,6 +284,9 @@ def write_outputs(runs, args) -> None:
         lines.append("")
     for peer, ratio in over.items():
         lines.append(f"{peer}'s time to the first step after recovery / hpctrain's: {ratio:.1f}x")
+    spread = {peer: [round(r["recovered_s"], 2) for r in runs if r["peer"] == peer] for peer in args.peers}
+    lines.append("\nEach run's kill -> first step after recovery (s): "
+                 + "; ".join(f"{peer} {', '.join(map(str, v))}" for peer, v in spread.items()))
     table = "\n".join(lines)
 
     def draw(plt):

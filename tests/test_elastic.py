@@ -59,19 +59,10 @@ def launch(n, tmp_path, kills=(), *options, in_recovery=(), example=(), timeout=
     return run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60), timeout), out
 
 
-def reference(n, resumes, at_step=None):
-    """The final parameters of training at ``n`` ranks, then from each ``(step, size)`` of ``resumes`` on at that
-    size (the steps of the commits the survivors went back to: the steps after them are done again at the new
-    size); the number of steps; and the parameters after step ``at_step``."""
-    import torch
-
-    sys.path.insert(0, str(REPO / "examples"))
-    from elastic_train import make_data, make_model
-
-    torch.use_deterministic_algorithms(True)
-    x, y = make_data(SAMPLES)
-    model, opt = make_model()
-    params = list(model.parameters())
+def schedule(n, resumes):
+    """The steps of training at ``n`` ranks, then from each ``(step, size)`` of ``resumes`` on at that size (the
+    steps of the commits the survivors went back to: the steps after them are done again at the new size): for
+    each step, every rank's rows of the batch, in rank order."""
     size, step, pending = n, 0, sorted(resumes, key=lambda resume: resume[0])    # (stable: in order at one step)
     for epoch in range(EPOCHS):
         order = np.random.RandomState(SEED + epoch).permutation(SAMPLES)
@@ -85,22 +76,39 @@ def reference(n, resumes, at_step=None):
                 if pending and pending[0][0] == step:     # ranks died: the rest is dealt to fewer from here
                     size, dealt = pending.pop(0)[1], False
                     break
-                grads = []
-                for share in shares:
-                    rows = torch.from_numpy(share[b * BATCH:(b + 1) * BATCH])
-                    opt.zero_grad()
-                    torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-                    grads.append([p.grad.clone() for p in params])
-                for i, p in enumerate(params):
-                    total = grads[0][i]
-                    for g in grads[1:]:
-                        total = total + g[i]
-                    p.grad = total / size if size > 1 else total
-                opt.step()
+                yield [share[b * BATCH:(b + 1) * BATCH] for share in shares]
                 processed += BATCH * size
                 step += 1
-                if step == at_step:
-                    then = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+
+
+def reference(n, resumes, at_step=None):
+    """The final parameters of the example's training along :func:`schedule`; the number of steps; and the
+    parameters after step ``at_step``."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from elastic_train import make_data, make_model
+
+    torch.use_deterministic_algorithms(True)
+    x, y = make_data(SAMPLES)
+    model, opt = make_model()
+    params = list(model.parameters())
+    step = 0
+    for batches in schedule(n, resumes):
+        grads = []
+        for rows in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[torch.from_numpy(rows)]), y[torch.from_numpy(rows)]).backward()
+            grads.append([p.grad.clone() for p in params])
+        for i, p in enumerate(params):
+            total = grads[0][i]
+            for g in grads[1:]:
+                total = total + g[i]
+            p.grad = total / len(batches) if len(batches) > 1 else total
+        opt.step()
+        step += 1
+        if step == at_step:
+            then = {k: v.numpy().copy() for k, v in model.state_dict().items()}
     final = {k: v.numpy() for k, v in model.state_dict().items()}
     return (final, step, then) if at_step is not None else (final, step)
 
@@ -181,6 +189,70 @@ def test_a_sharded_part_lost_with_its_peer_copy_ends_the_job_naming_it(tmp_path)
 
 
 @pytest.mark.timeout(120)
+def keras_reference(n, resumes):
+    """examples/elastic_keras.py's final weights along :func:`schedule` in one process (Keras, GradientTape), and
+    the number of steps."""
+    import keras
+    import tensorflow as tf
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from elastic_keras import make_data, make_model
+
+    x, y = make_data(SAMPLES)
+    model, opt = make_model()
+    mse, step = keras.losses.MeanSquaredError(), 0
+    for batches in schedule(n, resumes):
+        grads = []
+        for rows in batches:
+            with tf.GradientTape() as tape:
+                loss = mse(y[rows], model(x[rows], training=True))
+            grads.append(tape.gradient(loss, model.trainable_variables))
+        opt.apply([tf.add_n([g[i] for g in grads]) / len(grads) for i in range(len(grads[0]))],
+                  model.trainable_variables)
+        step += 1
+    return {f"w{i}": w for i, w in enumerate(model.get_weights())}, step
+
+
+@pytest.mark.timeout(240)
+def test_keras_fit_goes_on_in_the_middle_of_the_epoch_after_a_re_forming(tmp_path):
+    """examples/elastic_keras.py (hpctrain.tensorflow.elastic_fit): rank 2 of 3 killed before step 7, commits
+    every 4 steps: the survivors go back to step 4 and go on in the middle of the first epoch with its unseen
+    samples dealt over 2 ranks (Keras's own fit would run the epoch's batches again).  The final weights equal
+    a one-process computation of that schedule (float64, to 1e-10: the all-reduce sums in another order), and
+    the step count is the schedule's (a sample seen twice or skipped would change both)."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "final.safetensors"
+    res = run([str(BIN / "hpctrain"), "launch", "--elastic", "-n", "3", str(REPO / "examples" / "elastic_keras.py"),
+               "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch", str(BATCH), "--commit-every",
+               str(COMMIT_EVERY), "--kill", "2:7", "--out", str(out)], base_env(HPCTRAIN_STALL_TIMEOUT_S=60), 200)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert re.search(r"world rank 2 on node \S+ failed; the world re-formed from 3 to 2 ranks", res.stdout), \
+        res.stdout[-3000:]
+    summary = json.loads(out.with_name(out.name + ".json").read_text())
+    assert summary["resumed_at"] == [4] and summary["size"] == 2, summary
+    want, steps = keras_reference(3, [(4, 2)])
+    got = load_file(str(out))
+    assert summary["steps"] == steps and sorted(got) == sorted(want), (summary, steps)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_elastic_fit_refuses_a_state_without_its_sampler_and_the_fit_options_it_sets_itself():
+    from hpctrain.elastic import ObjectState
+    from hpctrain.elastic.sampler import ElasticSampler
+    from hpctrain.tensorflow import elastic_fit
+
+    x = np.zeros((16, 2))
+    with pytest.raises(ValueError, match="the state needs a 'sampler' value"):
+        elastic_fit(None, x, x, state=ObjectState(epoch=0), batch_size=4, epochs=1)
+    state = ObjectState(epoch=0, sampler=ElasticSampler(16, comm=_World(0, 1)))
+    with pytest.raises(ValueError, match="sets fit's 'shuffle' itself"):
+        elastic_fit(None, x, x, state=state, batch_size=4, epochs=1, shuffle=True)
+    with pytest.raises(ValueError, match="batch_size \\(0\\)"):
+        elastic_fit(None, x, x, state=state, batch_size=0, epochs=1)
+
+
 def test_a_lost_part_and_its_copy_fall_back_to_the_disk_checkpoint_bit_identical(tmp_path):
     """The same double kill with disk checkpoints every 8 steps (the example registers the disk fallback):
     killed at step 10, the survivors go back to the disk checkpoint of step 8 at 2 ranks and finish as the

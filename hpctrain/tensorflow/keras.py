@@ -52,8 +52,8 @@ class _DistributedMixin:
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
-        averager = self._hpctrain
-        if isinstance(averager, AdasumUpdates):
+        averager = _Current(self)       # (looked up when the traced op runs: a re-formed world replaces it)
+        if isinstance(self._hpctrain, AdasumUpdates):
             variables = trainable_variables if trainable_variables is not None else self._trainable_variables
             return apply_with_adasum(averager, variables, lambda: super(_DistributedMixin, self).apply(
                 grads, trainable_variables))
@@ -84,6 +84,34 @@ class _DistributedMixin:
     def compression_stats(self) -> dict:
         """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
         return self._hpctrain.stats()
+
+
+class _Current:
+    """A DistributedOptimizer's averager as it is when used, not when ``fit`` traced its step: in elastic mode a
+    re-formed world gives the optimizer a new one (:func:`_follow_the_world`)."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer._hpctrain, name)
+
+
+def _follow_the_world(optimizer, op: str, compression, policy, sparse_as_dense: bool) -> None:
+    """Give ``optimizer`` (a DistributedOptimizer made without ``comm=``) an averager over each re-formed world.
+
+    Held weakly; the compressor object (and its error-feedback residuals) carries over.
+    """
+    from ..world import on_reform_of
+
+    def rebuild(opt, world):
+        old = opt._hpctrain
+        if isinstance(old, AdasumUpdates):
+            opt._hpctrain = AdasumUpdates(world, compression)
+        else:
+            kept = old.compressor if old.compressor is not None else compression
+            opt._hpctrain = GradientAverager(world, op, kept, policy, sparse_as_dense)
+    on_reform_of(optimizer, rebuild)
 
 
 def _after(op, tensors):
@@ -139,6 +167,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
         _CLASSES[cls] = type(f"Distributed{cls.__name__}", (_DistributedMixin, cls), {"__module__": __name__})
     optimizer.__class__ = _CLASSES[cls]
     optimizer._hpctrain = averager
+    if comm is None:
+        _follow_the_world(optimizer, op, compression, compression_policy, sparse_as_dense)
     return optimizer
 
 
