@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", help="also save checkpoints to disk here (every --checkpoint-every steps), "
                    "and start from the newest one found there (a requeued job)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between disk checkpoints")
+    p.add_argument("--metrics-dir", help="per-step metrics here (steps.jsonl, ranks.jsonl, CSV): they follow the "
+                   "re-formed worlds")
     args = p.parse_args()
     kills = {int(r): int(s) for r, s in (k.split(":") for k in args.kill)}
     stalls = {int(r): int(s) for r, s in (k.split(":") for k in args.stall)}
@@ -98,6 +100,11 @@ def main() -> None:
             return step
 
         state.register_disk_fallback(from_disk)
+    metrics = None
+    if args.metrics_dir:
+        from hpctrain.observe import StepMetrics
+
+        metrics = StepMetrics(log_dir=args.metrics_dir, samples_per_step=args.batch, interval=4, tensorboard=False)
     resumed_at = []         # the step each re-forming went back to
     state.register_reset_callbacks([lambda: resumed_at.append(state.step)])
 
@@ -120,6 +127,8 @@ def main() -> None:
                     time.sleep(args.step_sleep)
                 if args.log_steps and hpctrain.world().rank == 0:
                     print(f"step {state.step}", flush=True)
+                if metrics is not None:
+                    metrics.mark()
                 if state.step % args.commit_every == 0:
                     state.commit()
                 if manager is not None:
@@ -132,6 +141,8 @@ def main() -> None:
     train(state)
     if manager is not None:
         manager.wait()
+    if metrics is not None:
+        metrics.close()
     w = hpctrain.world()
     if w.rank == 0:
         print(f"finished: {state.step} steps, world of {w.size}, {len(state.recoveries)} re-formings", flush=True)
@@ -141,7 +152,7 @@ def main() -> None:
             save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out)
             with open(args.out + ".json", "w") as f:
                 json.dump({"steps": state.step, "size": w.size, "resumed_at": resumed_at,
-                           "recoveries": state.recoveries}, f, indent=1)
+                           "recoveries": state.recoveries, "marked": metrics.step if metrics else None}, f, indent=1)
 
 
 if __name__ == "__main__":

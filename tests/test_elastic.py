@@ -28,7 +28,7 @@ def example_args(out):
     """The example's arguments of these tests, writing to ``out`` (and disk checkpoints beside it)."""
     return [str(EXAMPLE), "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch", str(BATCH),
             "--commit-every", str(COMMIT_EVERY), "--out", str(out), "--checkpoint-dir", str(out.parent / "ckpt"),
-            "--checkpoint-every", str(CHECKPOINT_EVERY)]
+            "--checkpoint-every", str(CHECKPOINT_EVERY), "--metrics-dir", str(out.parent / "metrics")]
 
 
 def newest_checkpoint(directory, out):
@@ -158,6 +158,12 @@ def test_killed_ranks_leave_a_smaller_world_that_finishes_bit_identical_to_a_ref
     # last due step, and it loads (in one process) to the reference's parameters after that step
     saved = newest_checkpoint(tmp_path / "ckpt", tmp_path / "newest.safetensors")
     assert saved == steps // CHECKPOINT_EVERY * CHECKPOINT_EVERY, (saved, steps)
+    # the step metrics went on over each new world (rank 0 of the last world wrote the last rows; a new rank 0
+    # appends after the old one's): one row a step marked, in order, the last ones of the last world's size
+    rows = [json.loads(line) for line in (tmp_path / "metrics" / "steps.jsonl").read_text().splitlines()]
+    marked = [r["step"] for r in rows]
+    assert marked == sorted(marked) and marked[-1] == summary["marked"] >= steps, (marked, summary)
+    assert rows[-1]["samples"] == BATCH * summary["size"], rows[-1]
     then = reference(n, list(resumes), at_step=saved)[2]
     got = load_file(str(tmp_path / "newest.safetensors"))
     for name in then:

@@ -115,9 +115,42 @@ class StepMetrics:
         self._last = time.perf_counter()
         self._totals = self._log.totals()
         self._compressed = self._compression_totals()
-        on_close = getattr(self.comm, "on_close", None)     # flushed at hpctrain.shutdown() when not closed before
-        self._forget_close = (on_close(self.close, f"the step metrics ({log_dir or 'in memory'})")
-                              if on_close is not None else lambda: None)
+        self._log_dir, self._tensorboard = log_dir, tensorboard
+        self._forget_close = self._close_with(self.comm)
+        if comm is None:            # (elastic mode: go on over each re-formed world)
+            from ..world import on_reform_of
+
+            on_reform_of(self, lambda metrics, world: metrics._follow(world))
+
+    def _close_with(self, comm) -> Callable[[], None]:
+        """Be closed (flushed) when ``comm`` closes at hpctrain.shutdown() unless closed before."""
+        on_close = getattr(comm, "on_close", None)
+        return (on_close(self.close, f"the step metrics ({self._log_dir or 'in memory'})")
+                if on_close is not None else lambda: None)
+
+    def _follow(self, world) -> None:
+        """Go on over ``world``, the re-formed world of elastic mode (collective over it: every survivor).
+
+        The window in flight is dropped (its steps were marked by ranks of the
+        old world, not all of them alike); the survivors go on from the lowest
+        step any of them marked; a new rank 0 (the old one died) opens the run
+        folder to append to it.
+        """
+        if self._closed:
+            return
+        self._forget_close()
+        self.comm = world
+        self._log = world.comm_log
+        self._log.start()
+        self._totals = self._log.totals()
+        self._window, self._streak = [], np.zeros(world.size, dtype=np.int64)
+        self._recent.clear()
+        self.step = int(np.asarray(world.allreduce(np.array([self.step], dtype=np.int64), op="min"))[0])
+        if self._log_dir is not None and world.rank == 0 and self._writer is None:
+            from .sinks import RunWriter
+            self._writer = RunWriter(self._log_dir, tensorboard=self._tensorboard)
+        self._last = time.perf_counter()
+        self._forget_close = self._close_with(world)
 
     def _compression_totals(self):
         if self._compression is None:
