@@ -375,9 +375,7 @@ def on_reform(callback: Callable[[Communicator], object]) -> Callable[[], None]:
 
 def on_reform_of(owner: object, callback: Callable[[object, Communicator], object]) -> None:
     """:func:`on_reform` for what ``owner`` holds: ``callback(owner, new_world)``, with ``owner`` held weakly
-    (once it is dropped the callback is taken back)."""
-    ref = weakref.ref(owner)
-
+    (once it is dropped the callback is taken back: objects made each step, a tape, leave no hook behind)."""
     def follow(world: Communicator) -> None:
         held = ref()
         if held is None:
@@ -386,6 +384,7 @@ def on_reform_of(owner: object, callback: Callable[[object, Communicator], objec
         callback(held, world)
 
     remove = on_reform(follow)
+    ref = weakref.ref(owner, lambda _: remove())
 
 
 def _replace_world(new: Communicator) -> None:

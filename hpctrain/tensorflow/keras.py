@@ -27,7 +27,7 @@ from ..adasum_updates import AdasumUpdates
 from ..gradients import GradientAverager
 from .adasum_apply import apply_with_adasum
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin
-from .ops import average_gradients, host_call
+from .ops import CurrentAverager, average_gradients, follow_the_world, host_call
 from .tape import _name
 from .zero import ShardedOptimizer
 
@@ -52,7 +52,7 @@ class _DistributedMixin:
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
-        averager = _Current(self)       # (looked up when the traced op runs: a re-formed world replaces it)
+        averager = CurrentAverager(self)    # (looked up when the traced op runs: a re-formed world replaces it)
         if isinstance(self._hpctrain, AdasumUpdates):
             variables = trainable_variables if trainable_variables is not None else self._trainable_variables
             return apply_with_adasum(averager, variables, lambda: super(_DistributedMixin, self).apply(
@@ -84,34 +84,6 @@ class _DistributedMixin:
     def compression_stats(self) -> dict:
         """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
         return self._hpctrain.stats()
-
-
-class _Current:
-    """A DistributedOptimizer's averager as it is when used, not when ``fit`` traced its step: in elastic mode a
-    re-formed world gives the optimizer a new one (:func:`_follow_the_world`)."""
-
-    def __init__(self, optimizer):
-        self._optimizer = optimizer
-
-    def __getattr__(self, name):
-        return getattr(self._optimizer._hpctrain, name)
-
-
-def _follow_the_world(optimizer, op: str, compression, policy, sparse_as_dense: bool) -> None:
-    """Give ``optimizer`` (a DistributedOptimizer made without ``comm=``) an averager over each re-formed world.
-
-    Held weakly; the compressor object (and its error-feedback residuals) carries over.
-    """
-    from ..world import on_reform_of
-
-    def rebuild(opt, world):
-        old = opt._hpctrain
-        if isinstance(old, AdasumUpdates):
-            opt._hpctrain = AdasumUpdates(world, compression)
-        else:
-            kept = old.compressor if old.compressor is not None else compression
-            opt._hpctrain = GradientAverager(world, op, kept, policy, sparse_as_dense)
-    on_reform_of(optimizer, rebuild)
 
 
 def _after(op, tensors):
@@ -168,7 +140,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
     optimizer.__class__ = _CLASSES[cls]
     optimizer._hpctrain = averager
     if comm is None:
-        _follow_the_world(optimizer, op, compression, compression_policy, sparse_as_dense)
+        follow_the_world(optimizer, op, compression, compression_policy, sparse_as_dense)
     return optimizer
 
 

@@ -37,7 +37,7 @@ BLOCKING_ROOM = 64
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(max(BLOCKING_ROOM, os.cpu_count() or 1)))
 
 __all__ = ["allreduce", "reduce_gradients", "average_gradients", "broadcast_variables", "broadcast_arrays",
-           "average_metrics", "host_call"]
+           "average_metrics", "host_call", "CurrentAverager", "follow_the_world"]
 
 
 def _in_xla() -> bool:
@@ -58,6 +58,35 @@ def host_call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], 
     outs = tf.numpy_function(lambda *arrays: list(fn(*arrays)), list(inputs), Tout=list(out_dtypes),
                              stateful=True, name=f"hpctrain_{name}")
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+class CurrentAverager:
+    """The averager ``owner._hpctrain`` holds when a traced op runs, not the one it held when the step was traced
+    (``tf.function`` and Keras trace once; in elastic mode each re-formed world brings a new averager)."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def __getattr__(self, name):
+        return getattr(self._owner._hpctrain, name)
+
+
+def follow_the_world(owner, op: str, compression, policy, sparse_as_dense: bool) -> None:
+    """Give ``owner._hpctrain`` (an averager made without ``comm=``) a new one over each re-formed world.
+
+    Held weakly; the compressor object (and its error-feedback residuals) carries over.
+    """
+    from ..adasum_updates import AdasumUpdates
+    from ..world import on_reform_of
+
+    def rebuild(held, world):
+        old = held._hpctrain
+        if isinstance(old, AdasumUpdates):
+            held._hpctrain = AdasumUpdates(world, compression)
+        else:
+            kept = old.compressor if old.compressor is not None else compression
+            held._hpctrain = GradientAverager(world, op, kept, policy, sparse_as_dense)
+    on_reform_of(owner, rebuild)
 
 
 def allreduce(tensor: Any, op: str = "sum", comm=None) -> tf.Tensor:

@@ -6,7 +6,7 @@ from typing import Any
 import tensorflow as tf
 
 from ..gradients import GradientAverager
-from .ops import average_gradients
+from .ops import CurrentAverager, average_gradients, follow_the_world
 
 __all__ = ["DistributedGradientTape"]
 
@@ -51,7 +51,10 @@ class DistributedGradientTape:
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
         self._tape = tape
-        self._averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
+        self._hpctrain = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
+        self._averager = CurrentAverager(self)      # (a step traced once follows a re-formed world: elastic mode)
+        if comm is None:
+            follow_the_world(self, op, compression, compression_policy, sparse_as_dense)
 
     def compression_stats(self) -> dict:
         """Bytes of gradient payload sent and received, per step and in total (:meth:`GradientAverager.stats`)."""
