@@ -1,0 +1,138 @@
+"""Local SGD and DiLoCo on numpy buffers: ranks step on their own gradients and meet every H steps.
+
+Rule (N ranks, step t counted from 1, flat parameters ``theta_r`` of rank r, a
+global copy ``theta_g`` that every rank keeps alike):
+
+* warm-up, ``t <= W``: gradients are averaged every step (synchronous
+  training); ``theta_g`` is taken at its end (at the start when ``W = 0``);
+* after it each rank steps alone, and at every ``t`` with ``(t - W) % H == 0``
+  the outer step runs on the averaged delta (one all-reduce of the flat
+  parameters, through a compressor when one is given)::
+
+      delta = (1/N) sum_r (theta_g - theta_r)
+      no outer optimizer:  theta_g <- theta_g - delta          (the ranks' mean)
+      SGD, Nesterov:       m <- mu m + delta
+                           theta_g <- theta_g - lr (delta + mu m)   (DiLoCo: lr 0.7, mu 0.9)
+      every rank:          theta_r <- theta_g
+
+With ``H = 1`` and no outer optimizer, SGD with momentum (a linear update)
+equals synchronous training: the mean of the ranks' buffers is the buffer of
+the averaged gradients.
+
+Cost: one all-reduce of P parameter values every H steps instead of one of
+the P gradient values every step, so the bytes on the wire fall H-fold
+(``2 (N-1)/N P`` values per sync for a ring); one more copy of the
+parameters (``theta_g``) and, with the outer optimizer, one of its momentum.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+__all__ = ["LocalSGD", "OuterNesterov"]
+
+
+class OuterNesterov:
+    """The outer optimizer of DiLoCo: SGD with Nesterov momentum on the averaged delta (module docstring)."""
+
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9):
+        if lr <= 0 or not 0 <= momentum < 1:
+            raise ValueError(f"OuterNesterov needs lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
+        self.lr, self.momentum = float(lr), float(momentum)
+        self.buf: Optional[np.ndarray] = None
+
+    def step(self, theta_g: np.ndarray, delta: np.ndarray) -> None:
+        """``theta_g`` updated in place by one Nesterov step on ``delta``."""
+        if self.buf is None:
+            self.buf = np.zeros_like(delta)
+        self.buf *= self.momentum
+        self.buf += delta
+        theta_g -= self.lr * (delta + self.momentum * self.buf)
+
+
+class LocalSGD:
+    """The schedule and the outer step of local SGD / DiLoCo over ``comm`` (module docstring for the rule).
+
+    Adapters call :meth:`start` with the flat parameters once they are alike
+    on every rank, :attr:`synchronous` to know whether this step's gradients
+    are averaged, and :meth:`step_done` after each optimizer step, which says
+    whether to hand the flat parameters to :meth:`sync` (a collective).
+
+    Args:
+        comm: the communicator (default: the world).
+        sync_every: H, local steps between outer steps (1 or more).
+        warmup_steps: W, synchronous steps first (gradients averaged).
+        outer: None (the ranks' mean), or an :class:`OuterNesterov`.
+        compression: a compressor of :mod:`hpctrain.compression` (or its name) for the delta.
+    """
+
+    def __init__(self, comm=None, sync_every: int = 16, warmup_steps: int = 0,
+                 outer: Optional[OuterNesterov] = None, compression: Any = None):
+        from ..world import comm_or_world
+
+        if int(sync_every) < 1 or int(warmup_steps) < 0:
+            raise ValueError(f"local SGD needs sync_every >= 1 and warmup_steps >= 0, got {sync_every} and "
+                             f"{warmup_steps}")
+        self.comm = comm_or_world(comm)
+        self.sync_every, self.warmup_steps, self.outer = int(sync_every), int(warmup_steps), outer
+        self.reducer = None
+        if compression is not None:
+            from ..compression import Policy, gradient_compressor, reducer_for
+
+            compressor = gradient_compressor("avg", compression)
+            self.reducer = reducer_for(compressor, self.comm, Policy(min_numel=0, skip=()))
+        self.steps = 0              # optimizer steps done
+        self.syncs = 0              # outer steps done
+        self.theta_g: Optional[np.ndarray] = None
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether the step under way averages its gradients (the warm-up)."""
+        return self.steps < self.warmup_steps
+
+    def start(self, flat: np.ndarray) -> None:
+        """Take the global copy from ``flat``, the parameters (alike on every rank)."""
+        self.theta_g = np.array(flat, copy=True)
+
+    def step_done(self) -> bool:
+        """Count one optimizer step; True when the parameters must now go through :meth:`sync`."""
+        self.steps += 1
+        past = self.steps - self.warmup_steps
+        return past > 0 and past % self.sync_every == 0
+
+    def warmup_ended(self) -> bool:
+        """True right after the last warm-up step (the adapter then calls :meth:`start`)."""
+        return self.warmup_steps > 0 and self.steps == self.warmup_steps
+
+    def sync(self, flat: np.ndarray) -> None:
+        """The outer step (collective): ``flat``, this rank's parameters, becomes the new global copy, in place."""
+        if self.theta_g is None or self.theta_g.shape != flat.shape:
+            raise RuntimeError("LocalSGD.sync() before start() with parameters of this size")
+        delta = self.theta_g - flat
+        if self.reducer is not None:
+            (delta,) = self.reducer.reduce([("delta", delta)], op="avg")
+        elif self.comm.size > 1:
+            delta = np.asarray(self.comm.allreduce(delta, op="avg"))
+        if self.outer is None:
+            self.theta_g -= delta
+        else:
+            self.outer.step(self.theta_g, delta)
+        flat[...] = self.theta_g
+        self.syncs += 1
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Steps, the global copy and the outer momentum (alike on every rank)."""
+        out: Dict[str, Any] = {"steps": self.steps, "syncs": self.syncs}
+        if self.theta_g is not None:
+            out["theta_g"] = self.theta_g.copy()
+        if self.outer is not None and self.outer.buf is not None:
+            out["outer_momentum"] = self.outer.buf.copy()
+        return out
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        if "theta_g" in state:
+            self.theta_g = np.array(state["theta_g"], copy=True)
+        if self.outer is not None and "outer_momentum" in state:
+            self.outer.buf = np.array(state["outer_momentum"], copy=True)
