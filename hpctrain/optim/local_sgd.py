@@ -30,7 +30,9 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = ["LocalSGD", "OuterNesterov"]
+__all__ = ["LocalSGD", "OuterNesterov", "START", "SYNC"]
+
+START, SYNC = 1, 2      # what step_done() asks of the adapter
 
 
 class OuterNesterov:
@@ -57,7 +59,8 @@ class LocalSGD:
     Adapters call :meth:`start` with the flat parameters once they are alike
     on every rank, :attr:`synchronous` to know whether this step's gradients
     are averaged, and :meth:`step_done` after each optimizer step, which says
-    whether to hand the flat parameters to :meth:`sync` (a collective).
+    whether to hand the flat parameters to :meth:`after_step` (a collective
+    when it syncs).
 
     Args:
         comm: the communicator (default: the world).
@@ -95,15 +98,20 @@ class LocalSGD:
         """Take the global copy from ``flat``, the parameters (alike on every rank)."""
         self.theta_g = np.array(flat, copy=True)
 
-    def step_done(self) -> bool:
-        """Count one optimizer step; True when the parameters must now go through :meth:`sync`."""
+    def step_done(self) -> int:
+        """Count one optimizer step; what the parameters must now go through: 0, or the bits :data:`START` (the
+        warm-up just ended: take the global copy) and :data:`SYNC` (the outer step), for :meth:`after_step`."""
         self.steps += 1
         past = self.steps - self.warmup_steps
-        return past > 0 and past % self.sync_every == 0
+        return (START if self.warmup_steps > 0 and past == 0 else 0) | \
+            (SYNC if past > 0 and past % self.sync_every == 0 else 0)
 
-    def warmup_ended(self) -> bool:
-        """True right after the last warm-up step (the adapter then calls :meth:`start`)."""
-        return self.warmup_steps > 0 and self.steps == self.warmup_steps
+    def after_step(self, todo: int, flat: np.ndarray) -> None:
+        """Do :meth:`step_done`'s ``todo`` with ``flat``, this rank's parameters (changed in place by a sync)."""
+        if todo & START:
+            self.start(flat)
+        if todo & SYNC:
+            self.sync(flat)
 
     def sync(self, flat: np.ndarray) -> None:
         """The outer step (collective): ``flat``, this rank's parameters, becomes the new global copy, in place."""

@@ -29,9 +29,10 @@ from .adasum_apply import apply_with_adasum
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin
 from .ops import CurrentAverager, average_gradients, follow_the_world, host_call
 from .tape import _name
+from .local_sgd import LocalSGDOptimizer
 from .zero import ShardedOptimizer
 
-__all__ = ["DistributedOptimizer", "ShardedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+__all__ = ["DistributedOptimizer", "ShardedOptimizer", "LocalSGDOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "StepMetricsCallback",
            "TimelineCallback"]
 

@@ -74,12 +74,10 @@ def LocalSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Option
     local.start(_flat(params).numpy())
 
     def after_step(_opt, args, kwargs):
-        due = local.step_done()
-        if local.warmup_ended():
-            local.start(_flat(params).numpy())
-        if due:
+        todo = local.step_done()
+        if todo:
             flat = _flat(params)
-            local.sync(flat.numpy())
+            local.after_step(todo, flat.numpy())
             _unflat(flat, params)
 
     opt.register_step_post_hook(after_step)
