@@ -28,7 +28,11 @@ def track_steps(optimizer: torch.optim.Optimizer, log_dir: Optional[str] = None,
     ratio is read from it.  ``options``: the other arguments of StepMetrics.
     """
     stats = getattr(optimizer, "compression_stats", None)
-    comm = comm if comm is not None else getattr(getattr(optimizer, "_hpctrain", None), "comm", None)
+    if comm is None:        # (the optimizer's group; the world is left to StepMetrics, which follows it when re-formed)
+        from ..world import world
+
+        held = getattr(getattr(optimizer, "_hpctrain", None), "comm", None)
+        comm = None if held is None or held is world() else held
     metrics = StepMetrics(comm, log_dir, samples_per_step, compression=stats, **options)
     metrics.on_close.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: metrics.mark()).remove)
     return metrics
