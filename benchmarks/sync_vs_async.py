@@ -8,10 +8,12 @@ slower rank).  Modes: ``sync`` (DistributedOptimizer: gradients averaged every s
 (LocalSGDOptimizer, parameters averaged every 4 / 16 steps), ``diloco16`` (outer SGD-Nesterov lr 0.7, momentum
 0.9, every 16 steps).  Measured: samples/s over the run, the held-out accuracy of rank 0's parameters after
 each epoch against wall time, time to reach ``--target`` accuracy, bytes a rank sent a step (the comm log).
-Medians over ``--repeats`` launches, modes alternating.  Not here yet: the backup-worker and
-parameter-server modes of issue 47.
+Medians over ``--repeats`` launches, modes alternating.  ``--nodes 2`` runs on namespace nodes of
+scripts/cluster.sh (1 Gbit/s links) and also counts the bytes the nodes' links carried during training.  Not
+here yet: the backup-worker and parameter-server modes of issue 47.
 
     python benchmarks/sync_vs_async.py --ranks 4 --repeats 3 --out results/sync_vs_async
+    sudo .venv/bin/python benchmarks/sync_vs_async.py --nodes 2 --ranks 4 --repeats 1 --out results/sync_vs_async_nodes
 """
 from __future__ import annotations
 
@@ -28,6 +30,16 @@ from common import CORES, launch_worker, oversubscribed, write_results  # noqa: 
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = {"sync": None, "local4": (4, None), "local16": (16, None), "diloco16": (16, 0.7)}
+
+
+def link_tx() -> int:
+    """Bytes this node's eth0 has sent (a namespace node's own link; 0 where there is none)."""
+    with open("/proc/net/dev") as f:          # (this process's network namespace; /sys shows the mounter's)
+        for line in f:
+            name, _, counts = line.partition(":")
+            if name.strip() == "eth0":
+                return int(counts.split()[8])     # (8 receive fields, then transmitted bytes)
+    return 0
 
 
 def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool) -> None:
@@ -57,6 +69,7 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
     log.start()
     comm.barrier()
     log.clear()
+    tx0 = link_tx()
     start, curve, steps = time.perf_counter(), [], 0
     for epoch in range(epochs):
         perm = train[np.random.RandomState(1 + epoch).permutation(len(train))]
@@ -75,9 +88,13 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
     comm.barrier()
     wall = time.perf_counter() - start
     sent = log.totals()[1]
+    import socket
+
+    nodes = dict((host, tx) for host, tx in comm.allgather_object((socket.gethostname(), link_tx() - tx0)))
     if comm.rank == 0:
         print("RESULT " + json.dumps({"mode": mode, "wall_s": wall, "samples_per_s": steps * batch * comm.size / wall,
-                                      "curve": curve, "bytes_per_step": sent / steps, "steps": steps}), flush=True)
+                                      "curve": curve, "bytes_per_step": sent / steps, "steps": steps,
+                                      "link_bytes_per_step": sum(nodes.values()) / steps}), flush=True)
     hpctrain.shutdown()
 
 
@@ -97,23 +114,42 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--target", type=float, default=0.95, help="held-out accuracy for the time-to-accuracy column")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nodes", type=int, default=0, help="run on this many namespace nodes (scripts/cluster.sh, "
+                   "1 Gbit/s links, needs root), ranks spread evenly; the bytes on the links are counted")
     p.add_argument("--out", type=Path, default=REPO / "results" / "sync_vs_async")
     args = p.parse_args()
     if args.worker:
         worker(args.worker, args.epochs, args.batch, args.compute_s, args.straggler)
         return
     runs = []
-    for r in range(args.repeats):
-        for scenario in ("none", "straggler"):
-            for mode in (args.modes if r % 2 == 0 else args.modes[::-1]):
-                argv = [__file__, "--worker", mode, "--epochs", str(args.epochs), "--batch", str(args.batch),
-                        "--compute-s", str(args.compute_s)] + (["--straggler"] if scenario == "straggler" else [])
-                res = launch_worker(args.ranks, argv, timeout=1200)
-                res.update(scenario=scenario, time_to_target_s=time_to(res["curve"], args.target),
-                           final_accuracy=res["curve"][-1][1])
-                runs.append(res)
-                print(json.dumps({k: v for k, v in res.items() if k != "curve"}), flush=True)
+    cluster = None
+    if args.nodes:
+        from multinode import Nodes
+
+        cluster = Nodes(args.nodes, "1gbit")
+    try:
+        for r in range(args.repeats):
+            for scenario in ("none", "straggler"):
+                for mode in (args.modes if r % 2 == 0 else args.modes[::-1]):
+                    runs.append(one_run(args, mode, scenario, cluster))
+    finally:
+        if cluster is not None:
+            cluster.down()
     write_outputs(runs, args)
+
+
+def one_run(args, mode: str, scenario: str, cluster) -> dict:
+    """One launch of ``mode`` in ``scenario`` (on the namespace nodes when ``cluster``)."""
+    argv = [__file__, "--worker", mode, "--epochs", str(args.epochs), "--batch", str(args.batch),
+            "--compute-s", str(args.compute_s)] + (["--straggler"] if scenario == "straggler" else [])
+    if cluster is not None:
+        res = cluster.launch(args.nodes, argv, timeout=1200, per_node=args.ranks // args.nodes)
+    else:
+        res = launch_worker(args.ranks, argv, timeout=1200)
+    res.update(scenario=scenario, time_to_target_s=time_to(res["curve"], args.target),
+               final_accuracy=res["curve"][-1][1])
+    print(json.dumps({k: v for k, v in res.items() if k != "curve"}), flush=True)
+    return res
 
 
 def write_outputs(runs, args) -> None:
@@ -127,21 +163,31 @@ def write_outputs(runs, args) -> None:
                          "final_accuracy": statistics.median(r["final_accuracy"] for r in mine),
                          "time_to_target_s": statistics.median(reached) if len(reached) == len(mine) else None,
                          "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
+                         "link_bytes_per_step": statistics.median(r.get("link_bytes_per_step", 0) for r in mine),
                          "wall_s": statistics.median(r["wall_s"] for r in mine)})
     base = {s: next(r for r in rows if r["scenario"] == s and r["mode"] == "sync") for s in ("none", "straggler")
             } if "sync" in args.modes else {}
-    lines = [f"digits, {args.ranks} ranks{oversubscribed(args.ranks)}, {args.epochs} epochs, batch {args.batch} a "
+    where = (f" on {args.nodes} namespace nodes (1 Gbit/s links; the links' bytes are both directions' eth0 "
+             f"counts, all traffic)" if args.nodes else "")
+    lines = [f"digits, {args.ranks} ranks{oversubscribed(args.ranks)}{where}, {args.epochs} epochs, batch {args.batch} a "
              f"rank, {args.compute_s * 1e3:.0f} ms of compute (sleep) a step, the straggler 2x; medians of "
              f"{args.repeats} launches ({CORES}-core machine).\n",
              f"| scenario | mode | samples/s | x sync (same scenario) | held-out accuracy | time to "
-             f"{args.target:.0%} | bytes a rank sent a step | x fewer than sync |", "|---|---|---|---|---|---|---|---|"]
+             f"{args.target:.0%} | bytes a rank sent a step | x fewer than sync |"
+             + (" bytes on the links a step | x fewer than sync |" if args.nodes else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if args.nodes else "")]
     for r in rows:
         ref = base.get(r["scenario"])
         speed = f"{r['samples_per_s'] / ref['samples_per_s']:.2f}x" if ref else "-"
         fewer = f"{ref['bytes_per_step'] / r['bytes_per_step']:.1f}x" if ref and r["bytes_per_step"] else "-"
         reach = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "not reached"
+        link = ""
+        if args.nodes:
+            cut = (f"{ref['link_bytes_per_step'] / r['link_bytes_per_step']:.1f}x"
+                   if ref and r["link_bytes_per_step"] else "-")
+            link = f" {r['link_bytes_per_step'] / 1e3:.1f} kB | {cut} |"
         lines.append(f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | {speed} | "
-                     f"{r['final_accuracy']:.3f} | {reach} | {r['bytes_per_step'] / 1e3:.1f} kB | {fewer} |")
+                     f"{r['final_accuracy']:.3f} | {reach} | {r['bytes_per_step'] / 1e3:.1f} kB | {fewer} |{link}")
     table = "\n".join(lines)
 
     def draw(plt):
