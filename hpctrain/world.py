@@ -393,7 +393,13 @@ def _replace_world(new: Communicator) -> None:
     with _lock:
         if _world is None:
             raise NotInitializedError("hpctrain is not initialised: there is no world to re-form")
-        _world = new
+        old, _world = _world, new
+        timeline = new._rt.config.timeline
+        if timeline:                # (the trace goes on in the new world, with this rank's events from before)
+            from .comm.timeline import write_trace
+
+            new.timeline.adopt(old.timeline)
+            new.on_close(lambda: write_trace(new, timeline), f"the timeline writer ({timeline})")
         _generation[0] += 1
         _install_excepthook(new, previous=_saved_excepthook)
     from .elastic.hosts import write_world

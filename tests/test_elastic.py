@@ -56,7 +56,7 @@ def launch(n, tmp_path, kills=(), *options, in_recovery=(), example=(), timeout=
         cmd += ["--kill", f"{rank}:{step}"]
     for rank in in_recovery:
         cmd += ["--kill-in-recovery", str(rank)]
-    return run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60), timeout), out
+    return run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60, HPCTRAIN_TIMELINE=str(tmp_path / "trace.json")), timeout), out
 
 
 def schedule(n, resumes):
@@ -164,6 +164,10 @@ def test_killed_ranks_leave_a_smaller_world_that_finishes_bit_identical_to_a_ref
     marked = [r["step"] for r in rows]
     assert marked == sorted(marked) and marked[-1] == summary["marked"] >= steps, (marked, summary)
     assert rows[-1]["samples"] == BATCH * summary["size"], rows[-1]
+    # so did the timeline: one trace of the last world's ranks, each with its events from the worlds before
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == set(range(summary["size"])), {e["pid"] for e in events}
+    assert sum(e.get("cat") == "collective" and e["pid"] == 0 for e in events) >= summary["marked"], summary
     then = reference(n, list(resumes), at_step=saved)[2]
     got = load_file(str(tmp_path / "newest.safetensors"))
     for name in then:

@@ -91,6 +91,12 @@ class Timeline(Recorder):
     def _forget(self) -> None:
         self._events = []
 
+    def adopt(self, older: "Timeline") -> None:
+        """Put ``older``'s events (this rank's, recorded in a world that re-formed into this one) before this one's."""
+        with self._lock:
+            self._events = list(older._events) + self._events
+            self._names = {**older._names, **self._names}
+
     def span(self, name: str, cat: str, **args):
         """A context manager that records ``name`` around its block (nothing while off)."""
         return _Span(self, name, cat, args) if self.on else _OFF
