@@ -456,6 +456,27 @@ def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_un
     assert offered() == (4, [("a", 2), ("b", 2), ("c", 1)])
 
 
+def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_within_its_limits(capsys, tmp_path):
+    """What the launcher decides once Open MPI reported a lost daemon (the run itself: tests/test_multinode.py)."""
+    import argparse
+
+    from hpctrain.cli import _fixed_hosts
+    from hpctrain.elastic.driver import _after_node_loss
+
+    limit = {"HPCTRAIN_ELASTIC_RESET_LIMIT": "2"}
+    assert _after_node_loss({"b"}, [("a", 2), ("c", 1)], 2, 1, limit) == [("a", 2), ("c", 1)]
+    assert "node b was lost with Open MPI's daemon on it" in capsys.readouterr().out
+    assert _after_node_loss({"b"}, [("a", 2)], 3, 1, {}) is None
+    assert "2 slot(s) left on a, fewer than --min-np 3: the job ends" in capsys.readouterr().err
+    assert _after_node_loss({"b"}, [("a", 2)], 1, 3, limit) is None
+    assert "the reset limit (2) is reached" in capsys.readouterr().err
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the nodes\nn1 slots=2\nn2 slots=3 max_slots=4\nn3\n")
+    assert _fixed_hosts(argparse.Namespace(hosts=None, hostfile=str(hostfile))) == [("n1", 2), ("n2", 3), ("n3", 1)]
+    assert _fixed_hosts(argparse.Namespace(hosts="n1:2,n2", hostfile=None)) == [("n1", 2), ("n2", 1)]
+    assert _fixed_hosts(argparse.Namespace(hosts=None, hostfile=None)) is None
+
+
 @pytest.mark.parametrize("options, said", [
     (["-n", "2", "--reset-limit", "1"], "--reset-limit goes with --elastic"),
     (["--elastic", "-n", "2", "--max-np", "3"], "--max-np needs --host-discovery-script"),
