@@ -17,7 +17,7 @@ compiles with XLA by default on GPUs, which cannot run that op: pass
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import keras
 import numpy as np
@@ -27,7 +27,7 @@ from ..adasum_updates import AdasumUpdates
 from ..gradients import GradientAverager
 from .adasum_apply import apply_with_adasum
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin
-from .ops import CurrentAverager, average_gradients, follow_the_world, host_call
+from .ops import CurrentAverager, average_gradients, follow_the_world, host_call, swap_class
 from .tape import _name
 from .local_sgd import LocalSGDOptimizer
 from .zero import ShardedOptimizer
@@ -35,9 +35,6 @@ from .zero import ShardedOptimizer
 __all__ = ["DistributedOptimizer", "ShardedOptimizer", "LocalSGDOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "StepMetricsCallback",
            "TimelineCallback"]
-
-_CLASSES: Dict[type, type] = {}
-
 
 class _DistributedMixin:
     """Reduces the gradients over ranks in ``apply`` (which ``apply_gradients`` and ``model.fit`` call)."""
@@ -135,10 +132,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
         averager = AdasumUpdates(comm, compression)
     else:
         averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
-    cls = type(optimizer)
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Distributed{cls.__name__}", (_DistributedMixin, cls), {"__module__": __name__})
-    optimizer.__class__ = _CLASSES[cls]
+    swap_class(optimizer, _DistributedMixin, "Distributed")
     optimizer._hpctrain = averager
     if comm is None:
         follow_the_world(optimizer, op, compression, compression_policy, sparse_as_dense)

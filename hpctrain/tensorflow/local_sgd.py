@@ -16,12 +16,9 @@ import tensorflow as tf
 
 from ..gradients import GradientAverager
 from ..optim.local_sgd import LocalSGD, OuterNesterov
-from .ops import average_gradients, host_call
+from .ops import average_gradients, host_call, swap_class
 
 __all__ = ["LocalSGDOptimizer"]
-
-_CLASSES: dict = {}
-
 
 def LocalSGDOptimizer(optimizer: keras.optimizers.Optimizer, sync_every: int = 16, warmup_steps: int = 0,
                       outer_lr: Optional[float] = None, outer_momentum: float = 0.9, compression=None,
@@ -40,10 +37,7 @@ def LocalSGDOptimizer(optimizer: keras.optimizers.Optimizer, sync_every: int = 1
         raise ValueError("this optimizer is already a LocalSGDOptimizer")
     outer = OuterNesterov(outer_lr, outer_momentum) if outer_lr is not None else None
     local = LocalSGD(comm, sync_every, warmup_steps, outer, compression)
-    cls = type(optimizer)
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"LocalSGD{cls.__name__}", (_LocalSGDMixin, cls), {"__module__": __name__})
-    optimizer.__class__ = _CLASSES[cls]
+    swap_class(optimizer, _LocalSGDMixin, "LocalSGD")
     optimizer.local_sgd = local
     optimizer._hpctrain_local_averager = GradientAverager(local.comm, "avg")
     return optimizer

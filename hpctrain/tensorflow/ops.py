@@ -37,7 +37,9 @@ BLOCKING_ROOM = 64
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(max(BLOCKING_ROOM, os.cpu_count() or 1)))
 
 __all__ = ["allreduce", "reduce_gradients", "average_gradients", "broadcast_variables", "broadcast_arrays",
-           "average_metrics", "host_call", "CurrentAverager", "follow_the_world"]
+           "average_metrics", "host_call", "CurrentAverager", "follow_the_world", "swap_class"]
+
+_SWAPPED: dict = {}         # (mixin, class) -> the subclass swap_class made
 
 
 def _in_xla() -> bool:
@@ -58,6 +60,17 @@ def host_call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], 
     outs = tf.numpy_function(lambda *arrays: list(fn(*arrays)), list(inputs), Tout=list(out_dtypes),
                              stateful=True, name=f"hpctrain_{name}")
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def swap_class(obj, mixin: type, prefix: str) -> None:
+    """Give ``obj`` (a Keras optimizer) the class ``<prefix><its class>``, a subclass of its own with ``mixin`` first
+    (made once per class: ``isinstance``, ``get_config`` and the optimizer's variables keep working)."""
+    base = type(obj)
+    cls = _SWAPPED.get((mixin, base))
+    if cls is None:
+        cls = _SWAPPED[(mixin, base)] = type(f"{prefix}{base.__name__}", (mixin, base),
+                                             {"__module__": mixin.__module__})
+    obj.__class__ = cls
 
 
 class CurrentAverager:

@@ -39,13 +39,12 @@ import tensorflow as tf
 from ..agreement import check_same
 from ..collectives.buckets import plan_buckets
 from ..optim.zero import SHARDS_FORMAT, Exchange, ShardLayout, layout_record, refuse_compression, reshard_copies
-from .ops import host_call
+from .ops import host_call, swap_class
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE"]
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Nadam", "Lion")
 _CHUNK = re.compile(r"hpctrain_zero_chunk_(\d+)_(.+)$")
-_CLASSES: dict = {}
 
 
 def ShardedOptimizer(optimizer: keras.optimizers.Optimizer, stage: int = 2, comm=None, bucket_mb: float = 25,
@@ -79,9 +78,7 @@ def ShardedOptimizer(optimizer: keras.optimizers.Optimizer, stage: int = 2, comm
     refuse_compression(compression)
     if optimizer.use_ema:
         raise ValueError("ShardedOptimizer does not take use_ema (the averages would be whole-model copies)")
-    if base not in _CLASSES:
-        _CLASSES[base] = type(f"Sharded{base.__name__}", (_ShardedMixin, base), {"__module__": __name__})
-    optimizer.__class__ = _CLASSES[base]
+    swap_class(optimizer, _ShardedMixin, "Sharded")
     optimizer._hpctrain_zero_setup = (base, comm_or_world(comm), stage, int(bucket_mb * 2 ** 20))
     optimizer._hpctrain_zero = None
     return optimizer
