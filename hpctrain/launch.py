@@ -269,7 +269,7 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
     seconds while mpirun runs (the discovery script's poll:
     :mod:`hpctrain.elastic.driver`).  The hosts whose Open MPI daemon was
     lost after the job started (a node crash: its runtime then ends the whole
-    job, survivors too) are added to ``lost`` (Open MPI's report on stderr).
+    job, survivors too) are added to ``lost`` (read from Open MPI's report, on either stream).
     """
     import signal
     import subprocess
