@@ -13,8 +13,7 @@ import sys
 import threading
 import time
 import traceback
-import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 from . import settings
 from .agreement import check_writable, disagreeing_settings
@@ -23,8 +22,10 @@ from .comm.runtime import SHARED_SETTINGS, Config
 from .env import detect_launcher
 from .errors import NotInitializedError
 from .memory import keep_freed_memory
+from .reform_hooks import generation, on_reform, on_reform_of, reformed
 
-__all__ = ["init", "shutdown", "is_initialized", "world", "resolve_backend", "BACKENDS", "on_reform", "generation"]
+__all__ = ["init", "shutdown", "is_initialized", "world", "resolve_backend", "BACKENDS", "on_reform", "on_reform_of",
+           "generation"]
 
 BACKENDS = ("auto", "mpi", "horovod", "local")
 
@@ -33,9 +34,7 @@ _world: Optional[Communicator] = None
 _saved_excepthook = None
 _atexit_installed = False
 _exit_status = [0]          # what sys.exit() was last called with, after init() (see _install_atexit)
-_generation = [0]           # how many times the world re-formed (elastic mode) since the process started
 _restarting = [False]       # this job ends for the elastic launcher's restart on more hosts (hpctrain.elastic.hosts)
-_reform_hooks: list = []    # callables given the new world after a re-forming (see on_reform)
 _SAY_IT_S = 2.0             # how long other ranks wait before exiting on a bad setting, so rank 0's line is seen
 
 
@@ -113,7 +112,7 @@ def init(backend: str = "auto") -> Communicator:
                 raise settings.SettingError(f"ranks of {w.name} disagree on settings every rank must share "
                                             f"(set them alike for all ranks; a tuning file counts): {differ}")
         if config.timeline:       # every rank's timeline, merged into one file by rank 0 at shutdown
-            from .comm.timeline import write_trace
+            from .comm.timeline import write_trace_at_close
 
             w.timeline.on = False          # (the check's own collective stays off the timeline)
             why = check_writable(w, config.timeline)
@@ -122,7 +121,7 @@ def init(backend: str = "auto") -> Communicator:
                 w.close()
                 _install_setting_error_hook()
                 raise settings.SettingError(f"HPCTRAIN_TIMELINE={config.timeline!r}: {why}")
-            w.on_close(lambda: write_trace(w, config.timeline), f"the timeline writer ({config.timeline})")
+            write_trace_at_close(w, config.timeline, on_reform)      # (over each re-formed world too)
         _world = w
         if config.elastic and w.rank == 0:       # (hpctrain launch --elastic looks for it: see run_elastic)
             from .launch import ELASTIC_STARTED
@@ -210,10 +209,10 @@ def _shutdown_at_exit() -> None:
     if code == 0 and last is not None and last.rank == 0 and last._rt.config.elastic and not _restarting[0]:
         from .launch import ELASTIC_FINISHED        # (hpctrain launch --elastic looks for it: see run_elastic)
 
-        sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size} ranks after {_generation[0]} re-forming"
-                         f"{'' if _generation[0] == 1 else 's'}\n")
+        sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size} ranks after {generation()} re-forming"
+                         f"{'' if generation() == 1 else 's'}\n")
         sys.stdout.flush()
-    if _generation[0]:
+    if generation():
         _exit_without_finalize(code)
 
 
@@ -351,62 +350,18 @@ def world() -> Communicator:
     return _world
 
 
-def generation() -> int:
-    """How many times the world re-formed in this process (elastic mode: :mod:`hpctrain.elastic`); 0 before."""
-    return _generation[0]
-
-
-def on_reform(callback: Callable[[Communicator], object]) -> Callable[[], None]:
-    """Call ``callback(new_world)`` each time the world re-forms (elastic mode), on every surviving rank, in the
-    order registered; return a function that takes it back.
-
-    For whatever holds the world communicator (an optimizer's gradient
-    buckets, a checkpoint manager): the old communicator is gone after a
-    re-forming, so they rebuild on the new one here (collectives inside the
-    callback meet: every survivor runs the same callbacks in the same order).
-    """
-    _reform_hooks.append(callback)
-
-    def remove() -> None:
-        if callback in _reform_hooks:
-            _reform_hooks.remove(callback)
-    return remove
-
-
-def on_reform_of(owner: object, callback: Callable[[object, Communicator], object]) -> None:
-    """:func:`on_reform` for what ``owner`` holds: ``callback(owner, new_world)``, with ``owner`` held weakly
-    (once it is dropped the callback is taken back: objects made each step, a tape, leave no hook behind)."""
-    def follow(world: Communicator) -> None:
-        held = ref()
-        if held is None:
-            remove()
-            return
-        callback(held, world)
-
-    remove = on_reform(follow)
-    ref = weakref.ref(owner, lambda _: remove())
-
-
 def _replace_world(new: Communicator) -> None:
     """Make ``new`` the world (the survivors' one, :func:`hpctrain.elastic.reform`) and run the re-form hooks."""
     global _world
     with _lock:
         if _world is None:
             raise NotInitializedError("hpctrain is not initialised: there is no world to re-form")
-        old, _world = _world, new
-        timeline = new._rt.config.timeline
-        if timeline:                # (the trace goes on in the new world, with this rank's events from before)
-            from .comm.timeline import write_trace
-
-            new.timeline.adopt(old.timeline)
-            new.on_close(lambda: write_trace(new, timeline), f"the timeline writer ({timeline})")
-        _generation[0] += 1
+        _world = new
         _install_excepthook(new, previous=_saved_excepthook)
     from .elastic.hosts import write_world
 
     write_world(new)
-    for hook in list(_reform_hooks):
-        hook(new)
+    reformed(new)
 
 
 def comm_or_world(comm: Optional[Communicator]) -> Communicator:

@@ -160,6 +160,20 @@ def span_of(comm, name: str, cat: str, **args):
     return tl.span(name, cat, **args) if tl is not None else _OFF
 
 
+def write_trace_at_close(world, path: str, on_reform) -> None:
+    """Write the job's trace to ``path`` when the world closes (hpctrain.shutdown()), and in elastic mode when the
+    re-formed world closes: each new world's recorder first takes this rank's events from the old one
+    (``on_reform``: :func:`hpctrain.reform_hooks.on_reform`, given by the caller above this module)."""
+    held = [world]
+    world.on_close(lambda: write_trace(world, path), f"the timeline writer ({path})")
+
+    def follow(new) -> None:
+        new.timeline.adopt(held[0].timeline)
+        held[0] = new
+        new.on_close(lambda: write_trace(new, path), f"the timeline writer ({path})")
+    on_reform(follow)
+
+
 def write_trace(comm, path: str) -> Optional[str]:
     """Merge every rank's timeline into one Chrome trace file at ``path``, written by rank 0 (a collective).
 
