@@ -65,10 +65,11 @@ class _LocalSGDMixin:
                                 "local_sgd_start")
             return done
 
-        (unstarted,) = host_call(lambda: [np.array(local.theta_g is None)], [], [tf.bool], "local_sgd_started")
-        tf.cond(unstarted, start, lambda: tf.constant(False))
-        (warm,) = host_call(lambda: [np.array(local.synchronous)], [], [tf.bool], "local_sgd_phase")
-        grads = tf.cond(warm, lambda: average_gradients(averager, grads),
+        # one op asks the core: bit 1, the global copy is not taken yet; bit 0, this step averages its gradients
+        (phase,) = host_call(lambda: [np.array(2 * (local.theta_g is None) + local.synchronous, np.int32)], [],
+                             [tf.int32], "local_sgd_phase")
+        tf.cond(phase >= 2, start, lambda: tf.constant(False))
+        grads = tf.cond(phase % 2 == 1, lambda: average_gradients(averager, grads),
                         lambda: [tf.identity(g) for g in grads])
         result = super().apply(grads, trainable_variables)
         (todo,) = host_call(lambda: [np.array(local.step_done(), np.int32)], [], [tf.int32], "local_sgd_step")
