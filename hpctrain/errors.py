@@ -51,3 +51,17 @@ class WorldFailedError(HpctrainError):
     def __init__(self, message: str, failed=()):
         super().__init__(message)
         self.failed = list(failed)
+
+
+class RanksFailedError(HpctrainError):
+    """Ranks a point-to-point receive could hear from have failed (their process died or their node was lost).
+
+    Raised by :meth:`~hpctrain.comm.base.Communicator.recv_any` and ``probe``
+    under MPI's fault-tolerance extension, after the failure was acknowledged:
+    the communicator stays usable with the other ranks (a parameter server goes
+    on without a lost worker).  ``failed`` holds the failed world ranks.
+    """
+
+    def __init__(self, message: str, failed=()):
+        super().__init__(message)
+        self.failed = list(failed)

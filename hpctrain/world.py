@@ -209,10 +209,11 @@ def _shutdown_at_exit() -> None:
     if code == 0 and last is not None and last.rank == 0 and last._rt.config.elastic and not _restarting[0]:
         from .launch import ELASTIC_FINISHED        # (hpctrain launch --elastic looks for it: see run_elastic)
 
-        sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size} ranks after {generation()} re-forming"
-                         f"{'' if generation() == 1 else 's'}\n")
+        behind = len(last._rt.tolerated)        # (failed ranks the job went on without: on_rank_failure)
+        sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size - behind} ranks after {generation()} re-forming"
+                         f"{'' if generation() == 1 else 's'}{f', {behind} failed and left behind' if behind else ''}\n")
         sys.stdout.flush()
-    if generation():
+    if generation() or (last is not None and last._rt.tolerated):     # (ranks failed and the job went on)
         _exit_without_finalize(code)
 
 
@@ -240,8 +241,9 @@ def fail_this_rank(message: str) -> None:
 
 
 def _exit_without_finalize(code: int) -> None:
-    """End the process now, without ``MPI_Finalize``: after a re-forming (elastic mode) Open MPI's finalize
-    waits for the processes that were lost when they ran on another node, for ever."""
+    """End the process now, without ``MPI_Finalize``: after a re-forming (elastic mode), or when the job went on
+    without failed ranks (``on_rank_failure``), Open MPI's finalize waits for the processes that were lost when
+    they ran on another node, for ever."""
     import logging
 
     logging.shutdown()

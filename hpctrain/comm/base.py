@@ -254,6 +254,35 @@ class Communicator(CallPath, PointToPoint, Primitives):
         """
         return self._rt.on_close(callback, what)
 
+    def on_rank_failure(self, handler: Callable[[List[int]], None]) -> Callable[[], None]:
+        """Let the job go on when ranks fail: ``handler(failed world ranks)`` instead of the abort (or, in
+        elastic mode, the re-forming); return a function that restores those.
+
+        The watchdog calls ``handler`` with every failed rank known, each time
+        more are (within its period); it may end the job itself
+        (:meth:`abort`).  Collectives that include a failed rank can no longer
+        complete: what goes on talks point to point (:meth:`recv_any`), as a
+        parameter server does.  Needs MPI's fault-tolerance extension
+        (``hpctrain launch --elastic``); without it a failed rank ends the job.
+        At shutdown the failed ranks are not waited for.
+        """
+        rt = self._rt
+        rt.failure_handler = handler
+
+        def remove() -> None:
+            if rt.failure_handler is handler:
+                rt.failure_handler = None
+        return remove
+
+    def departed(self, among: Sequence[int]) -> str:
+        """Say which of the world ranks ``among`` have left the job (returned, exited, shut down), as the
+        watchdog would name them; "" if none has."""
+        board = self._rt.departures
+        if board is None:
+            return ""
+        left = [r for r in board.update() if r in set(among)]
+        return board.describe(left) if left else ""
+
     def on_interrupt(self, describe: Callable[[], str]) -> Callable[[], None]:
         """Have rank 0 print ``describe()`` when a KeyboardInterrupt (Ctrl-C) ends the job; return a remover.
 

@@ -58,8 +58,10 @@ class Departures:
         self.left: Dict[int, float] = {}
         self.status: Dict[int, int] = {}     # exit status each departed rank announced
 
-    def leave(self, warn_after: float, give_up_after: float = 0.0, exit_status: int = 0) -> List[int]:
-        """Announce that this rank leaves, wait until every other rank has left too, then free the transport.
+    def leave(self, warn_after: float, give_up_after: float = 0.0, exit_status: int = 0,
+              gone: Iterable[int] = ()) -> List[int]:
+        """Announce that this rank leaves, wait until every other rank (but the failed ones, ``gone``) has left
+        too, then free the transport.
 
         Says once, after ``warn_after`` seconds, which ranks are still running.
         Returns the ranks still running after ``give_up_after`` seconds (0:
@@ -68,7 +70,8 @@ class Departures:
         from .signature import format_ranks
 
         self._announce(int(exit_status))
-        rank, others, start, warned = self.rank, set(range(self.size)) - {self.rank}, time.monotonic(), False
+        rank, start, warned = self.rank, time.monotonic(), False
+        others = set(range(self.size)) - {self.rank} - set(gone)
         while not others <= set(self.update()):
             waited = time.monotonic() - start
             if give_up_after and waited >= give_up_after:

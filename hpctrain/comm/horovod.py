@@ -186,6 +186,9 @@ class HorovodCommunicator(Communicator):
 
     _recv_bytes = _recv
 
+    def _iprobe(self, source: int, tag: int):
+        return self._isend(np.empty(0), source, tag)
+
     def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int):
         return self._isend(raw, dest, tag)
 

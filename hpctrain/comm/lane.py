@@ -19,11 +19,13 @@ __all__ = ["InFlight", "Lane"]
 class InFlight:
     """The collective being executed, as the watchdog sees it (``text`` may be a function that returns it)."""
 
-    __slots__ = ("text", "start", "waiting_on", "warned", "members")
+    __slots__ = ("text", "start", "waiting_on", "warned", "members", "watched")
 
-    def __init__(self, text: Union[str, Callable[[], str]], start: float, members: Tuple[int, ...] = ()):
+    def __init__(self, text: Union[str, Callable[[], str]], start: float, members: Tuple[int, ...] = (),
+                 watched: bool = True):
         self.text, self.start, self.waiting_on, self.warned = text, start, "", False
         self.members = members      # world ranks of the call's communicator (for departures)
+        self.watched = watched      # False: waiting is the caller's job (a server's receive), no stall warning
 
     def describe(self) -> str:
         """Return the call as text (formatted only when someone reads it)."""
@@ -48,15 +50,16 @@ class Lane:
         self._closed = False
         self._worker: Optional[threading.Thread] = None
 
-    def run(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
-            ) -> object:
+    def run(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = (),
+            watched: bool = True) -> object:
         """Run ``fn`` now, after the asynchronous calls issued before it, and return its result.
 
-        ``members``: the world ranks the call waits for (the watchdog's departures check).
+        ``members``: the world ranks the call waits for (the watchdog's departures check);
+        ``watched=False``: the stall watchdog leaves the call alone (it waits by design).
         """
         if self._pending:                     # (no lock needed: this thread's earlier submits raised it)
             self.wait_pending()
-        return self._execute(fn, text, members)
+        return self._execute(fn, text, members, watched)
 
     def wait_pending(self) -> None:
         """Wait until the asynchronous calls issued so far have run."""
@@ -79,9 +82,9 @@ class Lane:
             self._cv.notify_all()
         return fut
 
-    def _execute(self, fn, text, members=()):
+    def _execute(self, fn, text, members=(), watched=True):
         with self._exec_lock:
-            self.inflight = InFlight(text, time.monotonic(), members)
+            self.inflight = InFlight(text, time.monotonic(), members, watched)
             try:
                 return fn()
             finally:

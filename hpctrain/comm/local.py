@@ -78,6 +78,10 @@ class LocalCommunicator(Communicator):
     def _recv_bytes(self, source: int, tag: int) -> np.ndarray:
         return self._recv(source, tag)
 
+    def _iprobe(self, source: int, tag: int):
+        tags = [t for t, box in self._mailbox.items() if box and tag in (-1, t)]
+        return None if not tags else (0, tags[0], self._mailbox[tags[0]][0].nbytes)
+
     def _split(self, color: Optional[int], key: int) -> Optional[Communicator]:
         return None if color is None else LocalCommunicator(self._rt, f"{self.name}.split({color})")
 

@@ -29,7 +29,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 from .. import settings
 from .comm_log import CommLog
@@ -150,6 +150,10 @@ class Runtime:
         self.revokers: list = []       # callables that revoke one communicator's MPI communicators
         self.is_failure: Callable[[BaseException], bool] = lambda exc: False   # the backend's "a rank failed"
         self.failed: list = []         # world ranks known to have failed, once world_failed ran
+        # a failure policy of the program's own (a parameter server goes on without a lost worker): called by the
+        # watchdog with every failed world rank known, each time more are; replaces the abort and the re-forming
+        self.failure_handler: Optional[Callable[[List[int]], None]] = None
+        self.tolerated: List[int] = []  # what failure_handler was last told
         self.comm_log = CommLog(on=config.comm_log)     # see comm_log.py
         self.timeline = Timeline(on=bool(config.timeline))   # see timeline.py
         self._closed = False
@@ -267,7 +271,10 @@ class Runtime:
         self.collectives.close(drain=True)
         self.receives.close(drain=False)
         self._closed = True
+        gone: List[int] = []        # (failed ranks a failure handler let the job go on without never leave)
         if self.failures is not None:
+            if self.failure_handler is not None:
+                gone = self.tolerated = self.failures.failed()
             self.failures.free()
         if self.config.comm_log and self.world_rank == 0:
             table = self.comm_log.table()
@@ -280,7 +287,7 @@ class Runtime:
                                      f"{type(exc).__name__}: {exc}\n")
         if self.departures is not None:      # no collective is left on this rank: leave, with the others
             board, self.departures = self.departures, None
-            late = board.leave(self.config.stall_warning_s, self.config.stall_timeout_s, exit_status)
+            late = board.leave(self.config.stall_warning_s, self.config.stall_timeout_s, exit_status, gone)
             if late:
                 from .signature import format_ranks
 
@@ -354,7 +361,12 @@ class Runtime:
         period = max(0.05, min(1.0, cfg.stall_warning_s / 4))
         while not self._closed:
             time.sleep(period)
-            if cfg.elastic:         # (a failure is the survivors' to handle: their collectives raise)
+            if self.failure_handler is not None:
+                known = self.failures.failed() if self.failures is not None and not self._closed else []
+                if len(known) > len(self.tolerated):
+                    self.tolerated = known
+                    self.failure_handler(known)
+            elif cfg.elastic:         # (a failure is the survivors' to handle: their collectives raise)
                 if not self.failed and self.failures is not None and not self._closed:
                     known = self.failures.failed()
                     if known:
@@ -366,7 +378,7 @@ class Runtime:
             self._check_departures()
             for lane in (self.collectives, self.receives):
                 cur = lane.inflight
-                if cur is None:
+                if cur is None or not cur.watched:
                     continue
                 elapsed = time.monotonic() - cur.start
                 detail = f"; {cur.waiting_on}" if cur.waiting_on else ""

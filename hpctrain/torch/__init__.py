@@ -14,13 +14,14 @@ from .joining import Join
 from .optimizer import DistributedOptimizer
 from .zero import ShardedOptimizer
 from .local_sgd import LocalSGDOptimizer
+from .parameter_server import ParameterServer
 from .elastic_state import TorchState
 from .pipeline import Pipeline, PipelineError
 from .observe import trace_forward, track_steps
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .tensor_parallel import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear
 
-__all__ = ["DistributedOptimizer", "ShardedOptimizer", "LocalSGDOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "allreduce",
+__all__ = ["DistributedOptimizer", "ShardedOptimizer", "LocalSGDOptimizer", "ParameterServer", "broadcast_parameters", "broadcast_optimizer_state", "allreduce",
            "average_metrics", "Join", "SyncBatchNorm", "convert_sync_batchnorm", "Pipeline", "PipelineError",
            "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "track_steps", "trace_forward",
            "TorchState"]

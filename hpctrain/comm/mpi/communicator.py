@@ -276,6 +276,42 @@ class MPICommunicator(RidingOnNode, Communicator):
         self._p2p.Recv(out, source, tag)
         return out
 
+    def _iprobe(self, source: int, tag: int):
+        MPI, status = self._MPI, self._MPI.Status()
+        try:
+            if not self._p2p.Iprobe(MPI.ANY_SOURCE if source < 0 else source, MPI.ANY_TAG if tag < 0 else tag,
+                                    status):
+                return None
+        except MPI.Exception as exc:
+            self._failed_peers(exc)
+            raise
+        return status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+
+    def _recv_found(self, source: int, tag: int) -> np.ndarray:
+        try:
+            return self._recv_bytes(source, tag)
+        except self._MPI.Exception as exc:
+            self._failed_peers(exc)
+            raise
+
+    def _failed_peers(self, exc) -> None:
+        """After ``exc`` from a receive: when ranks failed (ULFM), acknowledge them (so that receives from any
+        source go on with the others) and raise RanksFailedError naming them; else return."""
+        MPI = self._MPI
+        if exc.Get_error_class() not in (MPI.ERR_PROC_FAILED, getattr(MPI, "ERR_PROC_FAILED_PENDING", -1)):
+            return
+        from ...errors import RanksFailedError
+
+        self._p2p.Ack_failed()
+        group, mine = self._p2p.Get_failed(), self._p2p.Get_group()
+        try:
+            failed = sorted(self.world_ranks[r] for r in group.Translate_ranks(list(range(group.Get_size())), mine))
+        finally:
+            group.Free()
+            mine.Free()
+        raise RanksFailedError(f"hpctrain: rank {self._rank} of {self.name}: world {format_ranks(failed)} failed "
+                               f"(the process died or its node was lost)", failed) from exc
+
     def _split(self, color: Optional[int], key: int) -> Optional[Communicator]:
         MPI = self._MPI
         sub = self._base.Split(MPI.UNDEFINED if color is None else int(color), key)

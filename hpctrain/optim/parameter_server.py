@@ -1,0 +1,387 @@
+"""Parameter-server training on numpy buffers: servers hold shards of the parameters, workers push and pull.
+
+Roles: the last ``servers`` ranks of the communicator serve, the others
+train.  The flat parameter vector (``n`` values) is cut into ``servers``
+contiguous shards whose sizes differ by at most one; server ``s`` holds shard
+``s`` and its optimizer state.
+
+Protocol, one message each way per server and worker step, point to point
+(:meth:`~hpctrain.comm.base.Communicator.recv_any`, no collective while
+training, so no global barrier):
+
+* a worker at clock ``c`` pushes its gradient's shard to every server, then
+  waits for each server's reply (that shard's parameters) and starts ``c + 1``;
+* a server applies a push as it arrives: ``v <- m v + g / W + wd theta``,
+  ``theta <- theta - lr v`` (``W``: the number of workers at the start), sets
+  the worker's clock to ``c + 1`` and replies when
+  ``clock[w] - min(clock of the live workers still training) <= S``; a worker
+  more than ``S`` clocks ahead waits for the slowest (stale-synchronous
+  parallel, Ho et al. 2013).  ``S = None``: no bound (fully asynchronous).
+
+With ``S = 0`` every worker starts clock ``c + 1`` from the same parameters,
+those after every worker's ``c``-th push: without momentum that is synchronous
+SGD on the workers' averaged gradient (applied as ``W`` partial steps); with one
+worker it is plain SGD whatever the momentum.
+
+Cost per worker step: ``2 x servers`` messages carrying ``n`` values each way
+(the push compressed when a compressor is given); a server does ``O(n / servers)``
+work per push and sleeps while idle.  Failures (MPI's fault-tolerance
+extension, ``hpctrain launch --elastic``): a worker that fails is dropped (the
+others' waits stop counting it); a server that fails ends the job with a
+message naming it, and the run resumes from the servers' newest checkpoint.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..comm.point_to_point import ANY
+from ..errors import RanksFailedError
+
+__all__ = ["Roles", "ServerSGD", "ShardServer", "WorkerLink", "shard_bounds", "pack", "unpack"]
+
+TAG_HELLO, TAG_PUSH, TAG_DONE, TAG_REPLY, TAG_FINAL = 7301, 7302, 7303, 7304, 7305
+
+
+def shard_bounds(n: int, servers: int) -> List[Tuple[int, int]]:
+    """``[lo, hi)`` of each server's shard of ``n`` values (sizes differ by at most one)."""
+    cuts = [n * s // servers for s in range(servers + 1)]
+    return [(cuts[s], cuts[s + 1]) for s in range(servers)]
+
+
+def pack(clock: int, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """One message's bytes: ``clock``, then each array as (byte count, dtype, bytes); see :func:`unpack`."""
+    head = [np.array([clock, len(arrays)], dtype=np.int64).view(np.uint8)]
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        head.append(np.array([a.nbytes], dtype=np.int64).view(np.uint8))
+        head.append(np.frombuffer(a.dtype.str.encode().ljust(8), dtype=np.uint8))
+        head.append(a.reshape(-1).view(np.uint8))
+    return np.concatenate(head)
+
+
+def unpack(raw: np.ndarray) -> Tuple[int, List[np.ndarray]]:
+    """``(clock, arrays)`` of a message made by :func:`pack` (the arrays are views of ``raw``)."""
+    clock, count = (int(v) for v in raw[:16].view(np.int64))
+    at, arrays = 16, []
+    for _ in range(count):
+        nbytes = int(raw[at:at + 8].view(np.int64)[0])
+        dtype = np.dtype(raw[at + 8:at + 16].tobytes().decode().strip())
+        arrays.append(raw[at + 16:at + 16 + nbytes].view(dtype))
+        at += 16 + nbytes
+    return clock, arrays
+
+
+class Roles:
+    """Who serves and who trains: the last ``servers`` ranks of ``size`` serve.
+
+    Raises ValueError when fewer than ``servers + 1`` ranks are there.
+    """
+
+    def __init__(self, size: int, servers: int):
+        if not isinstance(servers, int) or servers < 1:
+            raise ValueError(f"servers must be an int >= 1, got {servers!r}")
+        if size < servers + 1:
+            raise ValueError(f"parameter-server training needs at least servers + 1 = {servers + 1} ranks "
+                             f"(one to train), got {size}; launch more ranks or use fewer servers")
+        self.servers = list(range(size - servers, size))
+        self.workers = list(range(size - servers))
+
+    def shard_of(self, rank: int) -> int:
+        """The shard a server rank holds."""
+        return self.servers.index(rank)
+
+
+class ServerSGD:
+    """SGD with momentum and weight decay, one push at a time: ``v <- m v + g * scale + wd theta``, ``theta -= lr v``.
+
+    Cost: a few passes over the shard per push; state: one buffer (``v``) when ``momentum > 0``.
+    """
+
+    def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+        if not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr!r}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
+
+    def apply(self, theta: np.ndarray, grad: np.ndarray, buf: np.ndarray, scale: float) -> None:
+        """One update of ``theta`` (in place) by ``grad * scale``; ``buf`` is the momentum buffer."""
+        g = grad.astype(theta.dtype, copy=False) * theta.dtype.type(scale)
+        if self.weight_decay:
+            g += self.weight_decay * theta
+        if self.momentum:
+            buf *= self.momentum
+            buf += g
+            g = buf
+        theta -= self.lr * g
+
+
+class ShardServer:
+    """The loop of one server rank: take pushes, apply them, reply within the staleness bound.
+
+    Args:
+        comm: the communicator of workers and servers.
+        roles: :class:`Roles` of ``comm``.
+        theta: this server's shard of the initial parameters (updated in place).
+        optimizer: a :class:`ServerSGD`.
+        staleness: the bound ``S`` (None: none).
+        compressor: the workers' push compressor (a :mod:`hpctrain.compression` one), or None.
+        checkpoint: ``(manager, every)``: save this shard every ``every`` clocks of the slowest live worker
+            (a :class:`~hpctrain.checkpoint.CheckpointManager` over the servers), or None.
+        start: the clock the workers start at (a restored checkpoint's).
+        on_server_lost: called with failed world ranks when a receive finds ranks failed (it ends the job when
+            a server is among them).
+        backup: synchronous rounds with this many backup workers instead of the staleness bound (see
+            :meth:`_push_with_backup`); 0: none.
+    """
+
+    def __init__(self, comm, roles: Roles, theta: np.ndarray, optimizer: ServerSGD, staleness: Optional[int],
+                 compressor=None, checkpoint=None, start: int = 0, on_server_lost=None, backup: int = 0):
+        self.comm, self.roles, self.theta, self.opt = comm, roles, theta, optimizer
+        self.buf = np.zeros_like(theta) if optimizer.momentum else theta[:0]
+        self.staleness, self.compressor, self.checkpoint = staleness, compressor, checkpoint
+        self.clock = {w: start for w in roles.workers}
+        self.live, self.done = set(roles.workers), set()
+        self.lost: set = set()        # workers known to have failed (from a receive or the watchdog)
+        self.waiting: Dict[int, int] = {}     # worker -> clock its reply is held for
+        self.saved_through = start    # the newest clock saved (or started from)
+        self.pushes = 0
+        self.backup, self.round, self.gathered, self.dropped = backup, start, {}, 0
+        self.on_server_lost = on_server_lost
+        self._sends: list = []
+
+    def restart_at(self, clock: int) -> None:
+        """The workers start at ``clock`` (the restored checkpoint's)."""
+        self.clock = {w: clock for w in self.roles.workers}
+        self.saved_through = self.round = clock
+
+    def drop(self, failed) -> None:
+        """Stop counting the workers among ``failed`` (world ranks)."""
+        import sys
+
+        from ..comm.signature import format_ranks
+
+        mine = self.comm.world_ranks
+        new = ({mine.index(r) for r in failed if r in mine} & set(self.roles.workers)) - self.lost
+        if new:
+            self.lost |= new
+            rest = sorted(set(self.roles.workers) - self.lost)
+            if self.comm.rank == self.roles.servers[0]:      # (one server says it)
+                going = f"going on with worker {format_ranks(rest)}" if rest else "no worker is left"
+                sys.stderr.write(f"hpctrain: parameter server rank {self.comm.rank}: worker "
+                                 f"{format_ranks(sorted(new))} failed; {going}\n")
+                sys.stderr.flush()
+
+    def serve(self) -> np.ndarray:
+        """Run until every live worker has finished; send each the final shard and return it."""
+        while True:
+            self._forget_lost()
+            if not self.live - self.done:
+                break
+            try:
+                msg = self.comm.recv_any(ANY, ANY, idle=True, timeout=0.25)
+            except RanksFailedError as exc:
+                if self.on_server_lost is not None:
+                    self.on_server_lost(exc.failed)
+                self.drop(exc.failed)
+                continue
+            if msg is None:
+                self._check_left()
+                continue
+            w = msg.source
+            if msg.tag == TAG_PUSH and self.backup:
+                self._push_with_backup(w, *unpack(msg.data))
+            elif msg.tag == TAG_PUSH:
+                clock, payload = unpack(msg.data)
+                self._apply(payload, 1.0 / len(self.roles.workers))
+                self.clock[w] = clock + 1
+                self.waiting[w] = clock + 1
+            elif msg.tag == TAG_HELLO:
+                self._reply(w, self.clock[w], TAG_REPLY)
+            elif msg.tag == TAG_DONE:
+                self.done.add(w)
+            if self.backup:
+                self._close_round()
+            self._release()
+            self._save_due()
+        for w in sorted(self.live):
+            self._reply(w, self.clock[w], TAG_FINAL)
+        self._settle(wait=True)
+        return self.theta
+
+    def _grad(self, payload: List[np.ndarray]) -> np.ndarray:
+        n = self.theta.size
+        grad = self.compressor.decompress(payload, None, n) if self.compressor is not None else payload[0]
+        return grad.reshape(n)
+
+    def _apply(self, payload: List[np.ndarray], scale: float) -> None:
+        self.opt.apply(self.theta, self._grad(payload), self.buf, scale)
+        self.pushes += 1
+
+    def _push_with_backup(self, w: int, clock: int, payload: List[np.ndarray]) -> None:
+        """Synchronous rounds with backup workers (Chen et al. 2016): a round's update is the mean of its first
+        ``W - backup`` pushes (of those still training, if fewer); a push of a round already past is dropped and its
+        worker brought to the current round."""
+        if clock < self.round:
+            self.dropped += 1
+            self.clock[w] = self.round
+            self._reply(w, self.round, TAG_REPLY)
+            return
+        self.gathered[w] = self._grad(payload).copy()
+        self.clock[w] = clock + 1
+
+    def _close_round(self) -> None:
+        """With backup workers: apply the round once enough pushes came (fewer are needed when workers finished
+        or failed)."""
+        need = min(len(self.roles.workers) - self.backup, len(self.live - self.done))
+        if self.gathered and len(self.gathered) >= need:
+            total = sum(self.gathered[v] for v in sorted(self.gathered))
+            self.opt.apply(self.theta, total, self.buf, 1.0 / len(self.gathered))
+            self.pushes += len(self.gathered)
+            self.round += 1
+            for v in sorted(self.gathered):
+                self.waiting[v] = self.round
+            self.gathered = {}
+
+    def _slowest(self) -> Optional[int]:
+        training = [self.clock[w] for w in self.live - self.done]
+        return min(training) if training else None
+
+    def _release(self) -> None:
+        """Reply to the held workers the bound now lets go (all of them once none is left training)."""
+        slowest = self._slowest()
+        for w, c in sorted(self.waiting.items()):
+            if w not in self.live:
+                del self.waiting[w]
+            elif slowest is None or self.staleness is None or c - slowest <= self.staleness:
+                del self.waiting[w]
+                self._reply(w, c, TAG_REPLY)
+
+    def _reply(self, w: int, clock: int, tag: int) -> None:
+        self._sends.append((w, self.comm.send_async(pack(clock, [self.theta]), w, tag, header=False, copy=False)))
+        self._settle()
+
+    def _settle(self, wait: bool = False) -> None:
+        """Forget the replies that completed (or went to a worker that failed); all of them when ``wait``."""
+        pending = []
+        for w, h in self._sends:
+            try:
+                if wait and w not in self.lost:
+                    h.wait()
+                elif not h.test():
+                    pending.append((w, h))
+            except Exception:  # noqa: BLE001 - a send to a failed worker: it is dropped
+                self.drop([self.comm.world_ranks[w]])
+        self._sends = pending
+
+    def _check_left(self) -> None:
+        """End the job when a worker still counted has left it without finishing (it will never push again)."""
+        left = self.comm.departed([self.comm.world_ranks[w] for w in self.live - self.done])
+        if left:
+            self.comm.abort(f"hpctrain: parameter server rank {self.comm.rank}: {left}, without finishing "
+                            f"(ParameterServer.finish()) while this server serves it; ending the job")
+
+    def _forget_lost(self) -> None:
+        failed = self.comm._rt.tolerated
+        if failed:
+            self.drop(failed)
+        if self.lost & self.live:
+            self.live -= self.lost
+            if self.backup:
+                self._close_round()
+            self._release()
+
+    def _save_due(self) -> None:
+        if self.checkpoint is None:
+            return
+        manager, every = self.checkpoint
+        clocks = [self.clock[w] for w in self.live]     # (the finished too: every server ends with the same)
+        if not clocks:
+            return
+        slowest = min(clocks)
+        while (self.saved_through // every + 1) * every <= slowest:   # each crossed multiple, on every server
+            self.saved_through = (self.saved_through // every + 1) * every
+            manager.save(self.saved_through, self.checkpoint_state())
+
+    def checkpoint_state(self) -> Dict[str, Any]:
+        """The state a checkpoint holds: this shard (Sharded by shard id) and the clock."""
+        from ..checkpoint import Sharded
+
+        return {"theta": Sharded(self.theta), "momentum": Sharded(self.buf), "clock": self.saved_through}
+
+
+class WorkerLink:
+    """A worker's side: the first pull, then one push and pull per step, and the final pull.
+
+    Args:
+        comm: the communicator of workers and servers.
+        roles: :class:`Roles` of ``comm``.
+        n: the number of parameters; dtype: their dtype.
+        compressor: compresses each pushed shard (error feedback as the compressor says), or None.
+        on_server_lost: called with the failed server ranks when a reply cannot come (ends the job).
+    """
+
+    def __init__(self, comm, roles: Roles, n: int, dtype, compressor=None, on_server_lost=None):
+        self.comm, self.roles, self.dtype = comm, roles, np.dtype(dtype)
+        self.bounds = shard_bounds(n, len(roles.servers))
+        self.compressor, self.on_server_lost = compressor, on_server_lost
+        self.flat = np.empty(n, dtype=self.dtype)
+        self.clock = 0
+        self.bytes_pushed = 0
+
+    def hello(self) -> np.ndarray:
+        """The servers' parameters and the clock to start at (``self.clock``)."""
+        for s in self.roles.servers:
+            self.comm.send_async(np.zeros(1, np.uint8), s, TAG_HELLO, header=False).wait()
+        self.clock = self._pull(TAG_REPLY)
+        return self.flat
+
+    def push_pull(self, grad: np.ndarray) -> np.ndarray:
+        """Push ``grad`` (flat, the parameters' layout) to the servers, then take the new parameters."""
+        sends = []
+        for s, (lo, hi) in zip(self.roles.servers, self.bounds):
+            raw = pack(self.clock, self._payload(grad[lo:hi], s))
+            self.bytes_pushed += raw.nbytes
+            sends.append(self.comm.send_async(raw, s, TAG_PUSH, header=False, copy=False))
+        self.clock = self._pull(TAG_REPLY)
+        for h in sends:
+            h.wait()
+        return self.flat
+
+    def finish(self) -> np.ndarray:
+        """Say this worker is done; return the final parameters (once every live worker is done)."""
+        for s in self.roles.servers:
+            self.comm.send_async(np.zeros(1, np.uint8), s, TAG_DONE, header=False).wait()
+        self._pull(TAG_FINAL, idle=True)      # (waiting for the slowest worker is this wait's job)
+        return self.flat
+
+    def _payload(self, g: np.ndarray, server: int) -> List[np.ndarray]:
+        comp = self.compressor
+        if comp is None:
+            return [np.ascontiguousarray(g)]
+        x = np.ascontiguousarray(g, dtype=np.float32)
+        slot = comp.slot(f"shard{server}", x.shape, self.comm.rank)
+        c = comp.compensate(x, slot)
+        payload, ctx = comp.compress(c, slot)
+        if ctx is not None:
+            raise ValueError(f"compressor {comp.name!r} keeps what decompression needs on the sender; a parameter "
+                             f"server cannot decompress it: use one whose payload says it all (fp16, bf16, topk, "
+                             f"qsgd, terngrad, signsgd, onebit, ...)")
+        comp.remember(c, comp.decompress(payload, None, x.size), slot)
+        slot.step += 1
+        return payload
+
+    def _pull(self, tag: int, idle: bool = False) -> int:
+        clock = self.clock
+        for s, (lo, hi) in zip(self.roles.servers, self.bounds):
+            try:
+                msg = self.comm.recv_any(s, tag, idle=idle)
+            except RanksFailedError as exc:
+                if self.on_server_lost is not None:
+                    self.on_server_lost(exc.failed)
+                raise
+            clock, (theta,) = unpack(msg.data)
+            self.flat[lo:hi] = theta
+        return clock

@@ -1,0 +1,74 @@
+"""Parameter-server training under `hpctrain launch --elastic`: processes killed for real (SIGKILL).
+
+A killed worker: the servers and the other workers finish, the survivors end with the same model. A killed
+server: the job ends within seconds naming it; the same command run again resumes from the servers'
+checkpoint and ends with the model of a run that was never interrupted (S = 0: the same float operations but
+for the order the pushes of one step arrive in).
+"""
+import json
+import time
+
+import numpy as np
+import pytest
+
+from harness import BIN, REPO, base_env, run
+
+EXAMPLE = REPO / "examples" / "parameter_server.py"
+
+
+def launch(n, out, *options, timeout=90, **env):
+    start = time.monotonic()
+    res = run([str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(n), str(EXAMPLE), "--out", str(out),
+               *map(str, options)], base_env(**env), timeout)
+    return res, time.monotonic() - start
+
+
+def finals(out, workers):
+    from safetensors.numpy import load_file
+
+    return {w: load_file(f"{out}.worker{w}") for w in workers if (out.parent / f"{out.name}.worker{w}").exists()}
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_killed_worker_does_not_stop_the_servers_or_the_other_workers(n, tmp_path):
+    out = tmp_path / "ps"
+    res, _ = launch(n, out, "--steps", 150, "--staleness", 1, "--slow", 0.005, "--kill", "1:20")
+    assert res.returncode == 0, res.stdout[-4000:]
+    survivors = [w for w in range(n - 1) if w != 1]
+    assert f"worker rank 1 failed; going on with worker" in res.stdout, res.stdout[-3000:]
+    got = finals(out, range(n - 1))
+    assert sorted(got) == survivors, res.stdout[-3000:]
+    first = got[survivors[0]]
+    for w in survivors[1:]:
+        assert all(np.array_equal(first[k], got[w][k]) for k in first), "the surviving workers' final models differ"
+    summary = json.loads((tmp_path / "ps.json").read_text())
+    assert summary["start_step"] == 0 and summary["last_loss"] < 0.5, summary
+
+
+@pytest.mark.parametrize("n, servers", [(3, 1), (4, 2)])
+def test_a_killed_server_ends_the_job_naming_it_and_a_rerun_resumes_from_its_checkpoint(n, servers, tmp_path):
+    common = ["--steps", 60, "--staleness", 0, "--servers", servers, "--checkpoint-every", 10]
+    ref, _ = launch(n, tmp_path / "ref", *common, "--checkpoint-dir", tmp_path / "ck-ref")
+    assert ref.returncode == 0, ref.stdout[-4000:]
+    killed = n - 1                  # (the last server)
+    res, took = launch(n, tmp_path / "ps", *common, "--checkpoint-dir", tmp_path / "ck", "--kill", f"{killed}:25")
+    assert res.returncode != 0
+    assert (f"parameter server rank {killed} (shard {servers - 1} of {servers}) failed" in res.stdout
+            and f"resume from the servers' newest checkpoint in {tmp_path / 'ck'}" in res.stdout), res.stdout[-4000:]
+    assert took < 45, f"the job took {took:.0f} s to end after its server was killed"
+    again, _ = launch(n, tmp_path / "ps", *common, "--checkpoint-dir", tmp_path / "ck")
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert "resumed from step 20" in again.stdout, again.stdout[-3000:]
+    summary = json.loads((tmp_path / "ps.json").read_text())
+    assert summary["start_step"] == 20
+    want, got = finals(tmp_path / "ref", [0])[0], finals(tmp_path / "ps", [0])[0]
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-13)
+
+
+def test_servers_and_finished_workers_wait_past_the_stall_timeout_without_being_stopped(tmp_path):
+    """A server between requests and a worker that finished wait by design: the stall watchdog leaves them be."""
+    res, _ = launch(3, tmp_path / "ps", "--steps", 2, "--staleness", -1, "--slow", 2.5,
+                    HPCTRAIN_STALL_WARNING_S="1", HPCTRAIN_STALL_TIMEOUT_S="1.5")
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "stalled" not in res.stdout and "has not finished" not in res.stdout, res.stdout[-3000:]
