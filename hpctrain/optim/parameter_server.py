@@ -23,6 +23,10 @@ those after every worker's ``c``-th push: without momentum that is synchronous
 SGD on the workers' averaged gradient (applied as ``W`` partial steps); with one
 worker it is plain SGD whatever the momentum.
 
+Each reply also says how many gradients the server has applied (all workers'
+together): a run can stop at a global budget of steps, so that fast workers do
+more of them than a straggler (``WorkerLink.global_steps``).
+
 Cost per worker step: ``2 x servers`` messages carrying ``n`` values each way
 (the push compressed when a compressor is given); a server does ``O(n / servers)``
 work per push and sleeps while idle.  Failures (MPI's fault-tolerance
@@ -260,7 +264,8 @@ class ShardServer:
                 self._reply(w, c, TAG_REPLY)
 
     def _reply(self, w: int, clock: int, tag: int) -> None:
-        self._sends.append((w, self.comm.send_async(pack(clock, [self.theta]), w, tag, header=False, copy=False)))
+        raw = pack(clock, [self.theta, np.array([self.pushes], dtype=np.int64)])
+        self._sends.append((w, self.comm.send_async(raw, w, tag, header=False, copy=False)))
         self._settle()
 
     def _settle(self, wait: bool = False) -> None:
@@ -330,6 +335,7 @@ class WorkerLink:
         self.flat = np.empty(n, dtype=self.dtype)
         self.clock = 0
         self.bytes_pushed = 0
+        self.global_steps = 0         # the gradients the servers had applied at the last reply (all workers')
 
     def hello(self) -> np.ndarray:
         """The servers' parameters and the clock to start at (``self.clock``)."""
@@ -374,7 +380,7 @@ class WorkerLink:
         return payload
 
     def _pull(self, tag: int, idle: bool = False) -> int:
-        clock = self.clock
+        clock, applied = self.clock, None
         for s, (lo, hi) in zip(self.roles.servers, self.bounds):
             try:
                 msg = self.comm.recv_any(s, tag, idle=idle)
@@ -382,6 +388,8 @@ class WorkerLink:
                 if self.on_server_lost is not None:
                     self.on_server_lost(exc.failed)
                 raise
-            clock, (theta,) = unpack(msg.data)
+            clock, (theta, pushes) = unpack(msg.data)
             self.flat[lo:hi] = theta
+            applied = int(pushes[0]) if applied is None else min(applied, int(pushes[0]))
+        self.global_steps = applied
         return clock

@@ -137,6 +137,12 @@ class ParameterServer:
         self._load(self.link.finish())
 
     @property
+    def global_steps(self) -> int:
+        """(workers) The gradients the servers had applied, all workers' together, at this worker's last pull
+        (after a restart: since then): a budget for a run where fast workers do more steps than slow ones."""
+        return self.link.global_steps
+
+    @property
     def bytes_pushed(self) -> int:
         """Bytes this worker has pushed so far."""
         return 0 if self.is_server else self.link.bytes_pushed

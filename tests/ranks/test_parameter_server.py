@@ -5,7 +5,6 @@ worker. At one rank a parameter server cannot run: the error says so.
 """
 import time
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,6 +81,7 @@ def test_staleness_0_without_momentum_is_synchronous_sgd_on_the_averaged_gradien
             F.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()     # (the mean of the workers' mean losses)
             ref_opt.step()
             torch.testing.assert_close(flat(model), flat(ref), rtol=1e-10, atol=1e-12)
+            assert ps.global_steps == (step + 1) * workers       # (every push of this step, none of the next)
     finally:
         ps.finish()
     torch.testing.assert_close(flat(model), flat(ref), rtol=1e-10, atol=1e-12)
