@@ -1,19 +1,26 @@
-"""Synchronous all-reduce against local SGD and DiLoCo, with and without a straggler (digits, torch).
+"""Synchronous all-reduce against local SGD, DiLoCo, backup workers and parameter servers, with and without a
+straggler (digits, torch).
 
-One launch a mode and scenario, ``--ranks`` ranks: a 64-128-10 perceptron on scikit-learn's digits (1437
-training images, 360 held out), Adam (lr 2e-3) as the (inner) optimizer, ``--batch`` samples a rank and step,
-``--epochs`` epochs.  The compute of a step is made measurable on a shared machine by a sleep of
-``--compute-s`` a step on every rank; with ``--scenario straggler`` rank ``ranks - 1`` sleeps twice that (a 2x
-slower rank).  Modes: ``sync`` (DistributedOptimizer: gradients averaged every step), ``local4``, ``local16``
-(LocalSGDOptimizer, parameters averaged every 4 / 16 steps), ``diloco16`` (outer SGD-Nesterov lr 0.7, momentum
-0.9, every 16 steps).  Measured: samples/s over the run, the held-out accuracy of rank 0's parameters after
-each epoch against wall time, time to reach ``--target`` accuracy, bytes a rank sent a step (the comm log).
-Medians over ``--repeats`` launches, modes alternating.  ``--nodes 2`` runs on namespace nodes of
-scripts/cluster.sh (1 Gbit/s links) and also counts the bytes the nodes' links carried during training.  Not
-here yet: the backup-worker and parameter-server modes of issue 47.
+One launch a mode and scenario, ``--ranks`` training ranks: a 64-128-10 perceptron on scikit-learn's digits
+(1437 training images, 360 held out), ``--batch`` samples a rank and step, ``--epochs`` epochs' worth of
+steps.  The compute of a step is made measurable on a shared machine by a sleep of ``--compute-s`` a step on
+every rank; with ``--scenario straggler`` the last training rank sleeps twice that (a 2x slower rank).
+Modes: ``sync`` (DistributedOptimizer, Adam lr 2e-3: gradients averaged every step), ``sync-sgd`` (the same
+with SGD lr 0.1, momentum 0.9: the parameter servers' optimizer), ``local4``, ``local16`` (LocalSGDOptimizer
+over Adam, parameters averaged every 4 / 16 steps), ``diloco16`` (outer SGD-Nesterov lr 0.7, momentum 0.9,
+every 16 steps); with one more rank as the parameter server (SGD lr 0.1, momentum 0.9): ``backup1``
+(synchronous steps that drop the last gradient to arrive), ``ps0``, ``ps1``, ``ps4`` (staleness bound 0, 1,
+4), ``ps-async`` (no bound).  The synchronous modes deal each rank its share of every epoch; the
+parameter-server modes stop at the same global number of applied gradients, each worker drawing from its own
+passes over the data, so a fast worker does more of them than a slow one.  Measured: samples/s (gradients
+applied, all ranks), the held-out accuracy of rank 0's parameters after each epoch's worth against wall time,
+time to reach ``--target`` accuracy, bytes a (training) rank sent a step.  Medians over ``--repeats``
+launches, modes alternating.  ``--nodes 2`` runs on namespace nodes of scripts/cluster.sh (1 Gbit/s links)
+and also counts the bytes the nodes' links carried during training (the synchronous and local modes).
 
     python benchmarks/sync_vs_async.py --ranks 4 --repeats 3 --out results/sync_vs_async
-    sudo .venv/bin/python benchmarks/sync_vs_async.py --nodes 2 --ranks 4 --repeats 1 --out results/sync_vs_async_nodes
+    sudo .venv/bin/python benchmarks/sync_vs_async.py --nodes 2 --ranks 4 --repeats 1 --modes sync local16 \
+        --out results/sync_vs_async_nodes
 """
 from __future__ import annotations
 
@@ -29,7 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import CORES, launch_worker, oversubscribed, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = {"sync": None, "local4": (4, None), "local16": (16, None), "diloco16": (16, 0.7)}
+MODES = {"sync": None, "sync-sgd": None, "local4": (4, None), "local16": (16, None), "diloco16": (16, 0.7)}
+# parameter-server modes: (staleness bound, backup workers); one server rank besides the --ranks workers
+PS_MODES = {"backup1": (0, 1), "ps0": (0, 0), "ps1": (1, 0), "ps4": (4, 0), "ps-async": (None, 0)}
 
 
 def link_tx() -> int:
@@ -45,20 +54,18 @@ def link_tx() -> int:
 def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool) -> None:
     import numpy as np
     import torch
-    from sklearn.datasets import load_digits
 
     import hpctrain
     import hpctrain.torch as ht
 
     comm = hpctrain.init()
+    if mode in PS_MODES:
+        return ps_worker(comm, mode, epochs, batch, compute_s, straggler)
     torch.manual_seed(0)
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target)
-    order = np.random.RandomState(0).permutation(len(x))
-    train, test = order[:1437], order[1437:]
+    x, y, train, test = digits_task()
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    inner = torch.optim.Adam(model.parameters(), lr=2e-3)
+    inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode == "sync-sgd"     # (the servers')
+             else torch.optim.Adam(model.parameters(), lr=2e-3))
     if MODES[mode] is None:
         opt = ht.DistributedOptimizer(inner, model.named_parameters())
     else:
@@ -98,6 +105,66 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
     hpctrain.shutdown()
 
 
+def digits_task():
+    """The digits task: inputs, labels, the training and held-out rows (the same on every rank)."""
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+    order = np.random.RandomState(0).permutation(len(x))
+    return x, torch.tensor(digits.target), order[:1437], order[1437:]
+
+
+def ps_worker(comm, mode: str, epochs: int, batch: int, compute_s: float, straggler: bool) -> None:
+    """A parameter-server mode: the last rank serves (SGD lr 0.1, momentum 0.9), the others train."""
+    import numpy as np
+    import torch
+
+    import hpctrain
+    import hpctrain.torch as ht
+
+    torch.manual_seed(0)
+    x, y, train, test = digits_task()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    staleness, backup = PS_MODES[mode]
+    ps = ht.ParameterServer(model, lr=0.1, momentum=0.9, servers=1, staleness=staleness, backup_workers=backup)
+    if ps.is_server:
+        ps.serve()
+        hpctrain.shutdown()
+        return
+    w, workers = ps.worker_rank, ps.num_workers
+    slow = 2.0 if straggler and w == workers - 1 else 1.0
+    per_epoch = (len(train) // workers // batch) * workers       # (the synchronous modes' steps, all ranks')
+    budget = epochs * per_epoch        # a global budget: a fast worker does more of it than a slow one
+    start, curve, steps, order, evaluated = time.perf_counter(), [], 0, np.empty(0, dtype=np.int64), 0
+    while ps.global_steps < budget:
+        if len(order) < batch:          # (this worker's own pass over the training set)
+            order = train[np.random.RandomState([w, steps]).permutation(len(train))]
+        rows, order = torch.from_numpy(order[:batch]), order[batch:]
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        time.sleep(compute_s * slow)
+        ps.step()
+        steps += 1
+        if w == 0 and ps.global_steps // per_epoch > evaluated:
+            evaluated = ps.global_steps // per_epoch
+            with torch.no_grad():
+                acc = float((model(x[test]).argmax(1) == y[test]).float().mean())
+            curve.append([time.perf_counter() - start, acc])
+    pushed = ps.bytes_pushed
+    ps.finish()
+    wall = time.perf_counter() - start
+    if w == 0:
+        with torch.no_grad():
+            curve.append([wall, float((model(x[test]).argmax(1) == y[test]).float().mean())])
+        applied = ps.global_steps           # (after finish: every worker's gradients the servers applied)
+        print("RESULT " + json.dumps({"mode": mode, "wall_s": wall, "samples_per_s": applied * batch / wall,
+                                      "curve": curve, "bytes_per_step": pushed / steps, "steps": applied / workers,
+                                      "link_bytes_per_step": 0}), flush=True)
+    hpctrain.shutdown()
+
+
 def time_to(curve, target: float):
     """Seconds until the held-out accuracy first reached ``target`` (None if never)."""
     return next((t for t, acc in curve if acc >= target), None)
@@ -105,13 +172,13 @@ def time_to(curve, target: float):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=list(MODES) + list(PS_MODES), help=argparse.SUPPRESS)
     p.add_argument("--straggler", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--compute-s", type=float, default=0.02)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=list(MODES) + list(PS_MODES), choices=list(MODES) + list(PS_MODES))
     p.add_argument("--target", type=float, default=0.95, help="held-out accuracy for the time-to-accuracy column")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nodes", type=int, default=0, help="run on this many namespace nodes (scripts/cluster.sh, "
@@ -121,6 +188,9 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.epochs, args.batch, args.compute_s, args.straggler)
         return
+    if args.nodes and set(args.modes) & set(PS_MODES):
+        p.error(f"--nodes runs the synchronous and local modes only (the parameter-server ones take one more rank "
+                f"than the nodes split evenly): drop {', '.join(sorted(set(args.modes) & set(PS_MODES)))}")
     runs = []
     cluster = None
     if args.nodes:
@@ -144,8 +214,8 @@ def one_run(args, mode: str, scenario: str, cluster) -> dict:
             "--compute-s", str(args.compute_s)] + (["--straggler"] if scenario == "straggler" else [])
     if cluster is not None:
         res = cluster.launch(args.nodes, argv, timeout=1200, per_node=args.ranks // args.nodes)
-    else:
-        res = launch_worker(args.ranks, argv, timeout=1200)
+    else:       # (a parameter-server mode: one server rank besides the workers)
+        res = launch_worker(args.ranks + (mode in PS_MODES), argv, timeout=1200)
     res.update(scenario=scenario, time_to_target_s=time_to(res["curve"], args.target),
                final_accuracy=res["curve"][-1][1])
     print(json.dumps({k: v for k, v in res.items() if k != "curve"}), flush=True)
