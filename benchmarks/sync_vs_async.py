@@ -8,10 +8,11 @@ every rank; with ``--scenario straggler`` the last training rank sleeps twice th
 Modes: ``sync`` (DistributedOptimizer, Adam lr 2e-3: gradients averaged every step), ``sync-sgd`` (the same
 with SGD lr 0.1, momentum 0.9: the parameter servers' optimizer), ``local4``, ``local16`` (LocalSGDOptimizer
 over Adam, parameters averaged every 4 / 16 steps), ``diloco16`` (outer SGD-Nesterov lr 0.7, momentum 0.9,
-every 16 steps); with one more rank as the parameter server (SGD lr 0.1, momentum 0.9): ``backup1``
+every 16 steps), ``local16s``, ``diloco16s`` (the same in rounds of 16 steps' compute time,
+``sync_every_s``: a fast rank does more local steps than a straggler); with one more rank as the parameter server (SGD lr 0.1, momentum 0.9): ``backup1``
 (synchronous steps that drop the last gradient to arrive), ``ps0``, ``ps1``, ``ps4`` (staleness bound 0, 1,
-4), ``ps-async`` (no bound).  The synchronous modes deal each rank its share of every epoch; the
-parameter-server modes stop at the same global number of applied gradients, each worker drawing from its own
+4), ``ps-async`` (no bound).  The step-counted modes deal each rank its share of every epoch; ``local16s``
+and the parameter-server modes stop at the same global number of applied gradients, each worker drawing from its own
 passes over the data, so a fast worker does more of them than a slow one.  Measured: samples/s (gradients
 applied, all ranks), the held-out accuracy of rank 0's parameters after each epoch's worth against wall time,
 time to reach ``--target`` accuracy, bytes a (training) rank sent a step.  Medians over ``--repeats``
@@ -25,6 +26,7 @@ and also counts the bytes the nodes' links carried during training (the synchron
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -36,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import CORES, launch_worker, oversubscribed, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = {"sync": None, "sync-sgd": None, "local4": (4, None), "local16": (16, None), "diloco16": (16, 0.7)}
+MODES = {"sync": None, "sync-sgd": None, "local4": (4, None), "local16": (16, None), "diloco16": (16, 0.7),
+         "local16s": ("s", None), "diloco16s": ("s", 0.7)}     # ("s": rounds of 16 steps' compute time)
 # parameter-server modes: (staleness bound, backup workers); one server rank besides the --ranks workers
 PS_MODES = {"backup1": (0, 1), "ps0": (0, 0), "ps1": (1, 0), "ps4": (4, 0), "ps-async": (None, 0)}
 
@@ -68,6 +71,9 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
              else torch.optim.Adam(model.parameters(), lr=2e-3))
     if MODES[mode] is None:
         opt = ht.DistributedOptimizer(inner, model.named_parameters())
+    elif MODES[mode][0] == "s":
+        opt = ht.LocalSGDOptimizer(inner, model.named_parameters(), sync_every_s=16 * compute_s,
+                                   outer_lr=MODES[mode][1])
     else:
         every, outer = MODES[mode]
         opt = ht.LocalSGDOptimizer(inner, model.named_parameters(), sync_every=every, outer_lr=outer)
@@ -78,20 +84,34 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
     log.clear()
     tx0 = link_tx()
     start, curve, steps = time.perf_counter(), [], 0
-    for epoch in range(epochs):
-        perm = train[np.random.RandomState(1 + epoch).permutation(len(train))]
-        mine = perm[comm.rank::comm.size][:len(perm) // comm.size]
-        for b in range(len(mine) // batch):
-            rows = torch.from_numpy(mine[b * batch:(b + 1) * batch])
+    if MODES[mode] is not None and MODES[mode][0] == "s":      # rounds of a time: a global budget, own passes
+        per_epoch, batches = (len(train) // comm.size // batch) * comm.size, own_batches(train, comm.rank, batch)
+        while opt.local_sgd.global_steps < epochs * per_epoch:
+            rows = torch.from_numpy(next(batches))
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
-            time.sleep(compute_s * slow)          # (the step's compute: measurable, and 2x on the straggler)
+            time.sleep(compute_s * slow)
+            syncs = opt.local_sgd.syncs
             opt.step()
             steps += 1
-        if comm.rank == 0:
-            with torch.no_grad():
-                acc = float((model(x[test]).argmax(1) == y[test]).float().mean())
-            curve.append([time.perf_counter() - start, acc])
+            if comm.rank == 0 and opt.local_sgd.syncs > syncs and \
+                    opt.local_sgd.global_steps // per_epoch > len(curve):
+                curve.append([time.perf_counter() - start, accuracy(model, x, y, test)])
+        applied = opt.local_sgd.global_steps
+    else:
+        for epoch in range(epochs):
+            perm = train[np.random.RandomState(1 + epoch).permutation(len(train))]
+            mine = perm[comm.rank::comm.size][:len(perm) // comm.size]
+            for b in range(len(mine) // batch):
+                rows = torch.from_numpy(mine[b * batch:(b + 1) * batch])
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+                time.sleep(compute_s * slow)          # (the step's compute: measurable, and 2x on the straggler)
+                opt.step()
+                steps += 1
+            if comm.rank == 0:
+                curve.append([time.perf_counter() - start, accuracy(model, x, y, test)])
+        applied = steps * comm.size
     comm.barrier()
     wall = time.perf_counter() - start
     sent = log.totals()[1]
@@ -99,8 +119,10 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
 
     nodes = dict((host, tx) for host, tx in comm.allgather_object((socket.gethostname(), link_tx() - tx0)))
     if comm.rank == 0:
-        print("RESULT " + json.dumps({"mode": mode, "wall_s": wall, "samples_per_s": steps * batch * comm.size / wall,
-                                      "curve": curve, "bytes_per_step": sent / steps, "steps": steps,
+        if MODES[mode] is not None and MODES[mode][0] == "s":
+            curve.append([wall, accuracy(model, x, y, test)])
+        print("RESULT " + json.dumps({"mode": mode, "wall_s": wall, "samples_per_s": applied * batch / wall,
+                                      "curve": curve, "bytes_per_step": sent / steps, "steps": applied / comm.size,
                                       "link_bytes_per_step": sum(nodes.values()) / steps}), flush=True)
     hpctrain.shutdown()
 
@@ -117,9 +139,27 @@ def digits_task():
     return x, torch.tensor(digits.target), order[:1437], order[1437:]
 
 
+def own_batches(train, who: int, batch: int):
+    """Rank ``who``'s own passes over the training rows, a batch at a time, for ever (the modes with a global
+    budget of steps, where a fast rank does more of them than a slow one)."""
+    import numpy as np
+
+    for passes in itertools.count():
+        order = train[np.random.RandomState([who, passes]).permutation(len(train))]
+        for b in range(len(order) // batch):
+            yield order[b * batch:(b + 1) * batch]
+
+
+def accuracy(model, x, y, rows) -> float:
+    """The model's accuracy on ``rows``."""
+    import torch
+
+    with torch.no_grad():
+        return float((model(x[rows]).argmax(1) == y[rows]).float().mean())
+
+
 def ps_worker(comm, mode: str, epochs: int, batch: int, compute_s: float, straggler: bool) -> None:
     """A parameter-server mode: the last rank serves (SGD lr 0.1, momentum 0.9), the others train."""
-    import numpy as np
     import torch
 
     import hpctrain
@@ -138,26 +178,20 @@ def ps_worker(comm, mode: str, epochs: int, batch: int, compute_s: float, stragg
     slow = 2.0 if straggler and w == workers - 1 else 1.0
     per_epoch = (len(train) // workers // batch) * workers       # (the synchronous modes' steps, all ranks')
     budget = epochs * per_epoch        # a global budget: a fast worker does more of it than a slow one
-    start, curve, steps, order, evaluated = time.perf_counter(), [], 0, np.empty(0, dtype=np.int64), 0
+    start, curve, steps, batches = time.perf_counter(), [], 0, own_batches(train, w, batch)
     while ps.global_steps < budget:
-        if len(order) < batch:          # (this worker's own pass over the training set)
-            order = train[np.random.RandomState([w, steps]).permutation(len(train))]
-        rows, order = torch.from_numpy(order[:batch]), order[batch:]
+        rows = torch.from_numpy(next(batches))
         torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
         time.sleep(compute_s * slow)
         ps.step()
         steps += 1
-        if w == 0 and ps.global_steps // per_epoch > evaluated:
-            evaluated = ps.global_steps // per_epoch
-            with torch.no_grad():
-                acc = float((model(x[test]).argmax(1) == y[test]).float().mean())
-            curve.append([time.perf_counter() - start, acc])
+        if w == 0 and ps.global_steps // per_epoch > len(curve):
+            curve.append([time.perf_counter() - start, accuracy(model, x, y, test)])
     pushed = ps.bytes_pushed
     ps.finish()
     wall = time.perf_counter() - start
     if w == 0:
-        with torch.no_grad():
-            curve.append([wall, float((model(x[test]).argmax(1) == y[test]).float().mean())])
+        curve.append([wall, accuracy(model, x, y, test)])
         applied = ps.global_steps           # (after finish: every worker's gradients the servers applied)
         print("RESULT " + json.dumps({"mode": mode, "wall_s": wall, "samples_per_s": applied * batch / wall,
                                       "curve": curve, "bytes_per_step": pushed / steps, "steps": applied / workers,

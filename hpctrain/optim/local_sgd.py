@@ -19,6 +19,15 @@ With ``H = 1`` and no outer optimizer, SGD with momentum (a linear update)
 equals synchronous training: the mean of the ranks' buffers is the buffer of
 the averaged gradients.
 
+Rounds of a time instead of H steps (``sync_every_s = T``): each rank syncs at
+the first step that ends ``T`` seconds or more after the last sync (its own
+clock), so a fast rank does more local steps in a round than a straggler
+instead of waiting for it; every rank still syncs once a round, so the
+all-reduces line up.  The ranks' step counts then differ: each sync also sums
+them (one more 8-byte all-reduce), and :attr:`LocalSGD.global_steps`, the same
+on every rank, is what a training loop must stop on (a loop of a fixed number
+of steps would leave the ranks at different numbers of syncs).
+
 Cost: one all-reduce of P parameter values every H steps instead of one of
 the P gradient values every step, so the bytes on the wire fall H-fold
 (``2 (N-1)/N P`` values per sync for a ring); one more copy of the
@@ -27,6 +36,8 @@ parameters (``theta_g``) and, with the outer optimizer, one of its momentum.
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
+
+import time
 
 import numpy as np
 
@@ -68,15 +79,21 @@ class LocalSGD:
         warmup_steps: W, synchronous steps first (gradients averaged).
         outer: None (the ranks' mean), or an :class:`OuterNesterov`.
         compression: a compressor of :mod:`hpctrain.compression` (or its name) for the delta.
+        sync_every_s: rounds of this many seconds instead of ``sync_every`` steps (module docstring).
     """
 
     def __init__(self, comm=None, sync_every: int = 16, warmup_steps: int = 0,
-                 outer: Optional[OuterNesterov] = None, compression: Any = None):
+                 outer: Optional[OuterNesterov] = None, compression: Any = None,
+                 sync_every_s: Optional[float] = None):
         from ..world import comm_or_world
 
         if int(sync_every) < 1 or int(warmup_steps) < 0:
             raise ValueError(f"local SGD needs sync_every >= 1 and warmup_steps >= 0, got {sync_every} and "
                              f"{warmup_steps}")
+        if sync_every_s is not None and not sync_every_s > 0:
+            raise ValueError(f"sync_every_s must be a positive number of seconds or None, got {sync_every_s!r}")
+        self.sync_every_s = None if sync_every_s is None else float(sync_every_s)
+        self._round_start = time.monotonic()
         self.comm = comm_or_world(comm)
         self.sync_every, self.warmup_steps, self.outer = int(sync_every), int(warmup_steps), outer
         self.reducer = None
@@ -87,6 +104,7 @@ class LocalSGD:
             self.reducer = reducer_for(compressor, self.comm, Policy(min_numel=0, skip=()))
         self.steps = 0              # optimizer steps done
         self.syncs = 0              # outer steps done
+        self.global_steps = 0       # every rank's steps, summed at the last sync (the same on every rank)
         self.theta_g: Optional[np.ndarray] = None
 
     @property
@@ -97,14 +115,18 @@ class LocalSGD:
     def start(self, flat: np.ndarray) -> None:
         """Take the global copy from ``flat``, the parameters (alike on every rank)."""
         self.theta_g = np.array(flat, copy=True)
+        self._round_start = time.monotonic()
 
     def step_done(self) -> int:
         """Count one optimizer step; what the parameters must now go through: 0, or the bits :data:`START` (the
         warm-up just ended: take the global copy) and :data:`SYNC` (the outer step), for :meth:`after_step`."""
         self.steps += 1
         past = self.steps - self.warmup_steps
-        return (START if self.warmup_steps > 0 and past == 0 else 0) | \
-            (SYNC if past > 0 and past % self.sync_every == 0 else 0)
+        if self.sync_every_s is not None:
+            due = past > 0 and time.monotonic() - self._round_start >= self.sync_every_s
+        else:
+            due = past > 0 and past % self.sync_every == 0
+        return (START if self.warmup_steps > 0 and past == 0 else 0) | (SYNC if due else 0)
 
     def after_step(self, todo: int, flat: np.ndarray) -> None:
         """Do :meth:`step_done`'s ``todo`` with ``flat``, this rank's parameters (changed in place by a sync)."""
@@ -128,10 +150,18 @@ class LocalSGD:
             self.outer.step(self.theta_g, delta)
         flat[...] = self.theta_g
         self.syncs += 1
+        if self.sync_every_s is not None:
+            if self.comm.size > 1:
+                self.global_steps = int(np.asarray(self.comm.allreduce(np.array([self.steps], np.int64)))[0])
+            else:
+                self.global_steps = self.steps
+            self._round_start = time.monotonic()
+        else:
+            self.global_steps = self.steps * self.comm.size
 
     def state_dict(self) -> Dict[str, Any]:
         """Steps, the global copy and the outer momentum (alike on every rank)."""
-        out: Dict[str, Any] = {"steps": self.steps, "syncs": self.syncs}
+        out: Dict[str, Any] = {"steps": self.steps, "syncs": self.syncs, "global_steps": self.global_steps}
         if self.theta_g is not None:
             out["theta_g"] = self.theta_g.copy()
         if self.outer is not None and self.outer.buf is not None:
@@ -140,6 +170,7 @@ class LocalSGD:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        self.global_steps = int(state.get("global_steps", self.steps * self.comm.size))
         if "theta_g" in state:
             self.theta_g = np.array(state["theta_g"], copy=True)
         if self.outer is not None and "outer_momentum" in state:

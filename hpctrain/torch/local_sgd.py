@@ -35,7 +35,7 @@ def _unflat(flat: torch.Tensor, params) -> None:
 def LocalSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                       sync_every: int = 16, warmup_steps: int = 0, outer_lr: Optional[float] = None,
                       outer_momentum: float = 0.9, compression=None, bucket_mb: float = 25,
-                      comm=None) -> torch.optim.Optimizer:
+                      comm=None, sync_every_s: Optional[float] = None) -> torch.optim.Optimizer:
     """Make ``optimizer`` train with local SGD, or DiLoCo with ``outer_lr``: the ranks meet every ``sync_every`` steps.
 
     Rule and cost: :mod:`hpctrain.optim.local_sgd`.  The optimizer object is
@@ -55,12 +55,15 @@ def LocalSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Option
         compression: a compressor (or its name) for the delta of the outer step.
         bucket_mb: the warm-up's gradient buckets.
         comm: the communicator (default: the world; local SGD does not follow a re-formed world).
+        sync_every_s: rounds of this many seconds instead of ``sync_every`` steps: a fast rank does more
+            local steps than a straggler; stop the training loop on ``optimizer.local_sgd.global_steps``
+            (every rank's steps, the same on every rank after each outer step).
     """
     opt = DistributedOptimizer(optimizer, named_parameters, bucket_mb=bucket_mb,
                                comm=comm if comm is not None else _world())
     outer = OuterNesterov(outer_lr, outer_momentum) if outer_lr is not None else None
     sync = opt._hpctrain
-    local = LocalSGD(sync.averager.comm, sync_every, warmup_steps, outer, compression)
+    local = LocalSGD(sync.averager.comm, sync_every, warmup_steps, outer, compression, sync_every_s)
     averaging = sync.averager
 
     def reduce_bucket(comm, flat, bucket, op):

@@ -5,6 +5,7 @@ once; DiLoCo is simulated with one model copy and one inner AdamW per rank and t
 momentum as the outer optimizer, fed the averaged delta as its gradient.
 """
 import copy
+import time
 
 import pytest
 import torch
@@ -139,3 +140,35 @@ def test_a_compressed_delta_keeps_the_replicas_alike_and_bad_settings_are_refuse
         ht.LocalSGDOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), sync_every=0)
     with pytest.raises(ValueError, match="lr > 0"):
         ht.LocalSGDOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), outer_lr=-1.0)
+
+
+def test_rounds_of_a_time_let_a_fast_rank_step_more_and_each_sync_is_the_mean_of_the_ranks_models(comm):
+    """sync_every_s: the last rank is slower; within a round each rank steps alone as often as it can, and each
+    sync leaves every rank with the mean of the ranks' models after their local steps (no outer optimizer)."""
+    n, r = comm.size, comm.rank
+    model = net()
+    opt = ht.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                               sync_every_s=0.03)
+    local, mine, budget = opt.local_sgd, 0, 60 * n
+    while local.global_steps < budget:          # (the same on every rank after each sync: all stop together)
+        if r == n - 1 and n > 1:
+            time.sleep(0.01)
+        x, y = data(mine, 1)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            local_step = flat(model) - 0.05 * torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        syncs = local.syncs
+        opt.step()
+        mine += 1
+        if local.syncs > syncs:
+            theirs = comm.allgather_object(local_step.numpy())
+            torch.testing.assert_close(flat(model), torch.from_numpy(sum(theirs) / n), rtol=1e-12, atol=1e-14)
+            assert_identical_across_ranks(comm, model)
+    counts = comm.allgather_object(mine)
+    assert local.global_steps == sum(counts) >= budget
+    if n > 1:
+        assert counts[0] > counts[-1], f"the fast rank did {counts[0]} steps, the slow one {counts[-1]}"
+    with pytest.raises(ValueError, match="sync_every_s must be"):
+        ht.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                             sync_every_s=0)
