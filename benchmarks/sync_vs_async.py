@@ -54,7 +54,7 @@ def link_tx() -> int:
     return 0
 
 
-def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool) -> None:
+def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool, task: str) -> None:
     import numpy as np
     import torch
 
@@ -63,10 +63,9 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
 
     comm = hpctrain.init()
     if mode in PS_MODES:
-        return ps_worker(comm, mode, epochs, batch, compute_s, straggler)
+        return ps_worker(comm, mode, epochs, batch, compute_s, straggler, task)
     torch.manual_seed(0)
-    x, y, train, test = digits_task()
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    x, y, train, test, model = TASKS[task]()
     inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode == "sync-sgd"     # (the servers')
              else torch.optim.Adam(model.parameters(), lr=2e-3))
     if MODES[mode] is None:
@@ -128,7 +127,8 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
 
 
 def digits_task():
-    """The digits task: inputs, labels, the training and held-out rows (the same on every rank)."""
+    """The digits task: inputs, labels, the training and held-out rows, a 64-128-10 perceptron (the same on every
+    rank)."""
     import numpy as np
     import torch
     from sklearn.datasets import load_digits
@@ -136,7 +136,26 @@ def digits_task():
     digits = load_digits()
     x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
     order = np.random.RandomState(0).permutation(len(x))
-    return x, torch.tensor(digits.target), order[:1437], order[1437:]
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    return x, torch.tensor(digits.target), order[:1437], order[1437:], model
+
+
+def teacher_task():
+    """A larger task: 24000 Gaussian inputs of 256 values labelled by a fixed random teacher (256-512-10, argmax),
+    4000 held out; a 256-1024-1024-10 perceptron (1.32 M parameters, 5.3 MB of float32 gradients a step)."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(24000, 256, generator=g)
+    w1, w2 = torch.randn(256, 512, generator=g) / 16, torch.randn(512, 10, generator=g) / 22.6
+    y = (torch.tanh(x @ w1) @ w2).argmax(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    rows = torch.arange(24000).numpy()
+    return x, y, rows[:20000], rows[20000:], model
+
+
+TASKS = {"digits": digits_task, "teacher": teacher_task}
 
 
 def own_batches(train, who: int, batch: int):
@@ -158,7 +177,7 @@ def accuracy(model, x, y, rows) -> float:
         return float((model(x[rows]).argmax(1) == y[rows]).float().mean())
 
 
-def ps_worker(comm, mode: str, epochs: int, batch: int, compute_s: float, straggler: bool) -> None:
+def ps_worker(comm, mode: str, epochs: int, batch: int, compute_s: float, straggler: bool, task: str) -> None:
     """A parameter-server mode: the last rank serves (SGD lr 0.1, momentum 0.9), the others train."""
     import torch
 
@@ -166,8 +185,7 @@ def ps_worker(comm, mode: str, epochs: int, batch: int, compute_s: float, stragg
     import hpctrain.torch as ht
 
     torch.manual_seed(0)
-    x, y, train, test = digits_task()
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    x, y, train, test, model = TASKS[task]()
     staleness, backup = PS_MODES[mode]
     ps = ht.ParameterServer(model, lr=0.1, momentum=0.9, servers=1, staleness=staleness, backup_workers=backup)
     if ps.is_server:
@@ -210,6 +228,8 @@ def main() -> None:
     p.add_argument("--straggler", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--task", choices=list(TASKS), default="digits",
+                   help="digits (default) or teacher, a larger one (1.32 M parameters)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--compute-s", type=float, default=0.02)
     p.add_argument("--modes", nargs="+", default=list(MODES) + list(PS_MODES), choices=list(MODES) + list(PS_MODES))
@@ -220,7 +240,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "results" / "sync_vs_async")
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.epochs, args.batch, args.compute_s, args.straggler)
+        worker(args.worker, args.epochs, args.batch, args.compute_s, args.straggler, args.task)
         return
     if args.nodes and set(args.modes) & set(PS_MODES):
         p.error(f"--nodes runs the synchronous and local modes only (the parameter-server ones take one more rank "
@@ -244,7 +264,7 @@ def main() -> None:
 
 def one_run(args, mode: str, scenario: str, cluster) -> dict:
     """One launch of ``mode`` in ``scenario`` (on the namespace nodes when ``cluster``)."""
-    argv = [__file__, "--worker", mode, "--epochs", str(args.epochs), "--batch", str(args.batch),
+    argv = [__file__, "--worker", mode, "--task", args.task, "--epochs", str(args.epochs), "--batch", str(args.batch),
             "--compute-s", str(args.compute_s)] + (["--straggler"] if scenario == "straggler" else [])
     if cluster is not None:
         res = cluster.launch(args.nodes, argv, timeout=1200, per_node=args.ranks // args.nodes)
@@ -273,7 +293,7 @@ def write_outputs(runs, args) -> None:
             } if "sync" in args.modes else {}
     where = (f" on {args.nodes} namespace nodes (1 Gbit/s links; the links' bytes are both directions' eth0 "
              f"counts, all traffic)" if args.nodes else "")
-    lines = [f"digits, {args.ranks} ranks{oversubscribed(args.ranks)}{where}, {args.epochs} epochs, batch {args.batch} a "
+    lines = [f"{args.task}, {args.ranks} ranks{oversubscribed(args.ranks)}{where}, {args.epochs} epochs, batch {args.batch} a "
              f"rank, {args.compute_s * 1e3:.0f} ms of compute (sleep) a step, the straggler 2x; medians of "
              f"{args.repeats} launches ({CORES}-core machine).\n",
              f"| scenario | mode | samples/s | x sync (same scenario) | held-out accuracy | time to "

@@ -410,6 +410,36 @@ def test_send_without_copy(comm, header):
     assert got.tobytes() == np.ascontiguousarray(data(left, 40, np.float32, seed=3, shape=(8, 5))[:, ::2]).tobytes()
 
 
+def test_recv_any_takes_every_ranks_messages_in_the_order_each_sent_and_waits_no_longer_than_told(comm):
+    n, r = comm.size, comm.rank
+    if comm.backend == "horovod":
+        with pytest.raises(ValueError, match="point-to-point"):
+            comm.recv_any(timeout=0.01)
+        return
+    sends = [comm.send_async(np.array([r, k], np.int64), dest=0, tag=20 + k, header=False) for k in (0, 1)]
+    if r == 0:
+        got = [comm.recv_any(idle=True) for _ in range(2 * n)]
+        for src in range(n):
+            assert [(m.tag, m.data.view(np.int64).tolist()) for m in got if m.source == src] == \
+                [(20, [src, 0]), (21, [src, 1])]
+        start = time.monotonic()
+        assert comm.recv_any(timeout=0.05) is None and comm.probe() is None
+        assert 0.05 <= time.monotonic() - start < 1.0
+    for h in sends:
+        h.wait()
+    comm.barrier()
+    if n > 1:       # from one rank with one tag: a message of another rank or tag waits for its own receive
+        if r == n - 1:
+            comm.send_async(np.array([7], np.int64), dest=0, tag=31, header=False).wait()
+            comm.send_async(np.array([8], np.int64), dest=0, tag=30, header=False).wait()
+        if r == 0:
+            m = comm.recv_any(source=n - 1, tag=30)
+            assert (m.source, m.tag, m.data.view(np.int64).tolist()) == (n - 1, 30, [8])
+            assert comm.probe(source=n - 1) == (n - 1, 31)
+            assert comm.recv_any(tag=31).data.view(np.int64).tolist() == [7]
+        comm.barrier()
+
+
 def test_ring_unavailable_on_horovod(comm):
     if comm.backend != "horovod":
         assert "ring" in comm.allreduce_algorithms()
