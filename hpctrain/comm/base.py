@@ -280,7 +280,8 @@ class Communicator(CallPath, PointToPoint, Primitives):
         board = self._rt.departures
         if board is None:
             return ""
-        left = [r for r in board.update() if r in set(among)]
+        among = set(among)
+        left = [r for r in board.update() if r in among]
         return board.describe(left) if left else ""
 
     def on_interrupt(self, describe: Callable[[], str]) -> Callable[[], None]:

@@ -36,11 +36,13 @@ message naming it, and the run resumes from the servers' newest checkpoint.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..comm.point_to_point import ANY
+from ..comm.signature import format_ranks
 from ..errors import RanksFailedError
 
 __all__ = ["Roles", "ServerSGD", "ShardServer", "WorkerLink", "shard_bounds", "pack", "unpack"]
@@ -163,10 +165,6 @@ class ShardServer:
 
     def drop(self, failed) -> None:
         """Stop counting the workers among ``failed`` (world ranks)."""
-        import sys
-
-        from ..comm.signature import format_ranks
-
         mine = self.comm.world_ranks
         new = ({mine.index(r) for r in failed if r in mine} & set(self.roles.workers)) - self.lost
         if new:

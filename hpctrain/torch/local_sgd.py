@@ -14,22 +14,10 @@ import torch
 
 from ..comm.handle import done_handle
 from ..optim.local_sgd import LocalSGD, OuterNesterov
+from .flat import flatten, unflatten_into
 from .optimizer import DistributedOptimizer
 
 __all__ = ["LocalSGDOptimizer"]
-
-
-def _flat(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).cpu() for p in params])
-
-
-def _unflat(flat: torch.Tensor, params) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset:offset + n].view_as(p).to(p.device))
-            offset += n
 
 
 def LocalSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
@@ -74,14 +62,14 @@ def LocalSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Option
 
     averaging.bucket_hook = reduce_bucket
     params = [p for group in opt.param_groups for p in group["params"]]
-    local.start(_flat(params).numpy())
+    local.start(flatten(params).numpy())
 
     def after_step(_opt, args, kwargs):
         todo = local.step_done()
         if todo:
-            flat = _flat(params)
+            flat = flatten(params)
             local.after_step(todo, flat.numpy())
-            _unflat(flat, params)
+            unflatten_into(flat, params)
 
     opt.register_step_post_hook(after_step)
     opt.local_sgd = local

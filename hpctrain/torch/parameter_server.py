@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 
 from ..comm.signature import format_ranks
 from ..optim.parameter_server import Roles, ServerSGD, ShardServer, WorkerLink, shard_bounds
+from .flat import flatten, unflatten_into
 
 __all__ = ["ParameterServer"]
 
@@ -82,7 +82,7 @@ class ParameterServer:
         self.is_server = comm.rank in self.roles.servers
         self.worker_rank = None if self.is_server else self.roles.workers.index(comm.rank)
         self.num_workers = len(self.roles.workers)
-        flat = self._flat(p.detach() for p in self.params)
+        flat = flatten(self.params).numpy()
         self._servers = comm.split(0 if self.is_server else None)     # (collective: every rank)
         comm.on_rank_failure(self._on_failure)      # (for the process's life: the failed are not waited for at exit)
         self.start_step = 0
@@ -101,19 +101,8 @@ class ParameterServer:
                     self.server.restart_at(int(state["clock"]))
         else:
             self.link = WorkerLink(comm, self.roles, flat.size, flat.dtype, compressor, self._server_lost)
-            self._load(self.link.hello())
+            unflatten_into(self.link.hello(), self.params)
             self.start_step = self.link.clock
-
-    @staticmethod
-    def _flat(tensors) -> np.ndarray:
-        return torch.cat([t.reshape(-1) for t in tensors]).cpu().numpy()
-
-    def _load(self, flat: np.ndarray) -> None:
-        with torch.no_grad():
-            at = 0
-            for p in self.params:
-                p.copy_(torch.from_numpy(flat[at:at + p.numel()]).view_as(p))
-                at += p.numel()
 
     def serve(self) -> None:
         """(servers) Serve until every live worker has finished; the final shard's checkpoint is saved."""
@@ -125,8 +114,8 @@ class ParameterServer:
     def step(self) -> None:
         """(workers) Push this worker's gradients, take the new parameters into the model, clear the gradients."""
         self._only(False, "step")
-        grads = self._flat(p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self.params)
-        self._load(self.link.push_pull(grads))
+        grads = flatten(p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params).numpy()
+        unflatten_into(self.link.push_pull(grads), self.params)
         for p in self.params:
             p.grad = None
 
@@ -134,7 +123,7 @@ class ParameterServer:
         """(workers) Say this worker is done; the final parameters (those after every worker's last push) come
         into the model once every live worker is done."""
         self._only(False, "finish")
-        self._load(self.link.finish())
+        unflatten_into(self.link.finish(), self.params)
 
     @property
     def global_steps(self) -> int:

@@ -8,6 +8,7 @@ import torch
 from ..agreement import check_same
 from ..metrics import average_metrics
 from ..world import comm_or_world
+from .flat import flatten, unflatten_into
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "named_tensors", "allreduce", "average_metrics"]
 
@@ -23,15 +24,10 @@ def broadcast_tensors(tensors: List[torch.Tensor], root: int, comm) -> None:
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     for dtype, ts in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).cpu() for t in ts])
-            wire = flat.view(torch.uint8) if dtype == torch.bool else flat
-            got = comm.broadcast(wire, root=root)
-            got = got.view(torch.bool) if dtype == torch.bool else got
-            off = 0
-            for t in ts:
-                t.copy_(got[off:off + t.numel()].view_as(t))
-                off += t.numel()
+        flat = flatten(ts)
+        wire = flat.view(torch.uint8) if dtype == torch.bool else flat
+        got = comm.broadcast(wire, root=root)
+        unflatten_into(got.view(torch.bool) if dtype == torch.bool else got, ts)
 
 
 def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]],
