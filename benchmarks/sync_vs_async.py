@@ -13,9 +13,14 @@ every 16 steps), ``local16s``, ``diloco16s`` (the same in rounds of 16 steps' co
 (synchronous steps that drop the last gradient to arrive), ``ps0``, ``ps1``, ``ps4`` (staleness bound 0, 1,
 4), ``ps-async`` (no bound).  The step-counted modes deal each rank its share of every epoch; ``local16s``
 and the parameter-server modes stop at the same global number of applied gradients, each worker drawing from its own
-passes over the data, so a fast worker does more of them than a slow one.  Measured: samples/s (gradients
-applied, all ranks), the held-out accuracy of rank 0's parameters after each epoch's worth against wall time,
-time to reach ``--target`` accuracy, bytes a (training) rank sent a step.  Medians over ``--repeats``
+passes over the data, so a fast worker does more of them than a slow one.  The modes other than the two
+synchronous ones train on for ``--reach-x`` times the synchronous modes' budget (default 2), so that the time
+they need to reach synchronous training's accuracy can be seen.  Measured: samples/s (gradients applied, all
+ranks), the held-out accuracy of rank 0's parameters after each epoch's worth against wall time (the accuracy
+column: after ``--epochs`` epochs' worth, the same budget for every mode), time to reach the accuracy of
+synchronous training without the straggler (``sync`` for the Adam modes, ``sync-sgd`` for the SGD ones: the
+parameter servers and the backup worker) as a multiple of that run's wall time, bytes a (training) rank sent
+a step.  Medians over ``--repeats``
 launches, modes alternating.  ``--nodes 2`` runs on namespace nodes of scripts/cluster.sh (1 Gbit/s links)
 and also counts the bytes the nodes' links carried during training (the synchronous and local modes).
 
@@ -54,7 +59,8 @@ def link_tx() -> int:
     return 0
 
 
-def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool, task: str) -> None:
+def worker(mode: str, epochs: float, batch: int, compute_s: float, straggler: bool, task: str) -> None:
+    """One launch's rank: train ``mode`` for ``epochs`` epochs' worth of steps (all ranks'), print the result."""
     import numpy as np
     import torch
 
@@ -85,7 +91,7 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
     start, curve, steps = time.perf_counter(), [], 0
     if MODES[mode] is not None and MODES[mode][0] == "s":      # rounds of a time: a global budget, own passes
         per_epoch, batches = (len(train) // comm.size // batch) * comm.size, own_batches(train, comm.rank, batch)
-        while opt.local_sgd.global_steps < epochs * per_epoch:
+        while opt.local_sgd.global_steps < round(epochs * per_epoch):
             rows = torch.from_numpy(next(batches))
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
@@ -95,10 +101,11 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
             steps += 1
             if comm.rank == 0 and opt.local_sgd.syncs > syncs and \
                     opt.local_sgd.global_steps // per_epoch > len(curve):
-                curve.append([time.perf_counter() - start, accuracy(model, x, y, test)])
+                curve.append([time.perf_counter() - start, accuracy(model, x, y, test),
+                              opt.local_sgd.global_steps / per_epoch])
         applied = opt.local_sgd.global_steps
     else:
-        for epoch in range(epochs):
+        for epoch in range(round(epochs)):
             perm = train[np.random.RandomState(1 + epoch).permutation(len(train))]
             mine = perm[comm.rank::comm.size][:len(perm) // comm.size]
             for b in range(len(mine) // batch):
@@ -109,7 +116,7 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
                 opt.step()
                 steps += 1
             if comm.rank == 0:
-                curve.append([time.perf_counter() - start, accuracy(model, x, y, test)])
+                curve.append([time.perf_counter() - start, accuracy(model, x, y, test), epoch + 1])
         applied = steps * comm.size
     comm.barrier()
     wall = time.perf_counter() - start
@@ -119,7 +126,7 @@ def worker(mode: str, epochs: int, batch: int, compute_s: float, straggler: bool
     nodes = dict((host, tx) for host, tx in comm.allgather_object((socket.gethostname(), link_tx() - tx0)))
     if comm.rank == 0:
         if MODES[mode] is not None and MODES[mode][0] == "s":
-            curve.append([wall, accuracy(model, x, y, test)])
+            curve.append([wall, accuracy(model, x, y, test), applied / per_epoch])
         print("RESULT " + json.dumps({"mode": mode, "wall_s": wall, "samples_per_s": applied * batch / wall,
                                       "curve": curve, "bytes_per_step": sent / steps, "steps": applied / comm.size,
                                       "link_bytes_per_step": sum(nodes.values()) / steps}), flush=True)
@@ -177,7 +184,7 @@ def accuracy(model, x, y, rows) -> float:
         return float((model(x[rows]).argmax(1) == y[rows]).float().mean())
 
 
-def ps_worker(comm, mode: str, epochs: int, batch: int, compute_s: float, straggler: bool, task: str) -> None:
+def ps_worker(comm, mode: str, epochs: float, batch: int, compute_s: float, straggler: bool, task: str) -> None:
     """A parameter-server mode: the last rank serves (SGD lr 0.1, momentum 0.9), the others train."""
     import torch
 
@@ -195,7 +202,7 @@ def ps_worker(comm, mode: str, epochs: int, batch: int, compute_s: float, stragg
     w, workers = ps.worker_rank, ps.num_workers
     slow = 2.0 if straggler and w == workers - 1 else 1.0
     per_epoch = (len(train) // workers // batch) * workers       # (the synchronous modes' steps, all ranks')
-    budget = epochs * per_epoch        # a global budget: a fast worker does more of it than a slow one
+    budget = round(epochs * per_epoch)        # a global budget: a fast worker does more of it than a slow one
     start, curve, steps, batches = time.perf_counter(), [], 0, own_batches(train, w, batch)
     while ps.global_steps < budget:
         rows = torch.from_numpy(next(batches))
@@ -204,22 +211,35 @@ def ps_worker(comm, mode: str, epochs: int, batch: int, compute_s: float, stragg
         ps.step()
         steps += 1
         if w == 0 and ps.global_steps // per_epoch > len(curve):
-            curve.append([time.perf_counter() - start, accuracy(model, x, y, test)])
+            curve.append([time.perf_counter() - start, accuracy(model, x, y, test), ps.global_steps / per_epoch])
     pushed = ps.bytes_pushed
     ps.finish()
     wall = time.perf_counter() - start
     if w == 0:
-        curve.append([wall, accuracy(model, x, y, test)])
         applied = ps.global_steps           # (after finish: every worker's gradients the servers applied)
+        curve.append([wall, accuracy(model, x, y, test), applied / per_epoch])
         print("RESULT " + json.dumps({"mode": mode, "wall_s": wall, "samples_per_s": applied * batch / wall,
                                       "curve": curve, "bytes_per_step": pushed / steps, "steps": applied / workers,
                                       "link_bytes_per_step": 0}), flush=True)
     hpctrain.shutdown()
 
 
+SYNCHRONOUS = ("sync", "sync-sgd")
+
+
+def reference(mode: str) -> str:
+    """The synchronous mode with ``mode``'s optimizer (Adam for the local modes, SGD for the server ones)."""
+    return "sync-sgd" if mode in PS_MODES or mode == "sync-sgd" else "sync"
+
+
 def time_to(curve, target: float):
     """Seconds until the held-out accuracy first reached ``target`` (None if never)."""
-    return next((t for t, acc in curve if acc >= target), None)
+    return next((point[0] for point in curve if point[1] >= target), None)
+
+
+def accuracy_at(curve, epochs: float) -> float:
+    """The held-out accuracy after ``epochs`` epochs' worth of steps (the last point if the run did fewer)."""
+    return next((point[1] for point in curve if point[2] >= epochs - 1e-9), curve[-1][1])
 
 
 def main() -> None:
@@ -227,13 +247,14 @@ def main() -> None:
     p.add_argument("--worker", choices=list(MODES) + list(PS_MODES), help=argparse.SUPPRESS)
     p.add_argument("--straggler", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--epochs", type=float, default=12)
     p.add_argument("--task", choices=list(TASKS), default="digits",
                    help="digits (default) or teacher, a larger one (1.32 M parameters)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--compute-s", type=float, default=0.02)
     p.add_argument("--modes", nargs="+", default=list(MODES) + list(PS_MODES), choices=list(MODES) + list(PS_MODES))
-    p.add_argument("--target", type=float, default=0.95, help="held-out accuracy for the time-to-accuracy column")
+    p.add_argument("--reach-x", type=float, default=2.0, help="the non-synchronous modes train on for this many "
+                   "times the synchronous modes' epochs (to see when they reach synchronous training's accuracy)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nodes", type=int, default=0, help="run on this many namespace nodes (scripts/cluster.sh, "
                    "1 Gbit/s links, needs root), ranks spread evenly; the bytes on the links are counted")
@@ -264,28 +285,39 @@ def main() -> None:
 
 def one_run(args, mode: str, scenario: str, cluster) -> dict:
     """One launch of ``mode`` in ``scenario`` (on the namespace nodes when ``cluster``)."""
-    argv = [__file__, "--worker", mode, "--task", args.task, "--epochs", str(args.epochs), "--batch", str(args.batch),
+    epochs = args.epochs * (1 if mode in SYNCHRONOUS else args.reach_x)
+    argv = [__file__, "--worker", mode, "--task", args.task, "--epochs", str(epochs), "--batch", str(args.batch),
             "--compute-s", str(args.compute_s)] + (["--straggler"] if scenario == "straggler" else [])
     if cluster is not None:
         res = cluster.launch(args.nodes, argv, timeout=1200, per_node=args.ranks // args.nodes)
     else:       # (a parameter-server mode: one server rank besides the workers)
         res = launch_worker(args.ranks + (mode in PS_MODES), argv, timeout=1200)
-    res.update(scenario=scenario, time_to_target_s=time_to(res["curve"], args.target),
+    res.update(scenario=scenario, accuracy=accuracy_at(res["curve"], args.epochs),
                final_accuracy=res["curve"][-1][1])
     print(json.dumps({k: v for k, v in res.items() if k != "curve"}), flush=True)
     return res
 
 
 def write_outputs(runs, args) -> None:
+    ref = {}            # the synchronous modes without the straggler: their accuracy and wall time
+    for mode in SYNCHRONOUS:
+        mine = [r for r in runs if r["mode"] == mode and r["scenario"] == "none"]
+        if mine:
+            ref[mode] = (statistics.median(r["accuracy"] for r in mine), statistics.median(r["wall_s"] for r in mine))
     rows = []
     for scenario in ("none", "straggler"):
         for mode in args.modes:
             mine = [r for r in runs if r["mode"] == mode and r["scenario"] == scenario]
-            reached = [r["time_to_target_s"] for r in mine if r["time_to_target_s"] is not None]
+            reach = None
+            if reference(mode) in ref:      # (seconds to the synchronous run's accuracy / its wall time; inf: never)
+                acc, wall = ref[reference(mode)]
+                reach = statistics.median((time_to(r["curve"], acc) or float("inf")) / wall for r in mine)
             rows.append({"scenario": scenario, "mode": mode,
                          "samples_per_s": statistics.median(r["samples_per_s"] for r in mine),
+                         "accuracy": statistics.median(r["accuracy"] for r in mine),
                          "final_accuracy": statistics.median(r["final_accuracy"] for r in mine),
-                         "time_to_target_s": statistics.median(reached) if len(reached) == len(mine) else None,
+                         "reach_x": reach if reach != float("inf") else None, "reference": reference(mode),
+                         "reached": reach is not None and reach != float("inf"),
                          "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
                          "link_bytes_per_step": statistics.median(r.get("link_bytes_per_step", 0) for r in mine),
                          "wall_s": statistics.median(r["wall_s"] for r in mine)})
@@ -293,25 +325,28 @@ def write_outputs(runs, args) -> None:
             } if "sync" in args.modes else {}
     where = (f" on {args.nodes} namespace nodes (1 Gbit/s links; the links' bytes are both directions' eth0 "
              f"counts, all traffic)" if args.nodes else "")
-    lines = [f"{args.task}, {args.ranks} ranks{oversubscribed(args.ranks)}{where}, {args.epochs} epochs, batch {args.batch} a "
-             f"rank, {args.compute_s * 1e3:.0f} ms of compute (sleep) a step, the straggler 2x; medians of "
-             f"{args.repeats} launches ({CORES}-core machine).\n",
-             f"| scenario | mode | samples/s | x sync (same scenario) | held-out accuracy | time to "
-             f"{args.target:.0%} | bytes a rank sent a step | x fewer than sync |"
-             + (" bytes on the links a step | x fewer than sync |" if args.nodes else ""),
+    refs = "; ".join(f"{m} {a:.1%} in {w:.1f} s" for m, (a, w) in ref.items())
+    lines = [f"{args.task}, {args.ranks} ranks{oversubscribed(args.ranks)}{where}, {args.epochs:g} epochs (the "
+             f"non-synchronous modes up to {args.epochs * args.reach_x:g}), batch {args.batch} a rank, "
+             f"{args.compute_s * 1e3:.0f} ms of compute (sleep) a step, the straggler 2x; medians of {args.repeats} "
+             f"launches ({CORES}-core machine). Synchronous training without the straggler: {refs or '-'}.\n",
+             f"| scenario | mode | samples/s | x sync (same scenario) | held-out accuracy after {args.epochs:g} "
+             f"epochs | time to the synchronous run's accuracy (x its wall time without straggler) | bytes a rank "
+             f"sent a step | x fewer than sync |" + (" bytes on the links a step | x fewer than sync |" if args.nodes else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|---|" if args.nodes else "")]
     for r in rows:
-        ref = base.get(r["scenario"])
-        speed = f"{r['samples_per_s'] / ref['samples_per_s']:.2f}x" if ref else "-"
-        fewer = f"{ref['bytes_per_step'] / r['bytes_per_step']:.1f}x" if ref and r["bytes_per_step"] else "-"
-        reach = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "not reached"
+        base_r = base.get(r["scenario"])
+        speed = f"{r['samples_per_s'] / base_r['samples_per_s']:.2f}x" if base_r else "-"
+        fewer = f"{base_r['bytes_per_step'] / r['bytes_per_step']:.1f}x" if base_r and r["bytes_per_step"] else "-"
+        reach = (f"{r['reach_x']:.2f}x ({r['reference']})" if r["reached"] else
+                 "not reached" if r["reference"] in ref else "-")
         link = ""
         if args.nodes:
-            cut = (f"{ref['link_bytes_per_step'] / r['link_bytes_per_step']:.1f}x"
-                   if ref and r["link_bytes_per_step"] else "-")
+            cut = (f"{base_r['link_bytes_per_step'] / r['link_bytes_per_step']:.1f}x"
+                   if base_r and r["link_bytes_per_step"] else "-")
             link = f" {r['link_bytes_per_step'] / 1e3:.1f} kB | {cut} |"
         lines.append(f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | {speed} | "
-                     f"{r['final_accuracy']:.3f} | {reach} | {r['bytes_per_step'] / 1e3:.1f} kB | {fewer} |{link}")
+                     f"{r['accuracy']:.3f} | {reach} | {r['bytes_per_step'] / 1e3:.1f} kB | {fewer} |{link}")
     table = "\n".join(lines)
 
     def draw(plt):
@@ -319,8 +354,11 @@ def write_outputs(runs, args) -> None:
         for ax, scenario in zip(axes, ("none", "straggler")):
             for mode in args.modes:
                 run = next(r for r in runs if r["mode"] == mode and r["scenario"] == scenario)
-                t, acc = zip(*run["curve"])
+                t, acc = list(zip(*run["curve"]))[:2]
                 ax.plot(t, acc, marker=".", label=mode)
+            if "sync" in ref:       # (the target: synchronous training's accuracy within 2x its straggler-free time)
+                ax.axhline(ref["sync"][0], color="grey", linestyle=":", linewidth=1)
+                ax.axvline(2 * ref["sync"][1], color="grey", linestyle=":", linewidth=1)
             ax.set_title("no straggler" if scenario == "none" else "one rank 2x slower")
             ax.set_xlabel("wall time (s)")
             ax.grid(alpha=0.3)
