@@ -4,7 +4,8 @@ straggler (digits, torch).
 One launch a mode and scenario, ``--ranks`` training ranks: a 64-128-10 perceptron on scikit-learn's digits
 (1437 training images, 360 held out), ``--batch`` samples a rank and step, ``--epochs`` epochs' worth of
 steps.  The compute of a step is made measurable on a shared machine by a sleep of ``--compute-s`` a step on
-every rank; with ``--scenario straggler`` the last training rank sleeps twice that (a 2x slower rank).
+every rank; in the straggler scenario the last training rank takes twice as long for all of a step's compute
+(twice the sleep, and its real compute time again as a sleep).
 Modes: ``sync`` (DistributedOptimizer, Adam lr 2e-3: gradients averaged every step), ``sync-sgd`` (the same
 with SGD lr 0.1, momentum 0.9: the parameter servers' optimizer), ``local4``, ``local16`` (LocalSGDOptimizer
 over Adam, parameters averaged every 4 / 16 steps), ``diloco16`` (outer SGD-Nesterov lr 0.7, momentum 0.9,
@@ -94,8 +95,7 @@ def worker(mode: str, epochs: float, batch: int, compute_s: float, straggler: bo
         while opt.local_sgd.global_steps < round(epochs * per_epoch):
             rows = torch.from_numpy(next(batches))
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
-            time.sleep(compute_s * slow)
+            compute(model, x, y, rows, compute_s, slow)
             syncs = opt.local_sgd.syncs
             opt.step()
             steps += 1
@@ -111,8 +111,7 @@ def worker(mode: str, epochs: float, batch: int, compute_s: float, straggler: bo
             for b in range(len(mine) // batch):
                 rows = torch.from_numpy(mine[b * batch:(b + 1) * batch])
                 opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
-                time.sleep(compute_s * slow)          # (the step's compute: measurable, and 2x on the straggler)
+                compute(model, x, y, rows, compute_s, slow)
                 opt.step()
                 steps += 1
             if comm.rank == 0:
@@ -176,6 +175,16 @@ def own_batches(train, who: int, batch: int):
             yield order[b * batch:(b + 1) * batch]
 
 
+def compute(model, x, y, rows, compute_s: float, slow: float) -> None:
+    """A step's compute: the gradients of the batch ``rows``, then ``compute_s`` of sleep (measurable on a shared
+    machine); ``slow`` times all of it on the straggler (it sleeps its real compute time again as well)."""
+    import torch
+
+    began = time.perf_counter()
+    torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+    time.sleep(compute_s * slow + (slow - 1) * (time.perf_counter() - began))
+
+
 def accuracy(model, x, y, rows) -> float:
     """The model's accuracy on ``rows``."""
     import torch
@@ -206,8 +215,7 @@ def ps_worker(comm, mode: str, epochs: float, batch: int, compute_s: float, stra
     start, curve, steps, batches = time.perf_counter(), [], 0, own_batches(train, w, batch)
     while ps.global_steps < budget:
         rows = torch.from_numpy(next(batches))
-        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
-        time.sleep(compute_s * slow)
+        compute(model, x, y, rows, compute_s, slow)
         ps.step()
         steps += 1
         if w == 0 and ps.global_steps // per_epoch > len(curve):
