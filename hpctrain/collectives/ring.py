@@ -69,7 +69,7 @@ def ring_reduce_scatter(acc: np.ndarray, bounds: np.ndarray, op: str, t, chunk_e
         recvs = [t.irecv(tmp[a:b], left) for a, b in recv_chunks]
         sends = [t.isend(acc[slo + a:slo + b], right) for a, b in _chunks(int(shi - slo), chunk_elems)]
         for (a, b), req in zip(recv_chunks, recvs):
-            req.Wait()
+            t.waitall([req])
             reduce_into(acc[rlo + a:rlo + b], tmp[a:b], op)
         t.waitall(sends)
 

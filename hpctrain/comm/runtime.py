@@ -208,6 +208,14 @@ class Runtime:
             except Exception:  # noqa: BLE001 - one communicator that cannot be revoked must not stop the others
                 pass
 
+    def failure_known(self) -> bool:
+        """Whether a rank failed (elastic mode); the first to learn it revokes the world (as the watchdog would)."""
+        if not self.failed and self.failures is not None:
+            known = self.failures.failed()
+            if known:
+                self.world_failed(known)
+        return bool(self.failed)
+
     def _failed_error(self):
         from ..errors import WorldFailedError
 

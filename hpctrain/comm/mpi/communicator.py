@@ -28,7 +28,7 @@ from ...tensors import dtype_from_name
 from ...collectives.flat import Flat
 from ...collectives.shm import shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
 from .direct import DIRECT_MIN_BYTES, DirectCopies
-from .requests import RequestHandle, RingTransport
+from .requests import RequestHandle, RingTransport, Waits
 from ..abort import abort_job
 from ..base import Communicator, Handle, Riding, Topology
 from ..departures import Departures, MPINotices
@@ -60,14 +60,15 @@ class MPICommunicator(RidingOnNode, Communicator):
         self._nodes = NodeGroups(comm, world_ranks[comm.Get_rank()], MPI)
         self._arena: Optional[SharedArena] = None
         self._buffers: Dict[int, SharedBuffer] = {}     # data address -> buffer from shared_empty
-        self._cross = RingTransport(self._nodes.cross, MPI) if self._nodes.cross is not None else None
+        self._waits = Waits(MPI, runtime if runtime.config.elastic else None)
+        self._cross = RingTransport(self._nodes.cross, MPI, self._waits) if self._nodes.cross is not None else None
         g = self._nodes
         topology = Topology(g.local_rank, g.local_size, g.node_rank, g.num_nodes)
         super().__init__(runtime, comm.Get_rank(), comm.Get_size(), name, world_ranks, topology)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
         self._descs = np.zeros((self._size if self._rank == 0 else 1, DESC_BYTES), dtype=np.uint8)
         self._verdict = np.zeros(VERDICT_BYTES, dtype=np.uint8)
-        self._ring = RingTransport(self._coll, MPI)
+        self._ring = RingTransport(self._coll, MPI, self._waits)
         self._mailbox: Optional[Mailbox] = None
         self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
         self._direct = DirectCopies(self._nodes, MPI, runtime)
@@ -116,19 +117,19 @@ class MPICommunicator(RidingOnNode, Communicator):
                             f"to hear from every rank; rank 0 names the missing ones")
             reqs = [self._ctrl.Isend(self._descs[0], 0, _TAG_CALL),
                     self._ctrl.Irecv(self._verdict, 0, _TAG_VERDICT)]
-            MPI.Request.Waitall(reqs, [MPI.Status(), status])
+            self._waits.all(reqs, [MPI.Status(), status])
             return bytes(self._verdict[:status.Get_count(MPI.BYTE)]).decode()
         reqs = [self._ctrl.Irecv(self._descs[i], i, _TAG_CALL) for i in range(1, n)]
         missing = set(range(1, n))
         while missing:
             rt.note_waiting(f"not yet joined by {format_ranks(sorted(missing))} of {self.name} "
                             f"(world {format_ranks([self.world_ranks[i] for i in missing])})")
-            for i in MPI.Request.Waitsome(reqs) or ():
+            for i in self._waits.some(reqs):
                 missing.discard(i + 1)
         verdict = judge(list(self._descs), self.name, call.seq,
                         None if self.name == "world" else self.world_ranks)
         payload = np.frombuffer(verdict.encode()[:VERDICT_BYTES], dtype=np.uint8)
-        MPI.Request.Waitall([self._ctrl.Isend(payload, i, _TAG_VERDICT) for i in range(1, n)])
+        self._waits.all([self._ctrl.Isend(payload, i, _TAG_VERDICT) for i in range(1, n)])
         return verdict
 
     def _exchange_on_node(self, call: Call, riding: Optional[Riding]) -> str:
@@ -253,7 +254,7 @@ class MPICommunicator(RidingOnNode, Communicator):
         header = np.frombuffer(json.dumps({"dtype": str(arr.dtype), "shape": list(arr.shape)}).encode(),
                                dtype=np.uint8)
         reqs = [self._p2p.Isend(header, dest, tag), self._p2p.Isend(arr.reshape(-1).view(np.uint8), dest, tag)]
-        return RequestHandle(reqs, (header, arr), self._MPI)
+        return RequestHandle(reqs, (header, arr), self._waits)
 
     def _recv(self, source: int, tag: int) -> np.ndarray:
         MPI = self._MPI
@@ -267,7 +268,7 @@ class MPICommunicator(RidingOnNode, Communicator):
         return out
 
     def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int) -> Handle:
-        return RequestHandle([self._p2p.Isend(raw, dest, tag)], (raw,), self._MPI)
+        return RequestHandle([self._p2p.Isend(raw, dest, tag)], (raw,), self._waits)
 
     def _recv_bytes(self, source: int, tag: int) -> np.ndarray:
         status = self._MPI.Status()
