@@ -48,6 +48,21 @@ _MAX_SLEEP_S = 2e-3
 _DOORBELL_TAG = 0x4844      # point-to-point on the exchange's own communicator: no other messages there
 
 
+def _finished(req) -> bool:
+    """Whether a doorbell's send completed (then it is freed).
+
+    ``MPI_Request_get_status`` first, not a test: under Open MPI's
+    fault-tolerance extension a test frees a send to a failed rank while its
+    message may still sit in the network layer, and the process ends when
+    that message fails later (:mod:`hpctrain.comm.mpi.requests`); a send the
+    library completed is safe to free, with or without an error.
+    """
+    if not req.Get_status():
+        return False
+    req.Wait()
+    return True
+
+
 class CycleExchange:
     """Allgather picklable objects over ``world`` (see the module docstring)."""
 
@@ -78,7 +93,7 @@ class CycleExchange:
         Ranks in ``urgent`` are told to come at once, the others that they may
         first wait for a request of their own (see :meth:`rung`).
         """
-        self._rings = [(req, buf) for req, buf in self._rings if not req.Test()]
+        self._rings = [(req, buf) for req, buf in self._rings if not _finished(req)]
         for r in range(self.world.size):
             if r != self.world.rank:
                 buf = np.array([2 * cycle + (r in urgent)], np.int64)
