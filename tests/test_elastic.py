@@ -494,9 +494,10 @@ def test_elastic_launch_options_that_do_not_fit_are_refused_before_anything_star
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_a_rank_killed_with_ring_messages_in_flight_over_tcp_leaves_survivors_that_go_on(n, tmp_path):
     """Over TCP (``--mca btl self,tcp``, as between nodes) the last rank dies in the middle of back-to-back ring
-    all-reduces of 4 MB.  Open MPI's wait calls free a request that failed while its fragments may still be in the
-    TCP layer, and a survivor whose fragment fails later dies ("Send error after request freed"): elastic mode's
-    waits never let MPI free a request it has not finished, and leave those the failure interrupted allocated.
+    all-reduces of 8 MB (10^6 float64).  Open MPI's wait calls free a request that failed while its fragments
+    may still be in the TCP layer, and a survivor whose fragment fails later dies ("Send error after request
+    freed"): elastic mode's waits never let MPI free a request it has not finished, and leave those the failure
+    interrupted allocated.
     Every survivor goes on, and the all-reduce in the new world is the sum over the survivors.  (Whether a
     survivor had to keep a request depends on which came first, the TCP error or the failure notice: with two
     ranks it is mostly the former, and MPI completes the requests itself.)"""

@@ -3,7 +3,8 @@ survivors have messages to and from it in flight; the survivors re-form the worl
 
 Usage (under ``hpctrain launch --elastic -n N``): ``ring_kill.py KILL_AFTER_S ELEMENTS``.  The last rank of the
 first world dies after KILL_AFTER_S seconds.  After the re-forming each survivor all-reduces its first-world rank
-+ 1 over the new world and prints ``AFTER <sum> <size> KEPT <requests left allocated>``.
++ 1 over the new world and prints ``AFTER <sum> <size> KEPT <requests left allocated> CALLS <all-reduces before
+the failure>``.
 """
 import os
 import signal
