@@ -375,10 +375,8 @@ class Runtime:
                     self.tolerated = known
                     self.failure_handler(known)
             elif cfg.elastic:         # (a failure is the survivors' to handle: their collectives raise)
-                if not self.failed and self.failures is not None and not self._closed:
-                    known = self.failures.failed()
-                    if known:
-                        self.world_failed(known)
+                if not self._closed:
+                    self.failure_known()
             else:
                 failed = self.failure_message() if not self._closed else ""
                 if failed:

@@ -61,14 +61,14 @@ class MPICommunicator(RidingOnNode, Communicator):
         self._arena: Optional[SharedArena] = None
         self._buffers: Dict[int, SharedBuffer] = {}     # data address -> buffer from shared_empty
         self._waits = Waits(MPI, runtime if runtime.config.elastic else None)
-        self._cross = RingTransport(self._nodes.cross, MPI, self._waits) if self._nodes.cross is not None else None
+        self._cross = RingTransport(self._nodes.cross, self._waits) if self._nodes.cross is not None else None
         g = self._nodes
         topology = Topology(g.local_rank, g.local_size, g.node_rank, g.num_nodes)
         super().__init__(runtime, comm.Get_rank(), comm.Get_size(), name, world_ranks, topology)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
         self._descs = np.zeros((self._size if self._rank == 0 else 1, DESC_BYTES), dtype=np.uint8)
         self._verdict = np.zeros(VERDICT_BYTES, dtype=np.uint8)
-        self._ring = RingTransport(self._coll, MPI, self._waits)
+        self._ring = RingTransport(self._coll, self._waits)
         self._mailbox: Optional[Mailbox] = None
         self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
         self._direct = DirectCopies(self._nodes, MPI, runtime)

@@ -100,7 +100,7 @@ class Waits:
 class RingTransport:
     """The point-to-point transport of :mod:`hpctrain.collectives.ring` over one MPI communicator."""
 
-    def __init__(self, comm, MPI, waits: Waits):
+    def __init__(self, comm, waits: Waits):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._comm, self._waits = comm, waits
 
