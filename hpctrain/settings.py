@@ -157,9 +157,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "ends naming what was lost (set by `hpctrain launch --min-np`)", minimum=1),
     Setting("HPCTRAIN_ELASTIC_RESET_LIMIT", "int", 0, "elastic mode: the most times the world may re-form in "
             "one run (0: no limit)", minimum=0),
-    Setting("HPCTRAIN_ELASTIC_CONTROL", "text", "", "elastic mode with a host discovery script: the launcher's "
-            "folder of hosts news, the world's hosts and the commit written for a restart on more hosts (set by "
-            "`hpctrain launch --host-discovery-script`)"),
+    Setting("HPCTRAIN_ELASTIC_CONTROL", "text", "", "elastic mode on several hosts: the launcher's folder of "
+            "the world's hosts and resets (and with a discovery script, of hosts news and the commit written for a "
+            "restart on more hosts; set by `hpctrain launch --elastic`)"),
     Setting("HPCTRAIN_ELASTIC_HOSTS_VERSION", "int", 0, "elastic mode with a discovery script: the version of the "
             "launcher's hosts this job started with (set by the launcher)", minimum=0),
     Setting("HPCTRAIN_ELASTIC_RANK_HOSTS", "text", "", "elastic mode with a discovery script: the host of each "
@@ -169,8 +169,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_ELASTIC_RESUME", "flag", False, "elastic mode: this job is the launcher's restart on more "
             "hosts; `hpctrain.elastic.run` first loads the commit written for it (set by the launcher)"),
     Setting("HPCTRAIN_ELASTIC_RESETS_DONE", "int", 0, "elastic mode: resets of this job before the launcher's "
-            "last restart on more hosts (each restart counts one; set by the launcher), counted against "
-            "HPCTRAIN_ELASTIC_RESET_LIMIT", minimum=0),
+            "last restart (on more hosts, or after a lost node; each restart counts one; set by the launcher), "
+            "counted against HPCTRAIN_ELASTIC_RESET_LIMIT", minimum=0),
     Setting("HPCTRAIN_ELASTIC_DISCOVERY_S", "seconds", 1.0, "elastic mode: seconds between two runs of the host "
             "discovery script by the launcher"),
     Setting("HPCTRAIN_ELASTIC_TIMEOUT_S", "seconds", 600.0, "elastic mode: how long the launcher waits for the "

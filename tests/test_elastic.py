@@ -464,12 +464,12 @@ def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_wi
     from hpctrain.elastic.driver import _after_node_loss
 
     limit = {"HPCTRAIN_ELASTIC_RESET_LIMIT": "2"}
-    assert _after_node_loss({"b"}, [("a", 2), ("c", 1)], 2, 1, limit) == [("a", 2), ("c", 1)]
+    assert _after_node_loss({"b"}, [("a", 2), ("c", 1)], 2, 1, 2, limit) == [("a", 2), ("c", 1)]
     assert "node b was lost with Open MPI's daemon on it" in capsys.readouterr().out
-    assert _after_node_loss({"b"}, [("a", 2)], 3, 1, {}) is None
+    assert _after_node_loss({"b"}, [("a", 2)], 3, 1, 1, {}) is None
     assert "2 slot(s) left on a, fewer than --min-np 3: the job ends" in capsys.readouterr().err
-    assert _after_node_loss({"b"}, [("a", 2)], 1, 3, limit) is None
-    assert "the reset limit (2) is reached" in capsys.readouterr().err
+    assert _after_node_loss({"b"}, [("a", 2)], 1, 1, 3, limit) is None      # (the ranks re-formed twice before)
+    assert "the reset limit (2) is reached (a restart now would be reset 3" in capsys.readouterr().err
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# the nodes\nn1 slots=2\nn2 slots=3 max_slots=4\nn3\n")
     assert _fixed_hosts(argparse.Namespace(hosts=None, hostfile=str(hostfile))) == [("n1", 2), ("n2", 3), ("n3", 1)]

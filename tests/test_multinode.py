@@ -111,29 +111,32 @@ def test_sigkill_of_a_whole_node_ends_the_job_naming_it_and_a_restart_resumes_bi
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("hosts_from", ["-H", "discovery"])
+@pytest.mark.parametrize("hosts_from", ["-H", "discovery", "-H, a rank lost before, --reset-limit 1"])
 def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_disk_checkpoint(hosts_from, cluster):
     """A node crash under ``hpctrain launch --elastic`` (2 nodes x 2 ranks; every process of node2 SIGKILLed at once,
     Open MPI's daemon with the ranks): Open MPI's runtime then ends the whole job, so the launcher names the node
     and starts the job again on node1, where the ranks resume from the newest disk checkpoint (step 8; the kill
     comes after step 10).  The final model equals the single-process reference that went from 4 to 2 ranks at
     step 8 (to 1e-12: the sums before ran across nodes).  With fixed hosts (-H) and with a discovery script that
-    still lists node2 (the launcher leaves it out)."""
+    still lists node2 (the launcher leaves it out).  And the reset limit across that restart: rank 3 (node2)
+    dies at step 4 and the others re-form (reset 1), so with ``--reset-limit 1`` the restart after node2's loss
+    would be reset 2: the launcher ends the job instead, saying so."""
     from safetensors.numpy import load_file
     from test_elastic import example_args, reference
 
-    where = cluster.shared / f"elastic-node-loss-{hosts_from}"
+    limited = "reset-limit" in hosts_from
+    where = cluster.shared / f"elastic-node-loss-{hosts_from.split(',')[0]}{'-limit' if limited else ''}"
     where.mkdir()
     out = where / "final.safetensors"
-    if hosts_from == "-H":
-        hosts = ["-n", "4", "-H", "node1:2,node2:2"]
+    if hosts_from.startswith("-H"):
+        hosts = ["-n", "4", "-H", "node1:2,node2:2"] + (["--reset-limit", "1"] if limited else [])
     else:
         script = where / "discover.sh"
         script.write_text("#!/bin/sh\necho node1:2\necho node2:2\n")
         script.chmod(0o755)
         hosts = ["--min-np", "2", "--host-discovery-script", str(script)]
     cmd = cluster.launcher("node1") + [str(BIN / "hpctrain"), "launch", "--elastic", *hosts, *example_args(out),
-                                       "--step-sleep", "0.1", "--log-steps"]
+                                       "--step-sleep", "0.1", "--log-steps"] + (["--kill", "3:4"] if limited else [])
     job = subprocess.Popen(cmd, cwd=where, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=60, **cluster.env),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, resumed_after = [], None
@@ -152,6 +155,12 @@ def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_di
     finally:
         kill_tree(job)
     log = "".join(lines)
+    if limited:
+        assert job.returncode != 0 and "the world re-formed from 4 to 3 ranks" in log, log[-4000:]
+        assert ("node node2 was lost with Open MPI's daemon on it, which ends the whole Open MPI job (the survivors' "
+                "processes and in-memory commits too); the reset limit (1) is reached (a restart now would be reset "
+                "2") in log and "restarting the elastic job" not in log, log[-4000:]
+        return
     assert job.returncode == 0, log[-4000:]
     assert re.search(r"hpctrain launch: node node2 was lost with Open MPI's daemon on it, .*restarting the elastic "
                      r"job on node1:2 \(start 2\)", log), log[-4000:]

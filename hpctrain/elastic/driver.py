@@ -23,10 +23,15 @@ changes, and start the job again on more hosts.
    starts it again on the other hosts: the ranks start from what the script
    loads at its start (its newest disk checkpoint), as after torchrun's
    restart.  :func:`run_fixed_hosts` does the same for ``-H`` / ``--hostfile``
-   launches.  Each such restart counts towards ``--reset-limit``.
+   launches.  Each such restart counts one reset towards ``--reset-limit``,
+   on top of the resets the ranks had before (rank 0 writes their count to
+   ``<control>/resets.json`` after each one); the next start is told the sum
+   (``HPCTRAIN_ELASTIC_RESETS_DONE``).
 
 The control folder (``.hpctrain-elastic/<launcher pid>`` in the current
-directory: the ranks of every host must see it) is removed at the end.
+directory: with a discovery script the ranks of every host must see it; with
+fixed hosts rank 0's host should, else only restarts are counted) is removed
+at the end.
 """
 from __future__ import annotations
 
@@ -37,10 +42,11 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .. import settings
-from .hosts import HOSTS_FILE, RESTART_FILE, WORLD_FILE, read_json, write_json
+from .hosts import HOSTS_FILE, RESETS_FILE, RESTART_FILE, WORLD_FILE, read_json, write_json
 
 __all__ = ["parse_hosts", "discover", "DiscoveryError", "run_with_discovery", "run_fixed_hosts"]
 
@@ -140,10 +146,8 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
     ``run(cmd, watch=...)`` runs it (:func:`hpctrain.launch.run_elastic`);
     ``exports`` are more settings for the ranks.
     """
-    control = os.path.abspath(os.path.join(".hpctrain-elastic", str(os.getpid())))
-    os.makedirs(control, exist_ok=True)
-    watch = _Watch(script, slots, control)
-    try:
+    with _control_folder() as control:
+        watch = _Watch(script, slots, control)
         hosts = _wait_for_hosts(watch, min_np)
         resume, starts, resets = False, 0, 0
         while True:
@@ -153,13 +157,12 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
             watch.post(hosts)
             for name in (RESTART_FILE, WORLD_FILE):
                 _remove(os.path.join(control, name))
-            env = {**(exports or {}), settings.setting("HPCTRAIN_ELASTIC_CONTROL").name: control,
+            env = {**_ranks_env(control, resets, exports),
                    settings.setting("HPCTRAIN_ELASTIC_HOSTS_VERSION").name: str(watch.version),
                    settings.setting("HPCTRAIN_ELASTIC_RANK_HOSTS").name: ",".join(names),
                    settings.setting("HPCTRAIN_ELASTIC_MAX_NP").name: str(max_np)}
             if resume:
                 env[settings.setting("HPCTRAIN_ELASTIC_RESUME").name] = "1"
-                env[settings.setting("HPCTRAIN_ELASTIC_RESETS_DONE").name] = str(resets)
             cmd = build(n, argv, hosts=",".join(f"{h}:{s}" for h, s in hosts), elastic=True,
                         min_np=min(min_np, n), exports=env)
             lost: set = set()
@@ -168,7 +171,8 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
             restart = read_json(os.path.join(control, RESTART_FILE))
             if lost and restart is None:
                 watch.suspect |= lost
-                hosts = _after_node_loss(lost, watch.offered(), min_np, starts, exports)
+                resets = _resets_before(control, resets) + 1
+                hosts = _after_node_loss(lost, watch.offered(), min_np, starts, resets, exports)
                 if hosts is None:
                     return code or 1
                 resume = False         # (a commit written for an earlier restart is older than the disk's)
@@ -181,6 +185,36 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
             sys.stdout.write(f"hpctrain launch: restarting the elastic job on {', '.join(f'{h}:{s}' for h, s in hosts)}"
                              f" from commit {restart['commit']} (start {starts + 1})\n")
             sys.stdout.flush()
+
+
+def run_fixed_hosts(n: int, argv: List[str], hosts: Hosts, min_np: int, build: Callable[..., List[str]],
+                    run: Callable[..., int], exports: Optional[Dict[str, str]] = None) -> int:
+    """Run an elastic job on fixed hosts (``-H``, ``--hostfile``); after the loss of a node's daemon start it again
+    on the other hosts (module docstring, 4); its status."""
+    with _control_folder() as control:
+        starts, resets = 0, 0
+        while True:
+            lost: set = set()
+            code = run(build(n, argv, hosts=",".join(f"{h}:{s}" for h, s in hosts), elastic=True,
+                             min_np=min(min_np, n), exports=_ranks_env(control, resets, exports)), lost=lost)
+            starts += 1
+            if not lost:
+                return code
+            resets = _resets_before(control, resets) + 1
+            left = _after_node_loss(lost, [(h, s) for h, s in hosts if h not in lost], min_np, starts, resets,
+                                    exports)
+            if left is None:
+                return code or 1
+            hosts, n = left, min(n, sum(s for _, s in left))
+
+
+@contextmanager
+def _control_folder() -> Iterator[str]:
+    """The launcher's control folder (``.hpctrain-elastic/<pid>`` here), removed at the end."""
+    control = os.path.abspath(os.path.join(".hpctrain-elastic", str(os.getpid())))
+    os.makedirs(control, exist_ok=True)
+    try:
+        yield control
     finally:
         shutil.rmtree(control, ignore_errors=True)
         try:
@@ -189,27 +223,24 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
             pass
 
 
-def run_fixed_hosts(n: int, argv: List[str], hosts: Hosts, min_np: int, build: Callable[..., List[str]],
-                    run: Callable[..., int], exports: Optional[Dict[str, str]] = None) -> int:
-    """Run an elastic job on fixed hosts (``-H``, ``--hostfile``); after the loss of a node's daemon start it again
-    on the other hosts (module docstring, 4); its status."""
-    starts = 0
-    while True:
-        lost: set = set()
-        code = run(build(n, argv, hosts=",".join(f"{h}:{s}" for h, s in hosts), elastic=True,
-                         min_np=min(min_np, n), exports=exports), lost=lost)
-        starts += 1
-        if not lost:
-            return code
-        left = _after_node_loss(lost, [(h, s) for h, s in hosts if h not in lost], min_np, starts, exports)
-        if left is None:
-            return code or 1
-        hosts, n = left, min(n, sum(s for _, s in left))
+def _ranks_env(control: str, resets: int, exports: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """The settings every start gives the ranks: ``exports``, the control folder and the resets done before."""
+    env = {**(exports or {}), settings.setting("HPCTRAIN_ELASTIC_CONTROL").name: control}
+    if resets:
+        env[settings.setting("HPCTRAIN_ELASTIC_RESETS_DONE").name] = str(resets)
+    return env
 
 
-def _after_node_loss(lost: set, left: Hosts, min_np: int, starts: int, exports: Optional[Dict[str, str]]):
+def _resets_before(control: str, resets: int) -> int:
+    """The job's resets before the run that just ended: the ranks' count (``resets.json``), else ``resets``."""
+    done = read_json(os.path.join(control, RESETS_FILE)) or {}
+    return max(resets, int(done.get("resets", 0)))
+
+
+def _after_node_loss(lost: set, left: Hosts, min_np: int, starts: int, resets: int,
+                     exports: Optional[Dict[str, str]]):
     """The hosts to start the job again on after ``lost`` went with their daemons, or None (with the reason) when
-    fewer than ``min_np`` slots are left or the reset limit is reached."""
+    fewer than ``min_np`` slots are left or the reset limit is reached (``resets``: this restart included)."""
     slots = sum(s for _, s in left)
     limit = int((exports or {}).get(settings.setting("HPCTRAIN_ELASTIC_RESET_LIMIT").name, 0))
     said = (f"hpctrain launch: node {', '.join(sorted(lost))} was lost with Open MPI's daemon on it, which ends "
@@ -218,8 +249,9 @@ def _after_node_loss(lost: set, left: Hosts, min_np: int, starts: int, exports: 
         sys.stderr.write(f"{said}; {slots} slot(s) left on {', '.join(h for h, _ in left) or 'no host'}, fewer "
                          f"than --min-np {min_np}: the job ends\n")
         return None
-    if limit and starts > limit:
-        sys.stderr.write(f"{said}; the reset limit ({limit}) is reached: the job ends\n")
+    if limit and resets > limit:
+        sys.stderr.write(f"{said}; the reset limit ({limit}) is reached (a restart now would be reset {resets}, "
+                         f"re-formings and restarts of the ranks counted): the job ends\n")
         return None
     sys.stdout.write(f"{said}; restarting the elastic job on {', '.join(f'{h}:{s}' for h, s in left)} "
                      f"(start {starts + 1}): the ranks start from what the script loads at its start "

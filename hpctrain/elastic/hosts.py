@@ -38,9 +38,11 @@ from .. import settings
 from ..errors import WorldFailedError
 
 __all__ = ["HostsChanged", "control_dir", "check", "resume", "resuming", "write_world", "plan", "rank_host",
-           "read_json", "write_json", "HOSTS_FILE", "WORLD_FILE", "RESTART_FILE", "COMMIT_DIR"]
+           "read_json", "write_json", "record_resets", "HOSTS_FILE", "WORLD_FILE", "RESTART_FILE", "RESETS_FILE",
+           "COMMIT_DIR"]
 
 HOSTS_FILE, WORLD_FILE, RESTART_FILE, COMMIT_DIR = "hosts.json", "world.json", "restart.json", "commit"
+RESETS_FILE = "resets.json"
 
 
 class HostsChanged(WorldFailedError):
@@ -48,8 +50,13 @@ class HostsChanged(WorldFailedError):
 
 
 def control_dir() -> Optional[str]:
-    """The launcher's control folder (``HPCTRAIN_ELASTIC_CONTROL``), or None without a discovery script."""
+    """The launcher's control folder (``HPCTRAIN_ELASTIC_CONTROL``), or None on one host (no launcher's watch)."""
     return settings.get("HPCTRAIN_ELASTIC_CONTROL") or None
+
+
+def discovering() -> bool:
+    """Whether the launcher runs a host discovery script (it posts hosts news), not fixed hosts."""
+    return control_dir() is not None and settings.get("HPCTRAIN_ELASTIC_HOSTS_VERSION") > 0
 
 
 def read_json(path: str) -> Optional[dict]:
@@ -124,11 +131,10 @@ _NEWS: List[_News] = []      # this process's reader of the launcher's hosts (on
 
 def news() -> Optional[_News]:
     """This process's reader of the launcher's hosts file, or None outside discovery mode."""
-    control = control_dir()
-    if control is None:
+    if not discovering():
         return None
     if not _NEWS:
-        _NEWS.append(_News(control))
+        _NEWS.append(_News(control_dir()))
     return _NEWS[0]
 
 
@@ -247,13 +253,43 @@ _RESUMED: List[bool] = []       # (a process resumes once: the launcher's restar
 
 
 def write_world(comm) -> None:
-    """Rank 0: tell the launcher the world's size and its ranks' hosts (at each start and re-forming)."""
-    control = control_dir()
-    if control is None:
+    """Rank 0: tell the discovery launcher the world's size and its ranks' hosts (at each start and re-forming)."""
+    if not discovering():
         return
+    control = control_dir()
     hosts = comm.allgather_object(rank_host())
     if comm.rank == 0:
-        write_json(os.path.join(control, WORLD_FILE), {"size": comm.size, "hosts": hosts, "time": time.time()})
+        _report(os.path.join(control, WORLD_FILE), {"size": comm.size, "hosts": hosts, "time": time.time()})
+
+
+def record_resets(state, comm) -> None:
+    """Rank 0: tell the launcher the job's resets so far (after each reset), which it counts on after a restart.
+
+    Open MPI ends the whole job when a node's daemon is lost; the launcher
+    then starts it again (:mod:`hpctrain.elastic.driver`), and the
+    re-formings before are counted towards the reset limit from this file.
+    """
+    control = control_dir()
+    if control is not None and comm.rank == 0:
+        _report(os.path.join(control, RESETS_FILE), {"resets": resets_done(state), "time": time.time()})
+
+
+def _report(path: str, value: dict) -> None:
+    """Write the launcher's file ``path``; with fixed hosts, a folder rank 0's host cannot see costs a warning
+    (the launcher then counts restarts only), with a discovery script it is an error (the ranks must see it)."""
+    try:
+        write_json(path, value)
+    except OSError as exc:
+        if discovering():
+            raise
+        if not _WARNED:
+            _WARNED.append(True)
+            _say(f"hpctrain: cannot write the elastic launcher's {os.path.basename(path)} ({exc}): rank 0's host "
+                 f"does not see the launcher's folder, so a restart after a lost node counts only the restarts "
+                 f"towards the reset limit")
+
+
+_WARNED: List[bool] = []
 
 
 def _say(line: str) -> None:

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 
 from .. import settings
 from ..errors import WorldFailedError
-from .hosts import resets_done, resume
+from .hosts import record_resets, resets_done, resume
 from .peer_copy import PartLost
 from .reform import WorldTooSmallError, reform
 
@@ -126,6 +126,7 @@ def _recover(state, exc: WorldFailedError) -> None:
                   "recover_s": t2 - t1, "reform_s": t1 - failed_at, "commit": number, "failed_at": failed_wall}
         state.recoveries.append(record)
         state._resets = getattr(state, "_resets", 0) + len(formings)
+        record_resets(state, world)
         if world.rank == 0:
             lost = "; then ".join(f"{f.lost_text} failed" + (" during the recovery" if i else "")
                                   for i, f in enumerate(formings))

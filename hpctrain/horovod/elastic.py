@@ -30,6 +30,7 @@ from .. import settings
 from ..elastic import hosts
 from ..elastic.hosts import resume, resuming
 from ..elastic.run import wrapped_world_failure
+from ..world import world
 from ..elastic.state import ObjectState as _CoreObjectState
 from . import basics
 from .basics import HorovodInternalError, HostsUpdatedInterrupt
@@ -77,6 +78,7 @@ def run(func):
                 exit_after_failure(f"hpctrain.horovod: {why}; reset {limit} time(s) already "
                                    f"(HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job", 1)
             _reset()
+            hosts.record_resets(state, world())
             state.on_reset()
     return wrapper
 
@@ -87,7 +89,6 @@ def _reset() -> None:
     from ..comm.abort import exit_after_failure
     from ..elastic.reform import WorldTooSmallError, reform
     from ..errors import WorldFailedError
-    from ..world import world
 
     while True:
         basics.shutdown()
