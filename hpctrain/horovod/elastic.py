@@ -30,8 +30,8 @@ from .. import settings
 from ..elastic import hosts
 from ..elastic.hosts import resume, resuming
 from ..elastic.run import wrapped_world_failure
-from ..world import world
 from ..elastic.state import ObjectState as _CoreObjectState
+from ..world import world
 from . import basics
 from .basics import HorovodInternalError, HostsUpdatedInterrupt
 
