@@ -456,7 +456,8 @@ def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_un
     assert offered() == (4, [("a", 2), ("b", 2), ("c", 1)])
 
 
-def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_within_its_limits(capsys, tmp_path):
+def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_within_its_limits(capsys, tmp_path,
+                                                                                               monkeypatch):
     """What the launcher decides once Open MPI reported a lost daemon (the run itself: tests/test_multinode.py)."""
     import argparse
 
@@ -470,6 +471,19 @@ def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_wi
     assert "2 slot(s) left on a, fewer than --min-np 3: the job ends" in capsys.readouterr().err
     assert _after_node_loss({"b"}, [("a", 2)], 1, 1, 3, limit) is None      # (the ranks re-formed twice before)
     assert "the reset limit (2) is reached (a restart now would be reset 3" in capsys.readouterr().err
+    from hpctrain.elastic.driver import _control_folder, _ranks_env, _resets_before
+    from hpctrain.elastic.hosts import write_json
+
+    assert _resets_before(str(tmp_path), 1) == 1                    # (no report from the ranks)
+    write_json(str(tmp_path / "resets.json"), {"resets": 3})         # (rank 0's count after its third reset)
+    assert _resets_before(str(tmp_path), 1) == 3 and _resets_before(None, 2) == 2
+    assert _ranks_env(str(tmp_path), 4, limit) == {"HPCTRAIN_ELASTIC_RESET_LIMIT": "2",
+                                                   "HPCTRAIN_ELASTIC_RESETS_DONE": "4",
+                                                   "HPCTRAIN_ELASTIC_CONTROL": str(tmp_path)}
+    monkeypatch.chdir("/proc/self")                                 # (no folder can be made here)
+    with _control_folder(required=False) as control:
+        assert control is None
+    assert "cannot make the elastic control folder" in capsys.readouterr().err
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# the nodes\nn1 slots=2\nn2 slots=3 max_slots=4\nn3\n")
     assert _fixed_hosts(argparse.Namespace(hosts=None, hostfile=str(hostfile))) == [("n1", 2), ("n2", 3), ("n3", 1)]

@@ -191,7 +191,7 @@ def run_fixed_hosts(n: int, argv: List[str], hosts: Hosts, min_np: int, build: C
                     run: Callable[..., int], exports: Optional[Dict[str, str]] = None) -> int:
     """Run an elastic job on fixed hosts (``-H``, ``--hostfile``); after the loss of a node's daemon start it again
     on the other hosts (module docstring, 4); its status."""
-    with _control_folder() as control:
+    with _control_folder(required=False) as control:
         starts, resets = 0, 0
         while True:
             lost: set = set()
@@ -209,10 +209,19 @@ def run_fixed_hosts(n: int, argv: List[str], hosts: Hosts, min_np: int, build: C
 
 
 @contextmanager
-def _control_folder() -> Iterator[str]:
-    """The launcher's control folder (``.hpctrain-elastic/<pid>`` here), removed at the end."""
+def _control_folder(required: bool = True) -> Iterator[Optional[str]]:
+    """The launcher's control folder (``.hpctrain-elastic/<pid>`` here), removed at the end; None (with a warning)
+    when it cannot be made and is not ``required``."""
     control = os.path.abspath(os.path.join(".hpctrain-elastic", str(os.getpid())))
-    os.makedirs(control, exist_ok=True)
+    try:
+        os.makedirs(control, exist_ok=True)
+    except OSError as exc:
+        if required:
+            raise
+        sys.stderr.write(f"hpctrain launch: cannot make the elastic control folder ({exc}): a restart after a lost "
+                         f"node counts only the restarts towards --reset-limit\n")
+        yield None
+        return
     try:
         yield control
     finally:
@@ -223,17 +232,19 @@ def _control_folder() -> Iterator[str]:
             pass
 
 
-def _ranks_env(control: str, resets: int, exports: Optional[Dict[str, str]]) -> Dict[str, str]:
+def _ranks_env(control: Optional[str], resets: int, exports: Optional[Dict[str, str]]) -> Dict[str, str]:
     """The settings every start gives the ranks: ``exports``, the control folder and the resets done before."""
-    env = {**(exports or {}), settings.setting("HPCTRAIN_ELASTIC_CONTROL").name: control}
+    env = dict(exports or {})
+    if control is not None:
+        env[settings.setting("HPCTRAIN_ELASTIC_CONTROL").name] = control
     if resets:
         env[settings.setting("HPCTRAIN_ELASTIC_RESETS_DONE").name] = str(resets)
     return env
 
 
-def _resets_before(control: str, resets: int) -> int:
+def _resets_before(control: Optional[str], resets: int) -> int:
     """The job's resets before the run that just ended: the ranks' count (``resets.json``), else ``resets``."""
-    done = read_json(os.path.join(control, RESETS_FILE)) or {}
+    done = (read_json(os.path.join(control, RESETS_FILE)) if control is not None else None) or {}
     return max(resets, int(done.get("resets", 0)))
 
 
