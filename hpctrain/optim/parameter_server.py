@@ -37,13 +37,14 @@ message naming it, and the run resumes from the servers' newest checkpoint.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..comm.point_to_point import ANY
 from ..comm.signature import format_ranks
 from ..errors import RanksFailedError
+from .ps_messages import pack, unpack
 
 __all__ = ["Roles", "ServerSGD", "ShardServer", "WorkerLink", "shard_bounds", "pack", "unpack"]
 
@@ -54,29 +55,6 @@ def shard_bounds(n: int, servers: int) -> List[Tuple[int, int]]:
     """``[lo, hi)`` of each server's shard of ``n`` values (sizes differ by at most one)."""
     cuts = [n * s // servers for s in range(servers + 1)]
     return [(cuts[s], cuts[s + 1]) for s in range(servers)]
-
-
-def pack(clock: int, arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """One message's bytes: ``clock``, then each array as (byte count, dtype, bytes); see :func:`unpack`."""
-    head = [np.array([clock, len(arrays)], dtype=np.int64).view(np.uint8)]
-    for a in arrays:
-        a = np.ascontiguousarray(a)
-        head.append(np.array([a.nbytes], dtype=np.int64).view(np.uint8))
-        head.append(np.frombuffer(a.dtype.str.encode().ljust(8), dtype=np.uint8))
-        head.append(a.reshape(-1).view(np.uint8))
-    return np.concatenate(head)
-
-
-def unpack(raw: np.ndarray) -> Tuple[int, List[np.ndarray]]:
-    """``(clock, arrays)`` of a message made by :func:`pack` (the arrays are views of ``raw``)."""
-    clock, count = (int(v) for v in raw[:16].view(np.int64))
-    at, arrays = 16, []
-    for _ in range(count):
-        nbytes = int(raw[at:at + 8].view(np.int64)[0])
-        dtype = np.dtype(raw[at + 8:at + 16].tobytes().decode().strip())
-        arrays.append(raw[at + 16:at + 16 + nbytes].view(dtype))
-        at += 16 + nbytes
-    return clock, arrays
 
 
 class Roles:
