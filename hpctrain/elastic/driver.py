@@ -220,6 +220,8 @@ def _control_folder(required: bool = True) -> Iterator[Optional[str]]:
             raise
         sys.stderr.write(f"hpctrain launch: cannot make the elastic control folder ({exc}): a restart after a lost "
                          f"node counts only the restarts towards --reset-limit\n")
+        control = None
+    if control is None:          # (yielded outside the handler: the job's own errors are not chained to it)
         yield None
         return
     try:
