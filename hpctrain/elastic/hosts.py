@@ -259,7 +259,7 @@ def write_world(comm) -> None:
     control = control_dir()
     hosts = comm.allgather_object(rank_host())
     if comm.rank == 0:
-        _report(os.path.join(control, WORLD_FILE), {"size": comm.size, "hosts": hosts, "time": time.time()})
+        write_json(os.path.join(control, WORLD_FILE), {"size": comm.size, "hosts": hosts, "time": time.time()})
 
 
 def record_resets(state, comm) -> None:
@@ -275,8 +275,8 @@ def record_resets(state, comm) -> None:
 
 
 def _report(path: str, value: dict) -> None:
-    """Write the launcher's file ``path``; with fixed hosts, a folder rank 0's host cannot see costs a warning
-    (the launcher then counts restarts only), with a discovery script it is an error (the ranks must see it)."""
+    """Write the launcher's file ``path``; with fixed hosts a folder rank 0's host cannot see costs a warning (the
+    launcher then counts restarts only), with a discovery script it is an error (every host must see it)."""
     try:
         write_json(path, value)
     except OSError as exc:
