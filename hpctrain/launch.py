@@ -281,9 +281,10 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda number, frame: proc.send_signal(number))
-    from .elastic.driver import poll_while
+    from .elastic.driver import end_if_orphaned, poll_while
 
     poll_while(proc, watch)
+    orphaned = end_if_orphaned(proc)
     started = finished = False
     daemons_lost: set = set()
 
@@ -309,6 +310,10 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
         note_lost(line)             # (Open MPI's runtime prints its reports on either stream)
     code = proc.wait()
     errors.join(timeout=10)
+    if orphaned.is_set():
+        sys.stderr.write(f"hpctrain launch: {os.path.basename(cmd[0])} had not exited 15 s after the last of its "
+                         f"ranks ended (stuck); ended it, exit status {0 if finished else 1}\n")
+        return 0 if finished else 1
     if lost is not None and started and not finished:
         lost |= daemons_lost
     if code == 0 and started and not finished:

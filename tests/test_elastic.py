@@ -491,6 +491,26 @@ def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_wi
     assert _fixed_hosts(argparse.Namespace(hosts=None, hostfile=None)) is None
 
 
+def test_a_launcher_left_stuck_after_its_last_rank_ended_is_ended_and_one_with_ranks_running_is_not():
+    """The guard against Open MPI's launcher deadlocking once every rank is gone (seen after MPI_Abort under ULFM)."""
+    from hpctrain.elastic.driver import end_if_orphaned
+
+    stuck = "import subprocess, time; subprocess.run(['sleep', '2.5']); time.sleep(60)"   # (its 'rank' ends)
+    busy = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"   # (its 'rank' runs on)
+    idle = "import time; time.sleep(60)"                                                   # (no 'rank' ever)
+    procs = [subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for code in (stuck, busy, idle)]
+    try:
+        flags = [end_if_orphaned(p, grace_s=1.0) for p in procs]
+        start = time.monotonic()
+        assert procs[0].wait(timeout=20) == -signal.SIGKILL and flags[0].is_set()
+        assert time.monotonic() - start < 10
+        time.sleep(2)                       # (past the grace: the others are left running)
+        assert procs[1].poll() is None and procs[2].poll() is None and not (flags[1].is_set() or flags[2].is_set())
+    finally:
+        for p in procs:
+            kill_tree(p)
+
+
 @pytest.mark.parametrize("options, said", [
     (["-n", "2", "--reset-limit", "1"], "--reset-limit goes with --elastic"),
     (["--elastic", "-n", "2", "--max-np", "3"], "--max-np needs --host-discovery-script"),

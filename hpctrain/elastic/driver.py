@@ -294,6 +294,38 @@ def _remove(path: str) -> None:
         pass
 
 
+def end_if_orphaned(proc: subprocess.Popen, grace_s: float = 15.0) -> threading.Event:
+    """End ``proc`` (mpirun) once every rank it started has ended and it has not followed within ``grace_s``.
+
+    Open MPI 5.0's launcher has been seen to deadlock in its event loop (a
+    lock it never gets) after the survivors of a rank's failure end a job with
+    ``MPI_Abort`` under the fault-tolerance extension: every rank gone, mpirun
+    waiting forever.  Only mpirun's own child processes are looked at (one
+    poll a second), so a job across hosts, whose mpirun keeps its remote
+    shells to the end, is never ended by this.  The returned event is set when
+    it ended ``proc``.
+    """
+    import psutil
+
+    ended = threading.Event()
+
+    def loop():
+        seen, since = False, None
+        while proc.poll() is None:
+            time.sleep(1.0)
+            try:
+                alive = bool(psutil.Process(proc.pid).children())
+            except psutil.Error:
+                return
+            seen = seen or alive
+            since = None if alive or not seen else (since or time.monotonic())
+            if since is not None and time.monotonic() - since > grace_s and proc.poll() is None:
+                ended.set()
+                proc.kill()
+    threading.Thread(target=loop, name="hpctrain-orphaned-mpirun", daemon=True).start()
+    return ended
+
+
 def poll_while(proc: subprocess.Popen, watch: Optional[Callable[[], None]]) -> Optional[threading.Thread]:
     """Call ``watch()`` every HPCTRAIN_ELASTIC_DISCOVERY_S seconds on a daemon thread until ``proc`` ends."""
     if watch is None:

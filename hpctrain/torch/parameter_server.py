@@ -154,6 +154,9 @@ class ParameterServer:
         shards = [self.roles.shard_of(r) for r in lost]
         then = (f"run it again to resume from the servers' newest checkpoint in {self.checkpoint_dir}"
                 if self.checkpoint_dir else "no checkpoint_dir was given, so a new run starts over")
-        self.comm.abort(f"hpctrain: rank {self.comm.rank}: parameter server {format_ranks(lost)} (shard "
-                        f"{', '.join(map(str, shards))} of {len(self.roles.servers)}) failed (the process died or its "
-                        f"node was lost); the parameters it held are gone, ending the job: {then}")
+        # (not MPI_Abort: after a failure under ULFM it can leave Open MPI's launcher deadlocked once every rank has
+        # gone; this rank's own exit ends it, and every other survivor learns of the same server and exits too)
+        self.comm._rt.exit_after_failure(f"hpctrain: rank {self.comm.rank}: parameter server {format_ranks(lost)} (shard "
+                                         f"{', '.join(map(str, shards))} of {len(self.roles.servers)}) failed (the "
+                                         f"process died or its node was lost); the parameters it held are gone, "
+                                         f"ending the job: {then}")
