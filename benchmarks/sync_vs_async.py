@@ -7,10 +7,12 @@ steps.  The compute of a step is made measurable on a shared machine by a sleep 
 every rank; in the straggler scenario the last training rank takes twice as long for all of a step's compute
 (twice the sleep, and its real compute time again as a sleep).
 Modes: ``sync`` (DistributedOptimizer, Adam lr 2e-3: gradients averaged every step), ``sync-sgd`` (the same
-with SGD lr 0.1, momentum 0.9: the parameter servers' optimizer), ``local4``, ``local16`` (LocalSGDOptimizer
-over Adam, parameters averaged every 4 / 16 steps), ``diloco16`` (outer SGD-Nesterov lr 0.7, momentum 0.9,
-every 16 steps), ``local16s``, ``diloco16s`` (the same in rounds of 16 steps' compute time,
-``sync_every_s``: a fast rank does more local steps than a straggler); with one more rank as the parameter server (SGD lr 0.1, momentum 0.9): ``backup1``
+with SGD lr 0.1, momentum 0.9: the optimizer of the parameter servers and of local SGD), ``local4``,
+``local16`` (LocalSGDOptimizer over that SGD, parameters averaged every 4 / 16 steps), ``diloco16`` (over Adam,
+DiLoCo's outer SGD-Nesterov lr 0.7, momentum 0.9, every 16 steps), ``local16s``, ``diloco16s`` (the same in
+rounds of 16 steps' compute time, ``sync_every_s``: a fast rank does more local steps than a straggler),
+``local16s-adam`` (plain averaging in rounds over Adam: what DiLoCo's outer step adds); with one more rank as
+the parameter server (SGD lr 0.1, momentum 0.9): ``backup1``
 (synchronous steps that drop the last gradient to arrive), ``ps0``, ``ps1``, ``ps4`` (staleness bound 0, 1,
 4), ``ps-async`` (no bound).  The step-counted modes deal each rank its share of every epoch; ``local16s``
 and the parameter-server modes stop at the same global number of applied gradients, each worker drawing from its own
@@ -19,8 +21,8 @@ synchronous ones train on for ``--reach-x`` times the synchronous modes' budget 
 they need to reach synchronous training's accuracy can be seen.  Measured: samples/s (gradients applied, all
 ranks), the held-out accuracy of rank 0's parameters after each epoch's worth against wall time (the accuracy
 column: after ``--epochs`` epochs' worth, the same budget for every mode), time to reach the accuracy of
-synchronous training without the straggler (``sync`` for the Adam modes, ``sync-sgd`` for the SGD ones: the
-parameter servers and the backup worker) as a multiple of that run's wall time, bytes a (training) rank sent
+synchronous training without the straggler (``sync`` for the Adam modes, ``sync-sgd`` for the SGD ones: local
+SGD, the parameter servers and the backup worker) as a multiple of that run's wall time, bytes a (training) rank sent
 a step.  Medians over ``--repeats``
 launches, modes alternating.  ``--nodes 2`` runs on namespace nodes of scripts/cluster.sh (1 Gbit/s links)
 and also counts the bytes the nodes' links carried during training (the synchronous and local modes).
@@ -45,7 +47,9 @@ from common import CORES, launch_worker, oversubscribed, write_results  # noqa: 
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = {"sync": None, "sync-sgd": None, "local4": (4, None), "local16": (16, None), "diloco16": (16, 0.7),
-         "local16s": ("s", None), "diloco16s": ("s", 0.7)}     # ("s": rounds of 16 steps' compute time)
+         "local16s": ("s", None), "diloco16s": ("s", 0.7), "local16s-adam": ("s", None)}
+# ("s": rounds of 16 steps' compute time); the modes whose ranks step with SGD (lr 0.1, momentum 0.9), not Adam
+SGD_INNER = ("sync-sgd", "local4", "local16", "local16s")
 # parameter-server modes: (staleness bound, backup workers); one server rank besides the --ranks workers
 PS_MODES = {"backup1": (0, 1), "ps0": (0, 0), "ps1": (1, 0), "ps4": (4, 0), "ps-async": (None, 0)}
 
@@ -73,7 +77,7 @@ def worker(mode: str, epochs: float, batch: int, compute_s: float, straggler: bo
         return ps_worker(comm, mode, epochs, batch, compute_s, straggler, task)
     torch.manual_seed(0)
     x, y, train, test, model = TASKS[task]()
-    inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode == "sync-sgd"     # (the servers')
+    inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode in SGD_INNER     # (the servers')
              else torch.optim.Adam(model.parameters(), lr=2e-3))
     if MODES[mode] is None:
         opt = ht.DistributedOptimizer(inner, model.named_parameters())
@@ -236,8 +240,9 @@ SYNCHRONOUS = ("sync", "sync-sgd")
 
 
 def reference(mode: str) -> str:
-    """The synchronous mode with ``mode``'s optimizer (Adam for the local modes, SGD for the server ones)."""
-    return "sync-sgd" if mode in PS_MODES or mode == "sync-sgd" else "sync"
+    """The synchronous mode with ``mode``'s optimizer (SGD for the server modes and those of SGD_INNER, else
+    Adam)."""
+    return "sync-sgd" if mode in PS_MODES or mode in SGD_INNER else "sync"
 
 
 def time_to(curve, target: float):
@@ -360,18 +365,20 @@ def write_outputs(runs, args) -> None:
     def draw(plt):
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
         for ax, scenario in zip(axes, ("none", "straggler")):
-            for mode in args.modes:
+            for i, mode in enumerate(args.modes):
                 run = next(r for r in runs if r["mode"] == mode and r["scenario"] == scenario)
                 t, acc = list(zip(*run["curve"]))[:2]
-                ax.plot(t, acc, marker=".", label=mode)
-            if "sync" in ref:       # (the target: synchronous training's accuracy within 2x its straggler-free time)
-                ax.axhline(ref["sync"][0], color="grey", linestyle=":", linewidth=1)
-                ax.axvline(2 * ref["sync"][1], color="grey", linestyle=":", linewidth=1)
+                ax.plot(t, acc, marker=".", label=mode, color=plt.get_cmap("tab20")(i % 20))
+            for name, style in (("sync", ":"), ("sync-sgd", "--")):   # (the targets: synchronous training's
+                if name in ref:                                         # accuracy within 2x its time)
+                    ax.axhline(ref[name][0], color="grey", linestyle=style, linewidth=1)
+                    ax.axvline(2 * ref[name][1], color="grey", linestyle=style, linewidth=1)
             ax.set_title("no straggler" if scenario == "none" else "one rank 2x slower")
             ax.set_xlabel("wall time (s)")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("held-out accuracy")
-        axes[0].legend()
+        axes[0].set_ylim(max(0.0, min(min(p[1] for p in r["curve"][1:]) for r in runs) - 0.02), 1.0)
+        axes[1].legend(fontsize="small", ncol=2, loc="lower right")
         return fig
 
     write_results(args.out, "sync_vs_async", {"rows": rows, "runs": runs, "cores": CORES,
