@@ -14,8 +14,8 @@ rounds of 16 steps' compute time, ``sync_every_s``: a fast rank does more local 
 ``local16s-adam`` (plain averaging in rounds over Adam: what DiLoCo's outer step adds); with one more rank as
 the parameter server (SGD lr 0.1, momentum 0.9): ``backup1``
 (synchronous steps that drop the last gradient to arrive), ``ps0``, ``ps1``, ``ps4`` (staleness bound 0, 1,
-4), ``ps-async`` (no bound).  The step-counted modes deal each rank its share of every epoch; ``local16s``
-and the parameter-server modes stop at the same global number of applied gradients, each worker drawing from its own
+4), ``ps-async`` (no bound).  The step-counted modes deal each rank its share of every epoch; the modes in
+rounds and the parameter-server modes stop at the same global number of applied gradients, each worker drawing from its own
 passes over the data, so a fast worker does more of them than a slow one.  The modes other than the two
 synchronous ones train on for ``--reach-x`` times the synchronous modes' budget (default 2), so that the time
 they need to reach synchronous training's accuracy can be seen.  Measured: samples/s (gradients applied, all
@@ -77,7 +77,7 @@ def worker(mode: str, epochs: float, batch: int, compute_s: float, straggler: bo
         return ps_worker(comm, mode, epochs, batch, compute_s, straggler, task)
     torch.manual_seed(0)
     x, y, train, test, model = TASKS[task]()
-    inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode in SGD_INNER     # (the servers')
+    inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode in SGD_INNER     # (the servers' too)
              else torch.optim.Adam(model.parameters(), lr=2e-3))
     if MODES[mode] is None:
         opt = ht.DistributedOptimizer(inner, model.named_parameters())
@@ -377,7 +377,8 @@ def write_outputs(runs, args) -> None:
             ax.set_xlabel("wall time (s)")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("held-out accuracy")
-        axes[0].set_ylim(max(0.0, min(min(p[1] for p in r["curve"][1:]) for r in runs) - 0.02), 1.0)
+        low = min(min(p[1] for p in (r["curve"][1:] or r["curve"])) for r in runs)   # (past the first epoch)
+        axes[0].set_ylim(max(0.0, low - 0.02), 1.0)
         axes[1].legend(fontsize="small", ncol=2, loc="lower right")
         return fig
 
