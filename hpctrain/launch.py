@@ -281,7 +281,7 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda number, frame: proc.send_signal(number))
-    from .elastic.driver import end_if_orphaned, poll_while
+    from .elastic.driver import ORPHANED_GRACE_S, end_if_orphaned, poll_while
 
     poll_while(proc, watch)
     orphaned = end_if_orphaned(proc)
@@ -311,8 +311,8 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
     code = proc.wait()
     errors.join(timeout=10)
     if orphaned.is_set():
-        sys.stderr.write(f"hpctrain launch: {os.path.basename(cmd[0])} had not exited 15 s after the last of its "
-                         f"ranks ended (stuck); ended it, exit status {0 if finished else 1}\n")
+        sys.stderr.write(f"hpctrain launch: {os.path.basename(cmd[0])} had not exited {ORPHANED_GRACE_S:g} s after "
+                         f"the last of its ranks ended (stuck); ended it, exit status {0 if finished else 1}\n")
         return 0 if finished else 1
     if lost is not None and started and not finished:
         lost |= daemons_lost

@@ -294,7 +294,10 @@ def _remove(path: str) -> None:
         pass
 
 
-def end_if_orphaned(proc: subprocess.Popen, grace_s: float = 15.0) -> threading.Event:
+ORPHANED_GRACE_S = 15.0   # how long mpirun may outlive the last of its ranks before the launcher ends it
+
+
+def end_if_orphaned(proc: subprocess.Popen, grace_s: float = ORPHANED_GRACE_S) -> threading.Event:
     """End ``proc`` (mpirun) once every rank it started has ended and it has not followed within ``grace_s``.
 
     Open MPI 5.0's launcher has been seen to deadlock in its event loop (a
