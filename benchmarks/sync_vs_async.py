@@ -7,12 +7,13 @@ steps.  The compute of a step is made measurable on a shared machine by a sleep 
 every rank; in the straggler scenario the last training rank takes twice as long for all of a step's compute
 (twice the sleep, and its real compute time again as a sleep).
 Modes: ``sync`` (DistributedOptimizer, Adam lr 2e-3: gradients averaged every step), ``sync-sgd`` (the same
-with SGD lr 0.1, momentum 0.9: the optimizer of the parameter servers and of local SGD), ``local4``,
+with SGD, ``--sgd`` lr 0.1, momentum 0.9: local SGD's too), ``local4``,
 ``local16`` (LocalSGDOptimizer over that SGD, parameters averaged every 4 / 16 steps), ``diloco16`` (over Adam,
 DiLoCo's outer SGD-Nesterov lr 0.7, momentum 0.9, every 16 steps), ``local16s``, ``diloco16s`` (the same in
 rounds of 16 steps' compute time, ``sync_every_s``: a fast rank does more local steps than a straggler),
 ``local16s-adam`` (plain averaging in rounds over Adam: what DiLoCo's outer step adds); with one more rank as
-the parameter server (SGD lr 0.1, momentum 0.9): ``backup1``
+the parameter server (SGD, ``--server-sgd`` lr 0.3, momentum 0.7: the same lr / (1 - momentum), less momentum
+as asynchrony adds its own): ``backup1``
 (synchronous steps that drop the last gradient to arrive), ``ps0``, ``ps1``, ``ps4`` (staleness bound 0, 1,
 4), ``ps-async`` (no bound).  The step-counted modes deal each rank its share of every epoch; the modes in
 rounds and the parameter-server modes stop at the same global number of applied gradients, each worker drawing from its own
@@ -28,6 +29,7 @@ launches, modes alternating.  ``--nodes 2`` runs on namespace nodes of scripts/c
 and also counts the bytes the nodes' links carried during training (the synchronous and local modes).
 
     python benchmarks/sync_vs_async.py --ranks 4 --repeats 3 --out results/sync_vs_async
+    python benchmarks/sync_vs_async.py --modes sync-sgd ps-async --server-sgd 0.1 0.9 --out results/ps_sgd
     sudo .venv/bin/python benchmarks/sync_vs_async.py --nodes 2 --ranks 4 --repeats 1 --modes sync local16 \
         --out results/sync_vs_async_nodes
 """
@@ -52,6 +54,9 @@ MODES = {"sync": None, "sync-sgd": None, "local4": (4, None), "local16": (16, No
 SGD_INNER = ("sync-sgd", "local4", "local16", "local16s")
 # parameter-server modes: (staleness bound, backup workers); one server rank besides the --ranks workers
 PS_MODES = {"backup1": (0, 1), "ps0": (0, 0), "ps1": (1, 0), "ps4": (4, 0), "ps-async": (None, 0)}
+# SGD's (lr, momentum): synchronous and local SGD's; the servers' (--server-sgd), the same lr / (1 - momentum) with
+# less momentum, as a stale gradient already carries some (asynchrony acts as momentum, Mitliagkas et al. 2016)
+SGD, SERVER_SGD = (0.1, 0.9), (0.3, 0.7)
 
 
 def link_tx() -> int:
@@ -64,7 +69,8 @@ def link_tx() -> int:
     return 0
 
 
-def worker(mode: str, epochs: float, batch: int, compute_s: float, straggler: bool, task: str) -> None:
+def worker(mode: str, epochs: float, batch: int, compute_s: float, straggler: bool, task: str,
+           sgd=SGD, server_sgd=SERVER_SGD) -> None:
     """One launch's rank: train ``mode`` for ``epochs`` epochs' worth of steps (all ranks'), print the result."""
     import numpy as np
     import torch
@@ -74,10 +80,10 @@ def worker(mode: str, epochs: float, batch: int, compute_s: float, straggler: bo
 
     comm = hpctrain.init()
     if mode in PS_MODES:
-        return ps_worker(comm, mode, epochs, batch, compute_s, straggler, task)
+        return ps_worker(comm, mode, epochs, batch, compute_s, straggler, task, server_sgd)
     torch.manual_seed(0)
     x, y, train, test, model = TASKS[task]()
-    inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode in SGD_INNER     # (the servers' too)
+    inner = (torch.optim.SGD(model.parameters(), lr=sgd[0], momentum=sgd[1]) if mode in SGD_INNER
              else torch.optim.Adam(model.parameters(), lr=2e-3))
     if MODES[mode] is None:
         opt = ht.DistributedOptimizer(inner, model.named_parameters())
@@ -197,8 +203,10 @@ def accuracy(model, x, y, rows) -> float:
         return float((model(x[rows]).argmax(1) == y[rows]).float().mean())
 
 
-def ps_worker(comm, mode: str, epochs: float, batch: int, compute_s: float, straggler: bool, task: str) -> None:
-    """A parameter-server mode: the last rank serves (SGD lr 0.1, momentum 0.9), the others train."""
+def ps_worker(comm, mode: str, epochs: float, batch: int, compute_s: float, straggler: bool, task: str,
+              server_sgd) -> None:
+    """A parameter-server mode: the last rank serves (SGD with ``server_sgd``'s lr and momentum), the others
+    train."""
     import torch
 
     import hpctrain
@@ -207,7 +215,8 @@ def ps_worker(comm, mode: str, epochs: float, batch: int, compute_s: float, stra
     torch.manual_seed(0)
     x, y, train, test, model = TASKS[task]()
     staleness, backup = PS_MODES[mode]
-    ps = ht.ParameterServer(model, lr=0.1, momentum=0.9, servers=1, staleness=staleness, backup_workers=backup)
+    ps = ht.ParameterServer(model, lr=server_sgd[0], momentum=server_sgd[1], servers=1, staleness=staleness,
+                            backup_workers=backup)
     if ps.is_server:
         ps.serve()
         hpctrain.shutdown()
@@ -269,12 +278,17 @@ def main() -> None:
     p.add_argument("--reach-x", type=float, default=2.0, help="the non-synchronous modes train on for this many "
                    "times the synchronous modes' epochs (to see when they reach synchronous training's accuracy)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sgd", type=float, nargs=2, default=SGD, metavar=("LR", "MOMENTUM"),
+                   help="synchronous and local SGD's (default %(default)s)")
+    p.add_argument("--server-sgd", type=float, nargs=2, default=SERVER_SGD, metavar=("LR", "MOMENTUM"),
+                   help="the parameter servers' SGD (default %(default)s)")
     p.add_argument("--nodes", type=int, default=0, help="run on this many namespace nodes (scripts/cluster.sh, "
                    "1 Gbit/s links, needs root), ranks spread evenly; the bytes on the links are counted")
     p.add_argument("--out", type=Path, default=REPO / "results" / "sync_vs_async")
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.epochs, args.batch, args.compute_s, args.straggler, args.task)
+        worker(args.worker, args.epochs, args.batch, args.compute_s, args.straggler, args.task, args.sgd,
+               args.server_sgd)
         return
     if args.nodes and set(args.modes) & set(PS_MODES):
         p.error(f"--nodes runs the synchronous and local modes only (the parameter-server ones take one more rank "
@@ -300,7 +314,8 @@ def one_run(args, mode: str, scenario: str, cluster) -> dict:
     """One launch of ``mode`` in ``scenario`` (on the namespace nodes when ``cluster``)."""
     epochs = args.epochs * (1 if mode in SYNCHRONOUS else args.reach_x)
     argv = [__file__, "--worker", mode, "--task", args.task, "--epochs", str(epochs), "--batch", str(args.batch),
-            "--compute-s", str(args.compute_s)] + (["--straggler"] if scenario == "straggler" else [])
+            "--compute-s", str(args.compute_s), "--sgd", *map(str, args.sgd), "--server-sgd",
+            *map(str, args.server_sgd)] + (["--straggler"] if scenario == "straggler" else [])
     if cluster is not None:
         res = cluster.launch(args.nodes, argv, timeout=1200, per_node=args.ranks // args.nodes)
     else:       # (a parameter-server mode: one server rank besides the workers)
@@ -341,7 +356,9 @@ def write_outputs(runs, args) -> None:
     refs = "; ".join(f"{m} {a:.1%} in {w:.1f} s" for m, (a, w) in ref.items())
     lines = [f"{args.task}, {args.ranks} ranks{oversubscribed(args.ranks)}{where}, {args.epochs:g} epochs (the "
              f"non-synchronous modes up to {args.epochs * args.reach_x:g}), batch {args.batch} a rank, "
-             f"{args.compute_s * 1e3:.0f} ms of compute (sleep) a step, the straggler 2x; medians of {args.repeats} "
+             f"{args.compute_s * 1e3:.0f} ms of compute (sleep) a step, the straggler 2x; SGD lr, momentum "
+             f"{args.sgd[0]:g}, {args.sgd[1]:g}, the servers' {args.server_sgd[0]:g}, {args.server_sgd[1]:g}; "
+             f"medians of {args.repeats} "
              f"launches ({CORES}-core machine). Synchronous training without the straggler: {refs or '-'}.\n",
              f"| scenario | mode | samples/s | x sync (same scenario) | held-out accuracy after {args.epochs:g} "
              f"epochs | time to the synchronous run's accuracy (x its wall time without straggler) | bytes a rank "

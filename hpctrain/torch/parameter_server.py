@@ -38,7 +38,9 @@ class ParameterServer:
 
     Args:
         model: the torch model (the same architecture on every rank; the servers' initial values win).
-        lr, momentum, weight_decay: the servers' SGD.
+        lr, momentum, weight_decay: the servers' SGD.  Stale gradients act as momentum of their own (about
+            ``1 - 1 / workers`` without a bound, Mitliagkas et al. 2016), so from a synchronous SGD setting keep
+            ``lr / (1 - momentum)`` and lower the momentum (0.9 with lr 0.1 -> 0.7 with lr 0.3).
         servers: how many ranks serve (the last ones).
         staleness: the bound ``S`` (an int >= 0, or None).
         compression: a compressor (or its name) for the pushed gradients, or None.
