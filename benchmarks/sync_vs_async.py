@@ -50,7 +50,7 @@ from common import CORES, launch_worker, oversubscribed, write_results  # noqa: 
 REPO = Path(__file__).resolve().parent.parent
 MODES = {"sync": None, "sync-sgd": None, "local4": (4, None), "local16": (16, None), "diloco16": (16, 0.7),
          "local16s": ("s", None), "diloco16s": ("s", 0.7), "local16s-adam": ("s", None)}
-# ("s": rounds of 16 steps' compute time); the modes whose ranks step with SGD (lr 0.1, momentum 0.9), not Adam
+# ("s": rounds of 16 steps' compute time); the modes whose ranks step with SGD (--sgd), not Adam
 SGD_INNER = ("sync-sgd", "local4", "local16", "local16s")
 # parameter-server modes: (staleness bound, backup workers); one server rank besides the --ranks workers
 PS_MODES = {"backup1": (0, 1), "ps0": (0, 0), "ps1": (1, 0), "ps4": (4, 0), "ps-async": (None, 0)}
@@ -70,7 +70,7 @@ def link_tx() -> int:
 
 
 def worker(mode: str, epochs: float, batch: int, compute_s: float, straggler: bool, task: str,
-           sgd=SGD, server_sgd=SERVER_SGD) -> None:
+           sgd, server_sgd) -> None:
     """One launch's rank: train ``mode`` for ``epochs`` epochs' worth of steps (all ranks'), print the result."""
     import numpy as np
     import torch
