@@ -16,7 +16,7 @@ FILES = ["test_collectives.py", "test_safety.py", "test_frameworks.py", "test_to
          "test_tf_training.py", "test_checkpoint.py", "test_compression.py", "test_compression_training.py",
          "test_pipeline.py", "test_tensor_parallel.py", "test_tf_pipeline.py", "test_algorithm_registry.py",
          "test_observe.py", "test_zero.py", "test_tf_zero.py", "test_local_sgd.py", "test_tf_local_sgd.py",
-         "test_parameter_server.py",
+         "test_parameter_server.py", "test_combinations.py",
          "test_cuda.py"]     # (skips without a GPU: scripts/cuda_check.sh runs it on one)
 
 

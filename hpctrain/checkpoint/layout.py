@@ -113,7 +113,8 @@ def write_manifest(partial: str, final: str, step: int, world_size: int, results
 def read_entries(path: str, step: int, state: Mapping[str, Any], rank: int) -> Dict[str, Tuple[str, Any]]:
     """Read and verify what ``rank`` needs of ``state`` from the checkpoint of ``step`` in ``path``.
 
-    Returns {key: (kind, value)}.  Raises CorruptFileError for a manifest or
+    Returns {key: (kind, value)}; an entry spread over the ranks (:func:`split_spread`) has kind ``"spread"``
+    and its common part as value (:func:`read_spread` reads a saved rank's part).  Raises CorruptFileError for a manifest or
     file that does not match, :class:`Mismatch` for an intact checkpoint that
     does not fit ``state``.
     """
@@ -142,6 +143,9 @@ def read_entries(path: str, step: int, state: Mapping[str, Any], rank: int) -> D
 
     if wanted_rep:
         load("replicated.safetensors", wanted_rep)
+        spread = {k[len(SPREAD):] for k in manifest.get("sharded", []) if isinstance(k, str) and k.startswith(SPREAD)}
+        for k in set(wanted_rep) & spread:      # (its common part: each saved rank's own part is in its shard file)
+            out[k] = ("spread", out[k][1])
     if wanted_sh:
         ids = {state[k].shard if state[k].shard is not None else rank for k in wanted_sh}
         (shard,) = ids

@@ -20,7 +20,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
 from .layout import Mismatch, Sharded, by_rank, read_entries, read_spread
-from .state import load_entry
+from .state import load_entry, load_spread
 from .tensorfile import CorruptFileError
 
 __all__ = ["committed_steps", "step_path", "restore_newest"]
@@ -85,16 +85,15 @@ def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optiona
                 log.warning("hpctrain: checkpoint %s is not usable, trying an older one:\n%s", path, by_rank(bad))
             continue
         try:
-            for key, (kind, value) in loaded.items():
+            # (states spread over the ranks last: a local-SGD optimizer puts each rank's own parameters back)
+            for key, (kind, value) in sorted(loaded.items(), key=lambda item: item[1][0] == "spread"):
                 target = state[key]
                 if isinstance(target, Sharded):
                     holder = {key: target.obj}
                     load_entry(holder, key, kind, value)
                     target.obj = holder[key]      # plain values are replaced, not loaded in place
-                elif kind == "value" and isinstance(value, dict) and callable(getattr(target, "load_shard_state_dict",
-                                                                                      None)):
-                    # (a state spread over the ranks: its common part here, each saved rank's part in its shard file)
-                    target.load_shard_state_dict(value, lambda r, key=key: read_spread(path, key, r))
+                elif kind == "spread":      # (its common part here, each saved rank's part in its shard file)
+                    load_spread(key, target, value, lambda r, key=key: read_spread(path, key, r))
                 else:
                     load_entry(state, key, kind, value)
             err = None

@@ -28,6 +28,17 @@ them (one more 8-byte all-reduce), and :attr:`LocalSGD.global_steps`, the same
 on every rank, is what a training loop must stop on (a loop of a fixed number
 of steps would leave the ranks at different numbers of syncs).
 
+State (what a restart needs, :meth:`LocalSGD.common_state` and
+:meth:`LocalSGD.own_state`): alike on every rank the global copy, the outer
+momentum and the sync counters; per rank its own parameters, its inner
+optimizer's state and its step counts.  Restored at the same world size each
+rank takes its own part back (the run goes on as if never stopped).  At another
+world size the interrupted round is finished first from every saved rank's
+parameters (:meth:`LocalSGD.finish_round`: the outer step on their mean delta,
+exactly what the sync would have done at the old size), every new rank starts
+from that global copy, and new rank ``r`` takes saved rank ``r mod N``'s inner
+optimizer state (nothing is averaged that the rule does not average).
+
 Cost: one all-reduce of P parameter values every H steps instead of one of
 the P gradient values every step, so the bytes on the wire fall H-fold
 (``2 (N-1)/N P`` values per sync for a ring); one more copy of the
@@ -35,15 +46,16 @@ parameters (``theta_g``) and, with the outer optimizer, one of its momentum.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import time
 
 import numpy as np
 
-__all__ = ["LocalSGD", "OuterNesterov", "START", "SYNC"]
+__all__ = ["LocalSGD", "OuterNesterov", "START", "SYNC", "LOCAL_SGD_FORMAT"]
 
 START, SYNC = 1, 2      # what step_done() asks of the adapter
+LOCAL_SGD_FORMAT = "hpctrain-local-sgd/1"     # (the mark of a local-SGD state spread over the ranks in a checkpoint)
 
 
 class OuterNesterov:
@@ -85,8 +97,14 @@ class LocalSGD:
     def __init__(self, comm=None, sync_every: int = 16, warmup_steps: int = 0,
                  outer: Optional[OuterNesterov] = None, compression: Any = None,
                  sync_every_s: Optional[float] = None):
+        from .. import settings
         from ..world import comm_or_world
 
+        if settings.get("HPCTRAIN_ELASTIC"):
+            raise settings.SettingError(
+                "local SGD / DiLoCo does not follow a re-formed world yet, so HPCTRAIN_ELASTIC (hpctrain launch "
+                "--elastic) cannot be combined with it: launch without --elastic and resume from its checkpoints "
+                "(they restore at any world size), or train elastically with DistributedOptimizer")
         if int(sync_every) < 1 or int(warmup_steps) < 0:
             raise ValueError(f"local SGD needs sync_every >= 1 and warmup_steps >= 0, got {sync_every} and "
                              f"{warmup_steps}")
@@ -105,6 +123,8 @@ class LocalSGD:
         self.steps = 0              # optimizer steps done
         self.syncs = 0              # outer steps done
         self.global_steps = 0       # every rank's steps, summed at the last sync (the same on every rank)
+        self.synced_at = 0          # this rank's steps at its last sync (or at the end of the warm-up)
+        self.global_offset = 0      # steps a resized restore carried over that no live rank counts (rounds of a time)
         self.theta_g: Optional[np.ndarray] = None
 
     @property
@@ -115,6 +135,7 @@ class LocalSGD:
     def start(self, flat: np.ndarray) -> None:
         """Take the global copy from ``flat``, the parameters (alike on every rank)."""
         self.theta_g = np.array(flat, copy=True)
+        self.synced_at = self.steps
         self._round_start = time.monotonic()
 
     def step_done(self) -> int:
@@ -144,34 +165,88 @@ class LocalSGD:
             (delta,) = self.reducer.reduce([("delta", delta)], op="avg")
         elif self.comm.size > 1:
             delta = np.asarray(self.comm.allreduce(delta, op="avg"))
-        if self.outer is None:
-            self.theta_g -= delta
-        else:
-            self.outer.step(self.theta_g, delta)
+        self._outer_step(delta)
         flat[...] = self.theta_g
-        self.syncs += 1
+        self.synced_at = self.steps
         if self.sync_every_s is not None:
             if self.comm.size > 1:
                 self.global_steps = int(np.asarray(self.comm.allreduce(np.array([self.steps], np.int64)))[0])
             else:
                 self.global_steps = self.steps
+            self.global_steps += self.global_offset
             self._round_start = time.monotonic()
         else:
             self.global_steps = self.steps * self.comm.size
 
-    def state_dict(self) -> Dict[str, Any]:
-        """Steps, the global copy and the outer momentum (alike on every rank)."""
-        out: Dict[str, Any] = {"steps": self.steps, "syncs": self.syncs, "global_steps": self.global_steps}
+    def _outer_step(self, delta: np.ndarray) -> None:
+        """``theta_g`` moved by the averaged ``delta`` (the ranks' mean, or the outer optimizer's step)."""
+        if self.outer is None:
+            self.theta_g -= delta
+        else:
+            self.outer.step(self.theta_g, delta)
+        self.syncs += 1
+
+    def finish_round(self, params: List[np.ndarray]) -> None:
+        """The outer step of an interrupted round, in one process, from every rank's ``params`` (a restore at
+        another world size: :meth:`load_parts`).  Cost: one pass over N parameter copies."""
+        delta = np.zeros_like(self.theta_g)
+        for p in params:
+            delta += self.theta_g - np.asarray(p, dtype=self.theta_g.dtype)
+        delta /= len(params)
+        self._outer_step(delta)
+
+    def common_state(self) -> Dict[str, Any]:
+        """What every rank holds alike: the global copy, the outer momentum, the sync counters."""
+        out: Dict[str, Any] = {"syncs": self.syncs, "global_steps": self.global_steps,
+                               "global_offset": self.global_offset}
         if self.theta_g is not None:
             out["theta_g"] = self.theta_g.copy()
         if self.outer is not None and self.outer.buf is not None:
             out["outer_momentum"] = self.outer.buf.copy()
         return out
 
+    def own_state(self) -> Dict[str, int]:
+        """What is this rank's own: its step counts (they differ between ranks in rounds of a time)."""
+        return {"steps": self.steps, "synced_at": self.synced_at}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """:meth:`common_state` and :meth:`own_state` of this rank in one dict."""
+        return {**self.common_state(), **self.own_state()}
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Take back a :meth:`state_dict` (this rank's own part, or one rank's at the same world size)."""
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        self.synced_at = int(state.get("synced_at", self.steps))
         self.global_steps = int(state.get("global_steps", self.steps * self.comm.size))
-        if "theta_g" in state:
-            self.theta_g = np.array(state["theta_g"], copy=True)
-        if self.outer is not None and "outer_momentum" in state:
-            self.outer.buf = np.array(state["outer_momentum"], copy=True)
+        self.global_offset = int(state.get("global_offset", 0))
+        self.theta_g = np.array(state["theta_g"], copy=True) if "theta_g" in state else None
+        if self.outer is not None:
+            self.outer.buf = np.array(state["outer_momentum"], copy=True) if "outer_momentum" in state else None
+        self._round_start = time.monotonic()
+
+    def load_parts(self, common: Dict[str, Any], owns: List[Dict[str, Any]], params: List[np.ndarray]) -> np.ndarray:
+        """Go on at this world size from the state of ``N = len(owns)`` saved ranks (``params``: theirs); return
+        this rank's parameters.  Same size: this rank's own part.  Another size: the round they were in is
+        finished (:meth:`finish_round`) and every rank starts from the new global copy; the step counts go on
+        (rounds of a time: each rank takes saved rank ``rank mod N``'s, and :attr:`global_steps` keeps
+        counting every saved step).
+        """
+        n, rank, size = len(owns), self.comm.rank, self.comm.size
+        if n == size:
+            self.load_state_dict({**common, **owns[rank]})
+            return np.array(params[rank], copy=True)
+        self.load_state_dict({**common, **owns[rank % n]})
+        mine = np.array(params[0], copy=True)       # (no round under way: every saved rank's parameters alike)
+        if self.theta_g is not None and any(int(o["steps"]) > max(int(o["synced_at"]), self.warmup_steps)
+                                            for o in owns):
+            self.finish_round(params)
+            mine = self.theta_g.copy()
+            if self.sync_every_s is not None:
+                self.global_steps = sum(int(o["steps"]) for o in owns) + int(common.get("global_offset", 0))
+            else:
+                self.global_steps = self.steps * n
+            self.synced_at = self.steps
+        if self.sync_every_s is not None:
+            # (the steps no new rank counts: what the saved ranks did beyond what their heirs take over)
+            self.global_offset = self.global_steps - sum(int(owns[r % n]["steps"]) for r in range(size))
+        return mine

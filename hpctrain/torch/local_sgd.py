@@ -5,15 +5,24 @@ During the warm-up the gradients are averaged as by :func:`DistributedOptimizer`
 strategy on the bucket-reduction hook that sends nothing, each rank steps on
 its own gradients, and every ``sync_every`` steps a post-step hook hands the
 flat parameters to the core's outer step and copies the result back.
+
+The optimizer's state spans the ranks (each rank's parameters and inner
+optimizer state are its own between syncs): a checkpoint writes every rank's
+part (``shard_state_dict``) and restores it at the same or another world size
+(``load_shard_state_dict``, the rule in :mod:`hpctrain.optim.local_sgd`),
+putting each rank's own parameters back.  A plain state dict (``state_dict()``
+of this rank, or of a plain optimizer) loads too; without the outer state in it
+the global copy is taken again from the parameters at the next step.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional
 
+import numpy as np
 import torch
 
 from ..comm.handle import done_handle
-from ..optim.local_sgd import LocalSGD, OuterNesterov
+from ..optim.local_sgd import LOCAL_SGD_FORMAT, LocalSGD, OuterNesterov
 from .flat import flatten, unflatten_into
 from .optimizer import DistributedOptimizer
 
@@ -71,9 +80,91 @@ def LocalSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Option
             local.after_step(todo, flat.numpy())
             unflatten_into(flat, params)
 
+    def before_step(_opt, args, kwargs):
+        if local.theta_g is None:       # (a plain state was loaded: the global copy is the parameters now)
+            local.start(flatten(params).numpy())
+
+    opt.register_step_pre_hook(before_step)
     opt.register_step_post_hook(after_step)
     opt.local_sgd = local
+    base = type(opt)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(f"LocalSGD{base.__name__[len('Distributed'):]}", (_LocalSGDMixin, base),
+                                    {"__module__": __name__, "__doc__": base.__doc__})
+    opt.__class__ = cls
     return opt
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+class _LocalSGDMixin:
+    """The state methods of a LocalSGDOptimizer: its state spans the ranks (module docstring)."""
+
+    local_sgd: LocalSGD
+    hpctrain_state_spans_ranks = True
+    hpctrain_state_format = LOCAL_SGD_FORMAT
+
+    def _params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
+        """Nothing to gather: :meth:`state_dict` is this rank's whole state (its own and the common part)."""
+
+    def state_dict(self) -> dict:
+        """This rank's inner optimizer state, with the local-SGD state under ``"local_sgd"``."""
+        out = super().state_dict()
+        out["local_sgd"] = self.local_sgd.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load an inner optimizer state; its ``"local_sgd"`` part if present, else the global copy is taken from
+        the parameters at the next step (a plain optimizer's state: start local SGD from it)."""
+        state_dict = dict(state_dict)
+        core = state_dict.pop("local_sgd", None)
+        super().load_state_dict(state_dict)
+        if core is not None:
+            self.local_sgd.load_state_dict(core)
+        else:
+            self.local_sgd.theta_g = None
+            self.local_sgd.synced_at = self.local_sgd.steps
+
+    def shard_state_dict(self) -> tuple:
+        """``(common, own)``: the global copy, outer momentum and counters alike on every rank; this rank's
+        parameters, inner optimizer state and step counts."""
+        whole = torch.optim.Optimizer.state_dict(self)
+        common = {"format": LOCAL_SGD_FORMAT, "world": self.local_sgd.comm.size, "core": self.local_sgd.common_state(),
+                  "param_groups": whole["param_groups"]}
+        own = {"core": self.local_sgd.own_state(), "state": whole["state"], "params": flatten(self._params())}
+        return common, own
+
+    def load_shard_state_dict(self, common: dict, read) -> None:
+        """Go on from a state written by :meth:`shard_state_dict` at any world size (``read(rank)``: that rank's
+        ``own``; the rule: :meth:`hpctrain.optim.local_sgd.LocalSGD.load_parts`)."""
+        local, rank = self.local_sgd, self.local_sgd.comm.rank
+        n = int(common["world"])
+        ranks = [rank] if n == local.comm.size else range(n)
+        owns = {r: read(r) for r in ranks}
+        if n == local.comm.size:
+            cores, params = {rank: owns[rank]["core"]}, {rank: _host(owns[rank]["params"])}
+            mine = local.load_parts(common["core"], _dense(cores, n), _dense(params, n))
+            inner = owns[rank]["state"]
+        else:
+            mine = local.load_parts(common["core"], [owns[r]["core"] for r in range(n)],
+                                    [_host(owns[r]["params"]) for r in range(n)])
+            inner = owns[rank % n]["state"]
+        torch.optim.Optimizer.load_state_dict(self, {"state": inner, "param_groups": common["param_groups"]})
+        unflatten_into(torch.from_numpy(np.ascontiguousarray(mine)), self._params())
+
+
+def _host(x) -> np.ndarray:
+    return x.numpy() if torch.is_tensor(x) else np.asarray(x)
+
+
+def _dense(by_rank: dict, n: int) -> list:
+    """A list of ``n`` with the given ranks' entries (the others: None, never read at the same world size)."""
+    return [by_rank.get(r) for r in range(n)]
 
 
 def _world():
