@@ -46,7 +46,7 @@ parameters (``theta_g``) and, with the outer optimizer, one of its momentum.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import time
 
@@ -188,7 +188,7 @@ class LocalSGD:
 
     def finish_round(self, params: List[np.ndarray]) -> None:
         """The outer step of an interrupted round, in one process, from every rank's ``params`` (a restore at
-        another world size: :meth:`load_parts`).  Cost: one pass over N parameter copies."""
+        another world size: :meth:`load_saved`).  Cost: one pass over N parameter copies."""
         delta = np.zeros_like(self.theta_g)
         for p in params:
             delta += self.theta_g - np.asarray(p, dtype=self.theta_g.dtype)
@@ -224,29 +224,38 @@ class LocalSGD:
             self.outer.buf = np.array(state["outer_momentum"], copy=True) if "outer_momentum" in state else None
         self._round_start = time.monotonic()
 
-    def load_parts(self, common: Dict[str, Any], owns: List[Dict[str, Any]], params: List[np.ndarray]) -> np.ndarray:
-        """Go on at this world size from the state of ``N = len(owns)`` saved ranks (``params``: theirs); return
-        this rank's parameters.  Same size: this rank's own part.  Another size: the round they were in is
-        finished (:meth:`finish_round`) and every rank starts from the new global copy; the step counts go on
-        (rounds of a time: each rank takes saved rank ``rank mod N``'s, and :attr:`global_steps` keeps
-        counting every saved step).
+    def load_saved(self, common: Dict[str, Any], read) -> Tuple[np.ndarray, Dict[str, Any]]:
+        """Go on at this world size from a saved state spread over N ranks; return this rank's parameters and the
+        saved part whose inner optimizer state it takes.
+
+        ``common`` is the adapter's common part (``"world"``: N, ``"core"``:
+        :meth:`common_state`), ``read(rank)`` a saved rank's own part
+        (``"core"``: :meth:`own_state`, ``"params"``: its flat parameters).
+        Same size: this rank's own part, as saved.  Another size: the round the
+        saved ranks were in is finished (:meth:`finish_round`) and every rank
+        starts from the new global copy; new rank ``r`` takes saved rank
+        ``r mod N``'s part (rounds of a time: its step count too, and
+        :attr:`global_steps` keeps counting every saved step).
         """
-        n, rank, size = len(owns), self.comm.rank, self.comm.size
+        n, rank, size = int(common["world"]), self.comm.rank, self.comm.size
         if n == size:
-            self.load_state_dict({**common, **owns[rank]})
-            return np.array(params[rank], copy=True)
-        self.load_state_dict({**common, **owns[rank % n]})
-        mine = np.array(params[0], copy=True)       # (no round under way: every saved rank's parameters alike)
-        if self.theta_g is not None and any(int(o["steps"]) > max(int(o["synced_at"]), self.warmup_steps)
-                                            for o in owns):
-            self.finish_round(params)
+            own = read(rank)
+            self.load_state_dict({**common["core"], **own["core"]})
+            return np.array(own["params"], copy=True), own
+        owns = [read(r) for r in range(n)]
+        cores = [o["core"] for o in owns]
+        self.load_state_dict({**common["core"], **cores[rank % n]})
+        mine = np.array(owns[0]["params"], copy=True)       # (no round under way: every saved rank's alike)
+        if self.theta_g is not None and any(int(c["steps"]) > max(int(c["synced_at"]), self.warmup_steps)
+                                            for c in cores):
+            self.finish_round([np.asarray(o["params"]) for o in owns])
             mine = self.theta_g.copy()
             if self.sync_every_s is not None:
-                self.global_steps = sum(int(o["steps"]) for o in owns) + int(common.get("global_offset", 0))
+                self.global_steps = sum(int(c["steps"]) for c in cores) + int(common["core"].get("global_offset", 0))
             else:
                 self.global_steps = self.steps * n
             self.synced_at = self.steps
         if self.sync_every_s is not None:
             # (the steps no new rank counts: what the saved ranks did beyond what their heirs take over)
-            self.global_offset = self.global_steps - sum(int(owns[r % n]["steps"]) for r in range(size))
-        return mine
+            self.global_offset = self.global_steps - sum(int(cores[r % n]["steps"]) for r in range(size))
+        return mine, owns[rank % n]

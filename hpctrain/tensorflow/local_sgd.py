@@ -5,6 +5,11 @@ whether the step is synchronous (warm-up: the gradients are averaged, else
 they stay local); after the update another tells the core a step was done,
 and on the steps it names (an outer step, the warm-up's end) the trainable
 variables go to the core as one flat array and come back from it.
+
+The optimizer's state spans the ranks, as the torch adapter's does: a
+checkpoint writes each rank's trainable variables and optimizer variables with
+the core's state (``shard_state_dict``) and restores them at any world size
+(``load_shard_state_dict``; the rule: :meth:`hpctrain.optim.local_sgd.LocalSGD.load_saved`).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..gradients import GradientAverager
-from ..optim.local_sgd import LocalSGD, OuterNesterov
+from ..optim.local_sgd import LOCAL_SGD_FORMAT, LocalSGD, OuterNesterov
 from .ops import average_gradients, host_call, swap_class
 
 __all__ = ["LocalSGDOptimizer"]
@@ -47,6 +52,43 @@ class _LocalSGDMixin:
     """Averages the gradients during the warm-up only; hands the variables to the core on its steps."""
 
     local_sgd: LocalSGD
+    hpctrain_state_spans_ranks = True
+    hpctrain_state_format = LOCAL_SGD_FORMAT
+
+    def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
+        """Nothing to gather (the torch adapter's API): a checkpoint takes each rank's part."""
+
+    def _trained(self) -> list:
+        trained = list(getattr(self, "_trainable_variables", None) or [])
+        if not trained:
+            raise ValueError("a LocalSGDOptimizer is saved and restored once built: call "
+                             "optimizer.build(model.trainable_variables) first")
+        return trained
+
+    def shard_state_dict(self) -> tuple:
+        """``(common, own)``: the global copy, outer momentum and counters; this rank's trainable variables (flat),
+        optimizer variables and step counts."""
+        trained = self._trained()
+        common = {"format": LOCAL_SGD_FORMAT, "world": self.local_sgd.comm.size, "core": self.local_sgd.common_state()}
+        own = {"core": self.local_sgd.own_state(), "variables": [np.asarray(v.numpy()) for v in self.variables],
+               "params": np.concatenate([np.asarray(v.numpy()).reshape(-1) for v in trained])}
+        return common, own
+
+    def load_shard_state_dict(self, common: dict, read) -> None:
+        """Go on from a state written by :meth:`shard_state_dict` at any world size (``read(rank)``: that rank's
+        ``own``)."""
+        trained = self._trained()
+        mine, own = self.local_sgd.load_saved(common, read)
+        if len(own["variables"]) != len(self.variables):
+            raise ValueError(f"the checkpoint has {len(own['variables'])} optimizer variables, this optimizer "
+                             f"{len(self.variables)}")
+        for v, value in zip(self.variables, own["variables"]):
+            v.assign(np.asarray(value))
+        offset = 0
+        for v in trained:
+            n = int(np.prod(v.shape))
+            v.assign(np.asarray(mine[offset:offset + n]).reshape(tuple(v.shape)))
+            offset += n
 
     def apply(self, grads, trainable_variables=None):
         variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)

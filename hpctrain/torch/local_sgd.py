@@ -136,35 +136,15 @@ class _LocalSGDMixin:
         whole = torch.optim.Optimizer.state_dict(self)
         common = {"format": LOCAL_SGD_FORMAT, "world": self.local_sgd.comm.size, "core": self.local_sgd.common_state(),
                   "param_groups": whole["param_groups"]}
-        own = {"core": self.local_sgd.own_state(), "state": whole["state"], "params": flatten(self._params())}
+        own = {"core": self.local_sgd.own_state(), "state": whole["state"], "params": flatten(self._params()).numpy()}
         return common, own
 
     def load_shard_state_dict(self, common: dict, read) -> None:
         """Go on from a state written by :meth:`shard_state_dict` at any world size (``read(rank)``: that rank's
-        ``own``; the rule: :meth:`hpctrain.optim.local_sgd.LocalSGD.load_parts`)."""
-        local, rank = self.local_sgd, self.local_sgd.comm.rank
-        n = int(common["world"])
-        ranks = [rank] if n == local.comm.size else range(n)
-        owns = {r: read(r) for r in ranks}
-        if n == local.comm.size:
-            cores, params = {rank: owns[rank]["core"]}, {rank: _host(owns[rank]["params"])}
-            mine = local.load_parts(common["core"], _dense(cores, n), _dense(params, n))
-            inner = owns[rank]["state"]
-        else:
-            mine = local.load_parts(common["core"], [owns[r]["core"] for r in range(n)],
-                                    [_host(owns[r]["params"]) for r in range(n)])
-            inner = owns[rank % n]["state"]
-        torch.optim.Optimizer.load_state_dict(self, {"state": inner, "param_groups": common["param_groups"]})
+        ``own``; the rule: :meth:`hpctrain.optim.local_sgd.LocalSGD.load_saved`)."""
+        mine, own = self.local_sgd.load_saved(common, read)
+        torch.optim.Optimizer.load_state_dict(self, {"state": own["state"], "param_groups": common["param_groups"]})
         unflatten_into(torch.from_numpy(np.ascontiguousarray(mine)), self._params())
-
-
-def _host(x) -> np.ndarray:
-    return x.numpy() if torch.is_tensor(x) else np.asarray(x)
-
-
-def _dense(by_rank: dict, n: int) -> list:
-    """A list of ``n`` with the given ranks' entries (the others: None, never read at the same world size)."""
-    return [by_rank.get(r) for r in range(n)]
 
 
 def _world():

@@ -83,3 +83,36 @@ def test_keras_local_sgd_refuses_what_it_cannot_wrap(comm):
         hk.LocalSGDOptimizer(object())
     with pytest.raises(ValueError, match="sync_every >= 1"):
         hk.LocalSGDOptimizer(keras.optimizers.SGD(0.1), sync_every=0)
+
+
+def test_keras_diloco_resumed_from_a_checkpoint_goes_on_as_if_never_stopped(comm, ckdir):
+    """Saved mid-round (step 6 of rounds of 4): each rank's own variables, optimizer variables and the outer
+    state come back into a fresh model and optimizer, and the run ends bit for bit where the unbroken one does."""
+    from hpctrain.checkpoint import CheckpointManager
+
+    n, r = comm.size, comm.rank
+
+    def diloco():
+        return hk.LocalSGDOptimizer(keras.optimizers.AdamW(0.01, weight_decay=0.1), sync_every=4, outer_lr=0.7)
+
+    def run(model, steps):
+        for step in steps:
+            x, y = data(step, n)
+            model.train_on_batch(x[r * B:(r + 1) * B], y[r * B:(r + 1) * B])
+
+    straight = make_model(diloco())
+    run(straight, range(10))
+    opt = diloco()
+    model = make_model(opt)
+    run(model, range(6))
+    with CheckpointManager(ckdir, comm=comm, verify_replicas="off") as manager:
+        manager.save(6, {"model": model, "optimizer": opt})
+    opt2 = diloco()
+    fresh = make_model(opt2)
+    fresh.set_weights([w + 1 for w in fresh.get_weights()])
+    opt2.build(fresh.trainable_variables)
+    assert CheckpointManager(ckdir, comm=comm).restore({"optimizer": opt2, "model": fresh}) == 6
+    assert opt2.local_sgd.steps == 6 and opt2.local_sgd.syncs == 1
+    run(fresh, range(6, 10))
+    for got, want in zip(fresh.get_weights(), straight.get_weights()):
+        np.testing.assert_array_equal(got, want)
