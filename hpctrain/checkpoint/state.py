@@ -31,7 +31,7 @@ from ..optim.zero import SHARDS_FORMAT, whole_states
 from .hostcopy import HostCopier
 from .tensorfile import dtype_name
 
-__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "load_spread", "variables_of"]
+__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "load_spread", "variables_of", "RANK_STATES_FORMAT"]
 
 _TENSOR, _TUPLE, _DICT, _VARS = "$tensor", "$tuple", "$dict", "$variables"
 
@@ -235,7 +235,11 @@ def _is_object(obj: Any) -> bool:
             or variables_of(obj) is not None)
 
 
+RANK_STATES_FORMAT = "hpctrain-rank-states/1"   # (an optimizer state spread as each rank's own: Adasum's)
+
 _SPREAD_NAMES = {SHARDS_FORMAT: "a ShardedOptimizer's state (ZeRO)",
+                 RANK_STATES_FORMAT: "an optimizer state that is each rank's own (DistributedOptimizer with "
+                                     "op='adasum')",
                  LOCAL_SGD_FORMAT: "a LocalSGDOptimizer's state (local SGD / DiLoCo: each rank's own parameters and "
                                    "inner optimizer state)"}
 

@@ -8,6 +8,11 @@ writes ``start + adasum(deltas)`` back into every parameter.  Backward
 passes never communicate, so ``no_sync`` changes nothing and
 ``synchronize()`` has nothing to do.  CUDA and bfloat16 parameters are
 combined through a float32 host copy of their deltas.
+
+The wrapped optimizer's state (momentum, Adam's moments) is each rank's own,
+so a checkpoint writes every rank's (``shard_state_dict``) and a restore gives
+each rank its own back; at another world size new rank ``r`` takes saved rank
+``r mod N``'s.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import numpy as np
 import torch
 
 from ..adasum_updates import AdasumUpdates
+from ..checkpoint.state import RANK_STATES_FORMAT
 from .gradient_sync import trainable_parameters
 
 __all__ = ["wrap_adasum"]
@@ -92,6 +98,24 @@ class _AdasumMixin:
             for p, s, c in zip(state.params, starts, combined):
                 p.copy_(s.add_(torch.from_numpy(c).to(s.device, s.dtype).view_as(s)))
         return loss
+
+    hpctrain_state_spans_ranks = True
+    hpctrain_state_format = RANK_STATES_FORMAT
+
+    def consolidate_state_dict(self, to=0) -> None:
+        """Nothing to gather: ``state_dict()`` is this rank's own state."""
+
+    def shard_state_dict(self) -> tuple:
+        """``(common, own)``: the param groups; this rank's own optimizer state (each rank's differs)."""
+        whole = torch.optim.Optimizer.state_dict(self)
+        return {"format": RANK_STATES_FORMAT, "world": self._hpctrain.comm.size,
+                "param_groups": whole["param_groups"]}, {"state": whole["state"]}
+
+    def load_shard_state_dict(self, common: dict, read) -> None:
+        """Take this rank's own state back; at another world size saved rank ``rank mod N``'s."""
+        comm = self._hpctrain.comm
+        own = read(comm.rank % int(common["world"]))
+        torch.optim.Optimizer.load_state_dict(self, {"state": own["state"], "param_groups": common["param_groups"]})
 
     def remove_hooks(self) -> None:
         """Nothing is hooked with op='adasum' (kept for the same interface)."""
