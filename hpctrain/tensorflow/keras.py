@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..adasum_updates import AdasumUpdates
+from ..checkpoint.state import RANK_STATES_FORMAT
 from ..gradients import GradientAverager
 from .adasum_apply import apply_with_adasum
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin
@@ -40,6 +41,30 @@ class _DistributedMixin:
     """Reduces the gradients over ranks in ``apply`` (which ``apply_gradients`` and ``model.fit`` call)."""
 
     _hpctrain_marks = None     # a TimelineCallback's _StepMarks while one is in use
+    hpctrain_state_format = RANK_STATES_FORMAT
+
+    @property
+    def hpctrain_state_spans_ranks(self) -> bool:
+        """With op='adasum' each rank's optimizer variables are its own (checkpoints write every rank's)."""
+        return isinstance(self._hpctrain, AdasumUpdates)
+
+    def consolidate_state_dict(self, to=0) -> None:
+        """Nothing to gather (the torch adapter's API): with op='adasum' a checkpoint takes each rank's part."""
+
+    def shard_state_dict(self) -> tuple:
+        """``(common, own)`` with op='adasum': this rank's own optimizer variables."""
+        return ({"format": RANK_STATES_FORMAT, "world": self._hpctrain.comm.size},
+                {"variables": [np.asarray(v.numpy()) for v in self.variables]})
+
+    def load_shard_state_dict(self, common: dict, read) -> None:
+        """Take this rank's optimizer variables back; at another world size saved rank ``rank mod N``'s."""
+        own = read(self._hpctrain.comm.rank % int(common["world"]))["variables"]
+        if len(own) != len(self.variables):
+            raise ValueError(f"the checkpoint has {len(own)} optimizer variables, this optimizer {len(self.variables)}"
+                             + (" (build it first: optimizer.build(model.trainable_variables))"
+                                if not self.variables else ""))
+        for v, value in zip(self.variables, own):
+            v.assign(np.asarray(value))
 
     def scale_loss(self, loss):
         """The optimizer's ``scale_loss`` (``fit`` calls it once the loss exists), marking the end of forward."""
