@@ -82,6 +82,7 @@ def main() -> None:
         if w == 0:
             with open(f"{args.out}.json", "w") as f:
                 json.dump({"start_step": ps.start_step, "steps": args.steps, "workers": ps.num_workers,
+                           "global_steps": ps.global_steps,
                            "seconds": time.perf_counter() - start, "last_loss": loss.item()}, f)
     if w == 0:
         print(f"trained {args.steps - ps.start_step} steps from step {ps.start_step} on {ps.num_workers} workers "

@@ -64,6 +64,8 @@ def test_a_killed_server_ends_the_job_naming_it_and_a_rerun_resumes_from_its_che
     assert resumed and int(resumed.group(1)) in (10, 20), again.stdout[-3000:]
     summary = json.loads((tmp_path / "ps.json").read_text())
     assert summary["start_step"] == int(resumed.group(1))
+    # the servers' count of applied gradients is the job's, not the rerun's: a budget spans the restart
+    assert summary["global_steps"] == json.loads((tmp_path / "ref.json").read_text())["global_steps"] == 60 * (n - servers)
     want, got = finals(tmp_path / "ref", [0])[0], finals(tmp_path / "ps", [0])[0]
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-13)
@@ -75,3 +77,14 @@ def test_servers_and_finished_workers_wait_past_the_stall_timeout_without_being_
                     HPCTRAIN_STALL_WARNING_S="1", HPCTRAIN_STALL_TIMEOUT_S="1.5")
     assert res.returncode == 0, res.stdout[-4000:]
     assert "stalled" not in res.stdout and "has not finished" not in res.stdout, res.stdout[-3000:]
+
+
+def test_a_diverging_run_ends_naming_the_step_instead_of_training_on_nan(tmp_path):
+    """lr 0.3, momentum 0.7 with stale gradients diverges on this regression: once every worker's gradient is not
+    finite the servers end the job saying so (before that each worker's first such gradient is named)."""
+    res, _ = launch(3, tmp_path / "ps", "--steps", 1000, "--staleness", 4, "--lr", 0.3, "--momentum", 0.7)
+    assert res.returncode != 0, res.stdout[-3000:]
+    assert re.search(r"worker rank \d's gradient of step \d+ holds NaN or infinite values; skipped", res.stdout)
+    assert re.search(r"every training worker's last 3 gradients held NaN or infinite values \(step \d+\): the "
+                     r"training diverged; lower the servers' lr or momentum", res.stdout), res.stdout[-3000:]
+    assert not (tmp_path / "ps.json").exists()

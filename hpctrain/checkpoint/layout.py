@@ -39,8 +39,9 @@ class Sharded:
             Ranks passing the same id must hold the same data (pipeline-stage
             replicas, say); the lowest such rank writes it.
         missing: what ``restore`` does when the checkpoint has no shard with
-            this id (it was written with another layout): ``"error"``
-            (default) or ``"skip"`` (keep the live value; right for RNG states).
+            this id (it was written with another layout), or that shard has no
+            such entry (written by an older version): ``"error"`` (default)
+            or ``"skip"`` (keep the live value; right for RNG states).
     """
 
     def __init__(self, obj: Any, shard: Optional[int] = None, missing: str = "error"):
@@ -129,7 +130,7 @@ def read_entries(path: str, step: int, state: Mapping[str, Any], rank: int) -> D
     wanted_sh = [k for k, v in state.items() if isinstance(v, Sharded)]
     out: Dict[str, Tuple[str, Any]] = {}
 
-    def load(fname, keys):
+    def load(fname, keys, optional=()):
         info = files.get(fname)
         if not isinstance(info, dict) or not {"size", "crc32"} <= set(info):
             raise CorruptFileError(f"{path}/manifest.json: its field 'files' has no size and crc32 for {fname} "
@@ -137,6 +138,8 @@ def read_entries(path: str, step: int, state: Mapping[str, Any], rank: int) -> D
         tensors, metadata = read_tensors(os.path.join(path, fname), info["size"], info["crc32"])
         tree = json.loads(metadata["hpctrain.tree"])
         for k in keys:
+            if k not in tree and k in optional:
+                continue
             if k not in tree:
                 raise Mismatch(f"checkpoint {path} has no entry {k!r} (it has {sorted(tree)})")
             out[k] = (tree[k]["kind"], decode(tree[k]["value"], tensors))
@@ -151,7 +154,7 @@ def read_entries(path: str, step: int, state: Mapping[str, Any], rank: int) -> D
         (shard,) = ids
         fname = f"shard-{shard}.safetensors"
         if fname in files:
-            load(fname, wanted_sh)
+            load(fname, wanted_sh, [k for k in wanted_sh if state[k].missing == "skip"])
         elif any(state[k].missing == "error" for k in wanted_sh):
             written = sorted(set(s for s in manifest["shard_of_rank"] if s is not None))
             raise Mismatch(f"checkpoint {path} has no shard {shard} (it was written with shards {written} "

@@ -49,6 +49,7 @@ from .ps_messages import pack, unpack
 __all__ = ["Roles", "ServerSGD", "ShardServer", "WorkerLink", "shard_bounds", "pack", "unpack"]
 
 TAG_HELLO, TAG_PUSH, TAG_DONE, TAG_REPLY, TAG_FINAL = 7301, 7302, 7303, 7304, 7305
+DIVERGED_AFTER = 3      # skipped pushes in a row from every training worker that end the job (see ShardServer._finite)
 
 
 def shard_bounds(n: int, servers: int) -> List[Tuple[int, int]]:
@@ -135,6 +136,9 @@ class ShardServer:
         self.backup, self.round, self.gathered, self.dropped = backup, start, {}, 0
         self.on_server_lost = on_server_lost
         self._sends: list = []
+        self.skipped = 0              # gradients not applied because they held NaN or infinite values
+        self.bad: Dict[int, int] = {}  # workers whose latest pushes were skipped: how many in a row
+        self.said_bad: set = set()
 
     def restart_at(self, clock: int) -> None:
         """The workers start at ``clock`` (the restored checkpoint's)."""
@@ -148,11 +152,8 @@ class ShardServer:
         if new:
             self.lost |= new
             rest = sorted(set(self.roles.workers) - self.lost)
-            if self.comm.rank == self.roles.servers[0]:      # (one server says it)
-                going = f"going on with worker {format_ranks(rest)}" if rest else "no worker is left"
-                sys.stderr.write(f"hpctrain: parameter server rank {self.comm.rank}: worker "
-                                 f"{format_ranks(sorted(new))} failed; {going}\n")
-                sys.stderr.flush()
+            going = f"going on with worker {format_ranks(rest)}" if rest else "no worker is left"
+            self._say(f"worker {format_ranks(sorted(new))} failed; {going}")
 
     def serve(self) -> np.ndarray:
         """Run until every live worker has finished; send each the final shard and return it."""
@@ -175,7 +176,9 @@ class ShardServer:
                 self._push_with_backup(w, *unpack(msg.data))
             elif msg.tag == TAG_PUSH:
                 clock, payload = unpack(msg.data)
-                self._apply(payload, 1.0 / len(self.roles.workers))
+                grad = self._grad(payload) if payload else None
+                if self._finite(w, clock, grad):
+                    self._apply(grad, 1.0 / len(self.roles.workers))
                 self.clock[w] = clock + 1
                 self.waiting[w] = clock + 1
             elif msg.tag == TAG_HELLO:
@@ -196,20 +199,58 @@ class ShardServer:
         grad = self.compressor.decompress(payload, None, n) if self.compressor is not None else payload[0]
         return grad.reshape(n)
 
-    def _apply(self, payload: List[np.ndarray], scale: float) -> None:
-        self.opt.apply(self.theta, self._grad(payload), self.buf, scale)
-        self.pushes += 1
+    def _apply(self, grad: np.ndarray, scale: float, count: int = 1) -> None:
+        self.opt.apply(self.theta, grad, self.buf, scale)
+        self.pushes += count
+        self._check_diverged()
+
+    def _finite(self, w: int, clock: int, grad: Optional[np.ndarray]) -> bool:
+        """Whether worker ``w``'s gradient of step ``clock`` may be applied.  The rule: a gradient with a NaN or an
+        infinity is skipped (not applied; its worker goes on), said once per worker with its step, and counted
+        (:attr:`skipped`); once every training worker's last :data:`DIVERGED_AFTER` pushes were all skipped the
+        training has diverged and the job ends, naming the step.  The worker looks at its whole gradient and
+        pushes no arrays for one that is not finite (``grad`` None), so every server skips it alike; a shard that
+        a compressor made infinite (float16 overflow) is skipped by its server alone."""
+        if grad is not None and np.isfinite(grad).all():
+            self.bad.pop(w, None)
+            return True
+        self.skipped += 1
+        self.bad[w] = self.bad.get(w, 0) + 1
+        if w not in self.said_bad:
+            self.said_bad.add(w)
+            self._say(f"worker rank {w}'s gradient of step {clock} holds NaN or infinite values; skipped (not "
+                      f"applied; later ones from it are skipped too while they are not finite)")
+        if all(self.bad.get(v, 0) >= DIVERGED_AFTER for v in self.live - self.done):
+            self.comm.abort(f"hpctrain: parameter server rank {self.comm.rank}: every training worker's last "
+                            f"{DIVERGED_AFTER} gradients held NaN or infinite values (step {clock}): the training "
+                            f"diverged; lower the servers' lr or momentum (stale gradients add momentum of their own) "
+                            f"and start again")
+        return False
+
+    def _check_diverged(self) -> None:
+        """End the job when the shard itself is no longer finite (an update of finite but huge gradients); looked at
+        every 16 gradients (a pass over the shard)."""
+        if self.pushes % 16 == 0 and not np.isfinite(self.theta).all():
+            self.comm.abort(f"hpctrain: parameter server rank {self.comm.rank}: the parameters became NaN or "
+                            f"infinite after {self.pushes} gradients (the training diverged); lower the servers' lr "
+                            f"or momentum (stale gradients add momentum of their own) and start again")
+
+    def _say(self, text: str) -> None:
+        if self.comm.rank == self.roles.servers[0]:      # (one server says it)
+            sys.stderr.write(f"hpctrain: parameter server rank {self.comm.rank}: {text}\n")
+            sys.stderr.flush()
 
     def _push_with_backup(self, w: int, clock: int, payload: List[np.ndarray]) -> None:
         """Synchronous rounds with backup workers (Chen et al. 2016): a round's update is the mean of its first
         ``W - backup`` pushes (of those still training, if fewer); a push of a round already past is dropped and its
         worker brought to the current round."""
-        if clock < self.round:
+        grad = self._grad(payload) if payload else None
+        if clock < self.round or not self._finite(w, clock, grad):   # (late, or not finite: dropped)
             self.dropped += 1
             self.clock[w] = self.round
             self._reply(w, self.round, TAG_REPLY)
             return
-        self.gathered[w] = self._grad(payload).copy()
+        self.gathered[w] = grad.copy()
         self.clock[w] = clock + 1
 
     def _close_round(self) -> None:
@@ -218,8 +259,7 @@ class ShardServer:
         need = min(len(self.roles.workers) - self.backup, len(self.live - self.done))
         if self.gathered and len(self.gathered) >= need:
             total = sum(self.gathered[v] for v in sorted(self.gathered))
-            self.opt.apply(self.theta, total, self.buf, 1.0 / len(self.gathered))
-            self.pushes += len(self.gathered)
+            self._apply(total, 1.0 / len(self.gathered), len(self.gathered))
             self.round += 1
             for v in sorted(self.gathered):
                 self.waiting[v] = self.round
@@ -287,10 +327,17 @@ class ShardServer:
             manager.save(self.saved_through, self.checkpoint_state())
 
     def checkpoint_state(self) -> Dict[str, Any]:
-        """The state a checkpoint holds: this shard (Sharded by shard id) and the clock."""
+        """The state a checkpoint holds: this shard and the gradients it applied (Sharded by shard id), the clock."""
         from ..checkpoint import Sharded
 
-        return {"theta": Sharded(self.theta), "momentum": Sharded(self.buf), "clock": self.saved_through}
+        return {"theta": Sharded(self.theta), "momentum": Sharded(self.buf), "clock": self.saved_through,
+                "pushes": Sharded(np.array([self.pushes], np.int64), missing="skip")}
+
+    def restored(self, state: Dict[str, Any]) -> None:
+        """Go on from a restored :meth:`checkpoint_state`: the workers start at its clock and the count of applied
+        gradients goes on from its (a budget of ``global_steps`` is the job's, not the restart's)."""
+        self.restart_at(int(state["clock"]))
+        self.pushes = int(np.asarray(state["pushes"].obj)[0])
 
 
 class WorkerLink:
@@ -323,8 +370,9 @@ class WorkerLink:
     def push_pull(self, grad: np.ndarray) -> np.ndarray:
         """Push ``grad`` (flat, the parameters' layout) to the servers, then take the new parameters."""
         sends = []
+        finite = bool(np.isfinite(grad).all())      # (not: an empty push, which every server skips)
         for s, (lo, hi) in zip(self.roles.servers, self.bounds):
-            raw = pack(self.clock, self._payload(grad[lo:hi], s))
+            raw = pack(self.clock, self._payload(grad[lo:hi], s) if finite else [])
             self.bytes_pushed += raw.nbytes
             sends.append(self.comm.send_async(raw, s, TAG_PUSH, header=False, copy=False))
         self.clock = self._pull(TAG_REPLY)

@@ -39,8 +39,10 @@ class ParameterServer:
     Args:
         model: the torch model (the same architecture on every rank; the servers' initial values win).
         lr, momentum, weight_decay: the servers' SGD.  Stale gradients act as momentum of their own (about
-            ``1 - 1 / workers`` without a bound, Mitliagkas et al. 2016), so from a synchronous SGD setting keep
-            ``lr / (1 - momentum)`` and lower the momentum (0.9 with lr 0.1 -> 0.7 with lr 0.3).
+            ``1 - 1 / workers`` without a bound, Mitliagkas et al. 2016): start without momentum (lr 0.3,
+            momentum 0 converged on the README's regressions where 0.3 / 0.7 and 0.1 / 0.9 diverged) and add it
+            only where a run shows it helps.  A gradient with a NaN or an infinity is skipped and named; the job
+            ends once every worker's last 3 were (:meth:`hpctrain.optim.parameter_server.ShardServer._finite`).
         servers: how many ranks serve (the last ones).
         staleness: the bound ``S`` (an int >= 0, or None).
         compression: a compressor (or its name) for the pushed gradients, or None.
@@ -100,7 +102,7 @@ class ParameterServer:
             if ckpt is not None:
                 state = self.server.checkpoint_state()
                 if ckpt[0].restore(state) is not None:
-                    self.server.restart_at(int(state["clock"]))
+                    self.server.restored(state)
         else:
             self.link = WorkerLink(comm, self.roles, flat.size, flat.dtype, compressor, self._server_lost)
             unflatten_into(self.link.hello(), self.params)
@@ -130,7 +132,8 @@ class ParameterServer:
     @property
     def global_steps(self) -> int:
         """(workers) The gradients the servers had applied, all workers' together, at this worker's last pull
-        (after a restart: since then): a budget for a run where fast workers do more steps than slow ones."""
+        (counted on from the checkpoint after a restart): a budget for a run where fast workers do more steps than
+        slow ones."""
         return self.link.global_steps
 
     @property

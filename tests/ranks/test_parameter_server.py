@@ -193,3 +193,31 @@ def test_with_a_backup_worker_each_step_is_the_mean_of_the_first_gradients_and_t
             torch.testing.assert_close(flat(model), flat(ref), rtol=1e-10, atol=1e-12)
     finally:
         ps.finish()
+
+
+def test_a_gradient_that_is_not_finite_is_skipped_and_counted(comm):
+    """One worker's step-2 gradient holds a NaN: the servers do not apply it (torch's SGD skipping that step is
+    the reference, momentum included) and count it; training goes on."""
+    needs(comm, 2)
+    model, ref = net(), net(seed=0)
+    ps = ht.ParameterServer(model, lr=0.1, momentum=0.9, servers=comm.size - 1, staleness=0)
+    if ps.is_server:
+        ps.serve()
+        assert ps.server.skipped == 1 and ps.server.pushes == 5
+        return
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    try:
+        for step in range(6):
+            x, y = data(0, step)
+            F.mse_loss(model(x), y).backward()
+            if step == 2:
+                next(model.parameters()).grad[0, 0] = float("nan")
+            ps.step()
+            if step != 2:
+                ref_opt.zero_grad()
+                F.mse_loss(ref(x), y).backward()
+                ref_opt.step()
+            torch.testing.assert_close(flat(model), flat(ref), rtol=1e-12, atol=1e-14)
+    finally:
+        ps.finish()
+    assert ps.global_steps == 5
