@@ -10,7 +10,15 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["pack", "unpack"]
+__all__ = ["pack", "unpack", "shard_bounds", "TAG_HELLO", "TAG_PUSH", "TAG_DONE", "TAG_REPLY", "TAG_FINAL"]
+
+TAG_HELLO, TAG_PUSH, TAG_DONE, TAG_REPLY, TAG_FINAL = 7301, 7302, 7303, 7304, 7305
+
+
+def shard_bounds(n: int, servers: int) -> List[Tuple[int, int]]:
+    """``[lo, hi)`` of each server's shard of ``n`` values (sizes differ by at most one)."""
+    cuts = [n * s // servers for s in range(servers + 1)]
+    return [(cuts[s], cuts[s + 1]) for s in range(servers)]
 
 
 def pack(clock: int, arrays: Sequence[np.ndarray]) -> np.ndarray:
