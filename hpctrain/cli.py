@@ -47,8 +47,11 @@ def _launch(args) -> int:
             return run_elastic(cmd)
         return run_fixed_hosts(args.n, argv, hosts, args.min_np or 1, build_command, run_elastic,
                                exports=_reset_limit(args))
-    os.execv(cmd[0], cmd)
-    return 0  # not reached
+    if os.path.basename(cmd[0]) in ("srun", "horovodrun"):
+        os.execv(cmd[0], cmd)       # (they handle Ctrl-C themselves)
+    from .launch import run_forwarding_signals
+
+    return run_forwarding_signals(cmd)
 
 
 def _fixed_hosts(args):

@@ -1,7 +1,10 @@
-"""Exceptions raised by hpctrain."""
+"""Exceptions raised by hpctrain, and the exit status of a job stopped by its preemption save."""
 
 __all__ = ["HpctrainError", "CollectiveMismatchError", "InvalidCollectiveError", "NotInitializedError", "BackendUnavailableError",
            "CheckpointError", "ShutdownError", "WorldFailedError"]
+
+
+EXIT_PREEMPTED = 75   # EX_TEMPFAIL: the job stopped early on purpose (a preemption save) and may be run again to resume
 
 
 class HpctrainError(RuntimeError):
@@ -30,6 +33,8 @@ class BackendUnavailableError(HpctrainError):
 
 class CheckpointError(HpctrainError):
     """A checkpoint could not be saved or restored; raised on every rank."""
+
+    every_rank = True       # (raised alike on every rank: uncaught, it is one line on rank 0, not a traceback each)
 
 
 class ShutdownError(HpctrainError):

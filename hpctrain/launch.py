@@ -37,6 +37,7 @@ import tempfile
 from typing import List, Mapping, Optional
 
 from . import settings
+from .errors import EXIT_PREEMPTED
 
 __all__ = ["build_command", "find_mpirun", "mpi_vendor", "ulfm_supported", "remove_stale_session_dirs",
            "run_elastic", "ELASTIC_STARTED", "ELASTIC_FINISHED", "ELASTIC_RESTARTING"]
@@ -249,6 +250,66 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
     return cmd + program
 
 
+class Interrupts:
+    """Ctrl-C and SIGTERM to the launcher become the preemption signal of the ranks; a second Ctrl-C ends at once.
+
+    mpirun runs in a session of its own (the terminal's Ctrl-C reaches only
+    this process).  The first SIGINT or SIGTERM sends mpirun SIGUSR2, which
+    Open MPI forwards to every rank: :func:`hpctrain.checkpoint.on_preemption`
+    then saves at the next step, says so and every rank exits 75.  A second
+    SIGINT sends mpirun SIGTERM (it ends the ranks at once; status 130).
+    SIGHUP is passed on as it is.  :meth:`status` turns mpirun's status into
+    the launch's, with one line when the job did not stop by its own save.
+    """
+
+    def __init__(self, proc: subprocess.Popen):
+        import signal
+
+        self.proc, self.first, self.hard = proc, None, False
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGHUP, lambda number, frame: proc.send_signal(number))
+
+    def _on_signal(self, number, frame) -> None:
+        import signal
+
+        if self.first is None:
+            self.first = number
+            self.proc.send_signal(signal.SIGUSR2)
+            sys.stderr.write(f"hpctrain launch: {signal.Signals(number).name} passed to the ranks as SIGUSR2, the "
+                             f"preemption signal (a second Ctrl-C ends them at once)\n")
+            sys.stderr.flush()
+        elif number == signal.SIGINT and not self.hard:
+            self.hard = True
+            self.proc.send_signal(signal.SIGTERM)
+
+    def status(self, code: int) -> int:
+        """The launch's exit status for mpirun's ``code`` (75 when the ranks stopped by their preemption save)."""
+        import signal
+
+        if self.first is None:
+            return code
+        name = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}[self.first]
+        if self.hard:
+            sys.stderr.write(f"hpctrain launch: interrupted by {name}, then ended at once by a second Ctrl-C; "
+                             "nothing was saved since the last checkpoint\n")
+            return 130
+        if code == EXIT_PREEMPTED:
+            return code
+        sys.stderr.write(f"hpctrain launch: interrupted by {name}; the ranks were sent SIGUSR2 and ended without a "
+                         f"checkpoint of their own (use hpctrain.checkpoint.on_preemption(manager) to save and exit "
+                         f"{EXIT_PREEMPTED} on it)\n")
+        return 128 + int(self.first)
+
+
+def run_forwarding_signals(cmd: List[str]) -> int:
+    """Run ``cmd`` (mpirun) with this process's output; Ctrl-C and SIGTERM handled by :class:`Interrupts`."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    interrupts = Interrupts(proc)
+    code = proc.wait()
+    return interrupts.status(code if code >= 0 else 128 - code)
+
+
 # Open MPI's runtime (PRRTE) when a node's daemon is gone: it ends the whole job, whatever ULFM could do for the ranks
 _LOST_DAEMON = (re.compile(rb"Remote daemon:\s+\S+ on node (\S+)"),       # lost after the start
                 re.compile(rb"^\s*Remote host:\s+(\S+)"))                  # its ssh (launch agent) ended
@@ -263,24 +324,19 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
     rank 0 of the last world :data:`ELASTIC_FINISHED` when it ends normally;
     a job that started so and never finished has its status 0 made 1, with a
     message (a program that never starts hpctrain keeps mpirun's status).
-    SIGINT reaches mpirun from the terminal (this process ignores it, then
-    returns mpirun's status); SIGTERM and SIGHUP are passed on to it.
+    Ctrl-C and SIGTERM: :class:`Interrupts` (the ranks' preemption signal).
     ``watch()``, when given, is called every HPCTRAIN_ELASTIC_DISCOVERY_S
     seconds while mpirun runs (the discovery script's poll:
     :mod:`hpctrain.elastic.driver`).  The hosts whose Open MPI daemon was
     lost after the job started (a node crash: its runtime then ends the whole
     job, survivors too) are added to ``lost`` (read from Open MPI's report, on either stream).
     """
-    import signal
-    import subprocess
     import threading
 
     # (in the child before it execs mpirun: the stale session folder of the pid mpirun will have)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=lambda: remove_stale_session_dirs(pid=os.getpid()))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda number, frame: proc.send_signal(number))
+    interrupts = Interrupts(proc)
     from .elastic.driver import ORPHANED_GRACE_S, end_if_orphaned, poll_while
 
     poll_while(proc, watch)
@@ -310,6 +366,8 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
         note_lost(line)             # (Open MPI's runtime prints its reports on either stream)
     code = proc.wait()
     errors.join(timeout=10)
+    if interrupts.first is not None:
+        return interrupts.status(code if code >= 0 else 128 - code)
     if orphaned.is_set():
         sys.stderr.write(f"hpctrain launch: {os.path.basename(cmd[0])} had not exited {ORPHANED_GRACE_S:g} s after "
                          f"the last of its ranks ended (stuck); ended it, exit status {0 if finished else 1}\n")

@@ -40,6 +40,11 @@ def main(argv=None) -> None:
     except BaseException as exc:
         from .world import is_initialized, world
 
+        if getattr(exc, "every_rank", False):      # (raised alike on every rank: one line, the ranks leave together)
+            if (world().rank if is_initialized() else 0) == 0:
+                sys.stderr.write(f"hpctrain: error: {exc}\n")
+                sys.stderr.flush()
+            sys.exit(1)
         if not isinstance(exc, KeyboardInterrupt):
             _leave_if_elastic(f"hpctrain.run: uncaught exception in {argv[0]}:\n{traceback.format_exc()}", 1)
         failed = world()._rt.failure_message() if is_initialized() else ""

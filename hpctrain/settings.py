@@ -36,6 +36,8 @@ _BINARY = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 class SettingError(ValueError):
     """An HPCTRAIN_* variable holds a value that its setting does not allow."""
 
+    every_rank = True       # (raised alike on every rank: uncaught, it is one line on rank 0, not a traceback each)
+
 
 @dataclass(frozen=True)
 class Setting:

@@ -258,9 +258,10 @@ def _exit_without_finalize(code: int) -> None:
 def _install_excepthook(comm: Communicator, previous=None) -> None:
     """Make an uncaught exception print its traceback and abort every rank.
 
-    A :class:`~hpctrain.settings.SettingError` is the exception: hpctrain raises
-    it on every rank alike, so it is one line on rank 0 and the ranks leave
-    together (exit status 1) instead of a traceback and an abort per rank.  A
+    A :class:`~hpctrain.settings.SettingError` or :class:`~hpctrain.errors.CheckpointError`
+    is the exception (``every_rank``): hpctrain raises it on every rank alike,
+    so it is one line on rank 0 and the ranks leave together (exit status 1)
+    instead of a traceback and an abort per rank.  A
     KeyboardInterrupt (Ctrl-C) makes rank 0 say what survives it (the
     ``on_interrupt`` notes: which checkpoint is committed); a world of one first
     shuts down, which commits a save in flight.  In a world of one nothing is
@@ -272,7 +273,7 @@ def _install_excepthook(comm: Communicator, previous=None) -> None:
     previous = _saved_excepthook = sys.excepthook if previous is None else previous
 
     def hook(kind, value, tb):
-        if issubclass(kind, settings.SettingError):
+        if getattr(value, "every_rank", False):        # (a SettingError, a CheckpointError: alike on every rank)
             if comm.rank == 0:
                 sys.stderr.write(f"hpctrain: error: {value}\n")
                 sys.stderr.flush()

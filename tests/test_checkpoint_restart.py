@@ -114,3 +114,75 @@ def test_a_per_epoch_keras_save_is_committed_so_a_kill_in_the_next_epoch_resumes
     assert again.returncode == 0, again.stdout[-3000:]
     trained = re.findall(r"training epoch (\d)", again.stdout)
     assert "hpctrain: resumed from step 2 (" in again.stdout and trained == ["2", "3"], again.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_to_hpctrain_launch_saves_every_rank_exits_75_and_the_rerun_resumes_bit_identical(tmp_path,
+                                                                                                tmp_path_factory):
+    """SIGINT to the launcher's process group (a terminal's Ctrl-C) reaches the ranks as their preemption signal:
+    on_preemption saves and says so, the job exits 75, and the same command resumes to the reference's bits."""
+    import signal
+    import subprocess
+    import time
+
+    from harness import BIN, kill_tree
+
+    ref = reference(2, tmp_path_factory)
+    cmd = [str(BIN / "hpctrain"), "launch", "-n", "2", sys.executable, PROGRAM, "--ckpt", str(tmp_path / "ckpt"),
+           "--out", str(tmp_path / "out.npz")]
+    proc = subprocess.Popen(cmd + ["--step-sleep", "0.3"], cwd=REPO, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=60),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.strip() == "step 2":
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        start = time.monotonic()
+        rest, _ = proc.communicate(timeout=60)
+        log = "".join(seen) + rest
+        assert proc.returncode == EXIT_PREEMPTED, log[-4000:]
+        assert time.monotonic() - start < 30
+        assert "SIGINT passed to the ranks as SIGUSR2" in log and "preempted (SIGUSR2); checkpoint of step" in log
+    finally:
+        kill_tree(proc)
+    saved = int(re.search(r"checkpoint of step (\d+) committed", log).group(1))
+    assert 2 <= saved < 12 and not (tmp_path / "out.npz").exists()
+    resumed = run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60), 120)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert start_step(resumed.stdout) == saved
+    assert_bit_identical(saved_arrays(tmp_path / "out.npz"), ref)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_file_system_error_at_a_checkpoint_is_one_line_per_job_and_leaves_what_was_committed(fault, tmp_path):
+    """A checkpoint directory on a read-only file system, or on one that fills up after the first checkpoint
+    (a 64 KiB tmpfs): one line for the whole job naming the directory, the errno and what to do; no traceback;
+    the checkpoint committed before the fault stays whole."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting the small file systems needs root (CI and the development machines run as root)")
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    opts = "size=64k" + (",ro" if fault == "read-only" else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], check=True)
+    try:
+        res = launch(2, mnt / "ckpt", tmp_path / "out.npz")
+        assert res.returncode != 0
+        lines = [line for line in res.stdout.splitlines() if "hpctrain: error:" in line]
+        assert len(lines) == 1 and "Traceback" not in res.stdout, res.stdout[-4000:]
+        if fault == "read-only":
+            assert f"cannot use checkpoint directory {mnt / 'ckpt'}: EROFS" in lines[0]
+            assert "give a checkpoint directory on a writable one" in lines[0]
+        else:
+            assert f"in {mnt / 'ckpt'} failed; nothing was committed" in lines[0] and "ENOSPC" in lines[0]
+            assert "free space there, or keep fewer checkpoints" in lines[0]
+            committed = sorted(os.listdir(mnt / "ckpt"))
+            assert committed == ["step-000000003"], committed
+            resumed = launch(2, mnt / "ckpt", tmp_path / "out.npz", "--stop-after", "3")    # (it loads, verified)
+            assert start_step(resumed.stdout) == 3, resumed.stdout[-3000:]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -293,3 +293,40 @@ def test_timeline_setting_writes_one_trace_of_every_rank_at_shutdown(tmp_path):
     for rank in (0, 1):
         calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank and e["cat"] == "collective"]
         assert [(e["name"], e["args"]["bytes"]) for e in calls] == [("allreduce", 8000), ("allgather", 48)], calls
+
+
+@pytest.mark.parametrize("how", ["no handler", "second ctrl-c"])
+def test_ctrl_c_without_a_preemption_save_ends_the_job_in_one_line_and_a_second_one_at_once(how):
+    """Ranks with no preemption handler end on the first Ctrl-C (status 130, one line saying by what); ranks that
+    ignore it end at once on the second."""
+    import signal
+    import time
+
+    from harness import REPO, kill_tree
+
+    code = ("import hpctrain, signal, time; hpctrain.init(); print('ready', flush=True); "
+            + ("signal.signal(signal.SIGUSR2, signal.SIG_IGN); " if how == "second ctrl-c" else "")
+            + "time.sleep(60)")
+    proc = subprocess.Popen([str(BIN / "hpctrain"), "launch", "-n", "2", sys.executable, "-c", code], cwd=REPO,
+                            env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        ready = 0
+        for line in proc.stdout:
+            ready += line.strip().endswith("ready")
+            if ready == 2:
+                break
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        if how == "second ctrl-c":
+            time.sleep(1)
+            assert proc.poll() is None, "the ranks ignore SIGUSR2: the first Ctrl-C must not end them"
+            os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        assert time.monotonic() - start < (15 if how == "no handler" else 10)
+        assert proc.returncode == 130, out[-3000:]
+        said = ("interrupted by SIGINT (Ctrl-C); the ranks were sent SIGUSR2 and ended without a checkpoint"
+                if how == "no handler" else "then ended at once by a second Ctrl-C")
+        assert said in out, out[-3000:]
+    finally:
+        kill_tree(proc)

@@ -18,7 +18,7 @@ from typing import List, Optional
 
 from ..errors import CheckpointError
 from .commit import post_written, remove_markers
-from .layout import by_rank, compare_replicas, write_files, write_manifest
+from .layout import compare_replicas, describe_error, failed_on, write_files, write_manifest
 
 __all__ = ["CommitSteps"]
 
@@ -34,7 +34,7 @@ class CommitSteps:
         if bad:
             if self.comm.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
-            raise CheckpointError(f"checkpoint of step {step} failed; nothing was committed:\n{by_rank(bad)}")
+            raise CheckpointError(failed_on(f"checkpoint of step {step} failed; nothing was committed", bad))
 
     def _write(self, partial: str, jobs, meta: dict, marker: bool) -> dict:
         """The write step of an asynchronous save (writer thread); with ``marker``, then tell rank 0 it is done."""
@@ -42,7 +42,7 @@ class CommitSteps:
             result = write_files(partial, jobs, meta)
         except Exception as exc:
             if marker:
-                post_written(partial, self.comm.rank, None, f"{type(exc).__name__}: {exc}")
+                post_written(partial, self.comm.rank, None, describe_error(exc))
             raise
         if marker:
             post_written(partial, self.comm.rank, result, None)
@@ -60,7 +60,7 @@ class CommitSteps:
         try:
             result, err = pending.future.result(), None
         except Exception as exc:  # noqa: BLE001 - reported on every rank
-            result, err = None, f"{type(exc).__name__}: {exc}"
+            result, err = None, describe_error(exc)
         results = comm.allgather_object((result, err))
         verdict = None
         if comm.rank == 0:
@@ -82,7 +82,7 @@ class CommitSteps:
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if bad:
             shutil.rmtree(partial, ignore_errors=True)
-            return f"checkpoint of step {step} failed; nothing was committed:\n{by_rank(bad)}"
+            return failed_on(f"checkpoint of step {step} in {self.directory} failed; nothing was committed", bad)
         if replica_msg:
             log.warning("hpctrain: checkpoint of step %d: %s", step, replica_msg)
         try:
@@ -92,7 +92,7 @@ class CommitSteps:
             self._prune()
         except Exception as exc:  # noqa: BLE001 - reported on every rank
             shutil.rmtree(partial, ignore_errors=True)
-            return f"committing the checkpoint of step {step} failed: {type(exc).__name__}: {exc}"
+            return f"committing the checkpoint of step {step} failed: {describe_error(exc)}"
         return None
 
     def _prune(self) -> None:

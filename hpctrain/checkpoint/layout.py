@@ -11,6 +11,7 @@ unpickled.  Cost: one pass over the bytes to write or read them, plus CRC-32.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import platform
@@ -25,7 +26,7 @@ from .state import decode
 from .tensorfile import CorruptFileError, read_tensors, write_tensors
 
 __all__ = ["FORMAT", "Sharded", "Mismatch", "write_files", "write_manifest", "read_entries", "compare_replicas",
-           "by_rank", "fsync_dir", "split_spread", "read_spread", "SPREAD"]
+           "by_rank", "failed_on", "describe_error", "fsync_dir", "split_spread", "read_spread", "SPREAD"]
 
 FORMAT = "hpctrain-checkpoint/1"
 
@@ -237,6 +238,34 @@ def by_rank(bad: List[Tuple[int, str]]) -> str:
     for r, e in bad:
         groups.setdefault(e, []).append(r)
     return "\n".join(f"  {format_ranks(rs)}: {e}" for e, rs in groups.items())
+
+
+_ADVICE = {errno.ENOSPC: "free space there, or keep fewer checkpoints (CheckpointManager(keep=...))",
+           errno.EDQUOT: "free space within the quota there, or keep fewer checkpoints (CheckpointManager(keep=...))",
+           errno.EROFS: "the file system is read-only: give a checkpoint directory on a writable one",
+           errno.EACCES: "this user may not write there: give a checkpoint directory it may write",
+           errno.EPERM: "this user may not write there: give a checkpoint directory it may write"}
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for an error of the checkpoint's files: an OSError as its errno's name, its text, the path and what
+    to do about it; anything else as ``Type: message``."""
+    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+        where = f" ({exc.filename})" if exc.filename else ""
+        advice = _ADVICE.get(exc.errno)
+        return f"{errno.errorcode[exc.errno]}: {exc.strerror}{where}" + (f"; {advice}" if advice else "")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def failed_on(what: str, bad: List[Tuple[int, str]]) -> str:
+    """``what`` failed on the ranks of ``bad`` ((rank, error) pairs): one line when they share one error."""
+    groups: Dict[str, List[int]] = {}
+    for r, e in bad:
+        groups.setdefault(e, []).append(r)
+    if len(groups) == 1:
+        (e, rs), = groups.items()
+        return f"{what} ({format_ranks(rs)}: {e})"
+    return f"{what}:\n{by_rank(bad)}"
 
 
 def fsync_dir(path: str) -> None:

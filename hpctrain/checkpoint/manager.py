@@ -47,11 +47,11 @@ import numpy as np
 from .. import settings
 from ..agreement import check_same
 from ..comm.timeline import span_of
-from ..errors import CheckpointError
+from ..errors import EXIT_PREEMPTED, CheckpointError
 from .commit import BackgroundCommit
 from .commit_steps import CommitSteps
 from .hostcopy import HostCopier, default_copy_threads
-from .layout import Sharded, split_spread, write_files
+from .layout import Sharded, describe_error, split_spread, write_files
 from .restore import committed_steps, restore_newest, step_path
 from .state import encode
 
@@ -59,7 +59,6 @@ __all__ = ["CheckpointManager", "Sharded", "CheckpointError", "EXIT_PREEMPTED"]
 
 log = logging.getLogger("hpctrain")
 
-EXIT_PREEMPTED = 75   # EX_TEMPFAIL: the job stopped early on purpose and may be run again to resume
 
 
 class _Pending:
@@ -155,7 +154,7 @@ class CheckpointManager(CommitSteps):
                     if name.startswith("step-") and name.endswith(".partial"):
                         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
             except OSError as exc:
-                err = f"cannot use checkpoint directory {self.directory}: {exc}"
+                err = f"cannot use checkpoint directory {self.directory}: {describe_error(exc)}"
         err = comm.broadcast_object(err)
         if err:
             raise CheckpointError(err)
@@ -326,7 +325,7 @@ class CheckpointManager(CommitSteps):
                     raise FileExistsError(f"{self.step_dir(step)} exists already")
                 os.makedirs(partial)
             except OSError as exc:
-                err = f"cannot create {partial}: {exc}"
+                err = f"cannot create {partial}: {describe_error(exc)}"
         plan = comm.allgather_object((my_shard, err))
         self._raise_any(step, partial, [e for _, e in plan])
         shard_of_rank = [s for s, _ in plan]
