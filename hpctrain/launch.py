@@ -333,6 +333,8 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
     """
     import threading
 
+    from .mpirun_output import Relay
+
     # (in the child before it execs mpirun: the stale session folder of the pid mpirun will have)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=lambda: remove_stale_session_dirs(pid=os.getpid()))
@@ -350,20 +352,29 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
             if m:
                 daemons_lost.add(m.group(1).decode(errors="replace"))
 
+    said: set = set()
+
+    def writer(stream):
+        def write(line: bytes) -> None:
+            stream.write(line)
+            stream.flush()
+        return write
+
     def relay_errors():
+        relay = Relay(writer(sys.stderr.buffer), said)
         for line in iter(proc.stderr.readline, b""):
-            sys.stderr.buffer.write(line)
-            sys.stderr.buffer.flush()
+            relay.line(line)
             note_lost(line)
+        relay.close()
     errors = threading.Thread(target=relay_errors, name="hpctrain-stderr", daemon=True)
     errors.start()
-    out = sys.stdout.buffer
+    relay = Relay(writer(sys.stdout.buffer), said)
     for line in iter(proc.stdout.readline, b""):
         started = started or line.startswith(ELASTIC_STARTED.encode())
         finished = finished or line.startswith((ELASTIC_FINISHED.encode(), ELASTIC_RESTARTING.encode()))
-        out.write(line)
-        out.flush()
+        relay.line(line)
         note_lost(line)             # (Open MPI's runtime prints its reports on either stream)
+    relay.close()
     code = proc.wait()
     errors.join(timeout=10)
     if interrupts.first is not None:

@@ -330,3 +330,26 @@ def test_ctrl_c_without_a_preemption_save_ends_the_job_in_one_line_and_a_second_
         assert said in out, out[-3000:]
     finally:
         kill_tree(proc)
+
+
+def test_the_elastic_relay_leaves_out_open_mpis_untested_after_failure_boxes_and_nul_bytes():
+    """Relay (what hpctrain launch --elastic passes on of mpirun's output): the osc/sm box and its reminders go,
+    said once in one line for both streams; other boxes and lines pass unchanged and in order; NUL bytes go."""
+    from hpctrain.mpirun_output import OSC_NOTE, Relay
+
+    rule = b"-" * 74 + b"\n"
+    box = [rule, b"WARNING: The selected 'osc' module 'sm' is not tested for post-failure\n",
+           b"operation, yet you have requested support for fault tolerance.\n", rule]
+    other = [rule, b"prterun noticed that process rank 0 exited on signal 9.\n", rule]
+    said, out, err = set(), [], []
+    relays = Relay(out.append, said), Relay(err.append, said)
+    for line in box + [b"\x00hello\n"] + other + box + [
+            b"[vm:123] 2 more processes have sent help message help-osc-sm.txt / ft-untested\n",
+            b"[vm:123] Set MCA parameter \"orte_base_help_aggregate\" to 0 to see all help / error messages\n",
+            b"bye\n", rule]:
+        relays[0].line(line)
+    relays[0].close()
+    for line in box + [b"on stderr\n"]:
+        relays[1].line(line)
+    assert out == [OSC_NOTE, b"hello\n", *other, b"bye\n", rule]    # (an unclosed box is passed on at the end)
+    assert err == [b"on stderr\n"]
