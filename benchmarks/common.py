@@ -83,3 +83,4 @@ def write_results(out: Path, name: str, data: dict, table: str, draw: Callable, 
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=dpi)
     plt.close(fig)
+    print(f"wrote {out / name}.json, {name}.md and {name}.png", flush=True)

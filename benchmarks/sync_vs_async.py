@@ -265,26 +265,31 @@ def accuracy_at(curve, epochs: float) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()) + " The default run is every mode x 2 scenarios x "
+        "3 repeats (78 launches); --modes and --repeats make it shorter.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--worker", choices=list(MODES) + list(PS_MODES), help=argparse.SUPPRESS)
     p.add_argument("--straggler", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--epochs", type=float, default=12)
+    p.add_argument("--ranks", type=int, default=4, help="training ranks (a parameter-server mode adds one server)")
+    p.add_argument("--epochs", type=float, default=12, help="epochs' worth of steps of the synchronous modes")
     p.add_argument("--task", choices=list(TASKS), default="digits",
-                   help="digits (default) or teacher, a larger one (1.32 M parameters)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--compute-s", type=float, default=0.02)
-    p.add_argument("--modes", nargs="+", default=list(MODES) + list(PS_MODES), choices=list(MODES) + list(PS_MODES))
+                   help="digits, or teacher: a larger one (1.32 M parameters)")
+    p.add_argument("--batch", type=int, default=16, help="samples a rank and step")
+    p.add_argument("--compute-s", type=float, default=0.02, help="seconds of compute (a sleep) a step on every rank")
+    p.add_argument("--modes", nargs="+", default=list(MODES) + list(PS_MODES), choices=list(MODES) + list(PS_MODES),
+                   metavar="MODE", help=f"the modes to run, of: {', '.join(list(MODES) + list(PS_MODES))}")
     p.add_argument("--reach-x", type=float, default=2.0, help="the non-synchronous modes train on for this many "
                    "times the synchronous modes' epochs (to see when they reach synchronous training's accuracy)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="launches of each mode and scenario (medians)")
     p.add_argument("--sgd", type=float, nargs=2, default=SGD, metavar=("LR", "MOMENTUM"),
-                   help="synchronous and local SGD's (default %(default)s)")
+                   help="synchronous and local SGD's")
     p.add_argument("--server-sgd", type=float, nargs=2, default=SERVER_SGD, metavar=("LR", "MOMENTUM"),
-                   help="the parameter servers' SGD (default %(default)s)")
+                   help="the parameter servers' SGD")
     p.add_argument("--nodes", type=int, default=0, help="run on this many namespace nodes (scripts/cluster.sh, "
-                   "1 Gbit/s links, needs root), ranks spread evenly; the bytes on the links are counted")
-    p.add_argument("--out", type=Path, default=REPO / "results" / "sync_vs_async")
+                   "1 Gbit/s links, needs root), ranks spread evenly; the bytes on the links are counted (0: none)")
+    p.add_argument("--out", type=Path, default=REPO / "results" / "sync_vs_async",
+                   help="the folder for sync_vs_async.json, .md and .png")
     args = p.parse_args()
     if args.worker:
         worker(args.worker, args.epochs, args.batch, args.compute_s, args.straggler, args.task, args.sgd,
@@ -380,23 +385,25 @@ def write_outputs(runs, args) -> None:
     table = "\n".join(lines)
 
     def draw(plt):
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+        fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharey=True)
         for ax, scenario in zip(axes, ("none", "straggler")):
-            for i, mode in enumerate(args.modes):
+            for i, mode in enumerate(args.modes):      # (10 distinct colours, then the same with dashes)
                 run = next(r for r in runs if r["mode"] == mode and r["scenario"] == scenario)
                 t, acc = list(zip(*run["curve"]))[:2]
-                ax.plot(t, acc, marker=".", label=mode, color=plt.get_cmap("tab20")(i % 20))
-            for name, style in (("sync", ":"), ("sync-sgd", "--")):   # (the targets: synchronous training's
+                ax.plot(t, acc, marker=".", label=mode, color=plt.get_cmap("tab10")(i % 10),
+                        linestyle="-" if i < 10 else "--")
+            for name, style in (("sync", ":"), ("sync-sgd", "-.")):   # (the targets: synchronous training's
                 if name in ref:                                         # accuracy within 2x its time)
-                    ax.axhline(ref[name][0], color="grey", linestyle=style, linewidth=1)
+                    ax.axhline(ref[name][0], color="grey", linestyle=style, linewidth=1,
+                               label=f"{name}'s accuracy and 2x its time (no straggler)")
                     ax.axvline(2 * ref[name][1], color="grey", linestyle=style, linewidth=1)
             ax.set_title("no straggler" if scenario == "none" else "one rank 2x slower")
             ax.set_xlabel("wall time (s)")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("held-out accuracy")
-        low = min(min(p[1] for p in (r["curve"][1:] or r["curve"])) for r in runs)   # (past the first epoch)
+        low = min(p[1] for r in runs for p in r["curve"])     # (every point shown, the first epoch's too)
         axes[0].set_ylim(max(0.0, low - 0.02), 1.0)
-        axes[1].legend(fontsize="small", ncol=2, loc="lower right")
+        axes[1].legend(fontsize="small", loc="center left", bbox_to_anchor=(1.02, 0.5))    # (beside the data)
         return fig
 
     write_results(args.out, "sync_vs_async", {"rows": rows, "runs": runs, "cores": CORES,
