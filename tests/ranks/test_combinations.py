@@ -222,6 +222,49 @@ def test_what_would_lose_state_is_refused_in_one_line(comm, ckdir, monkeypatch):
     monkeypatch.setenv("HPCTRAIN_ELASTIC", "1")
     with pytest.raises(ValueError, match="local SGD / DiLoCo does not follow a re-formed world yet"):
         diloco(net(), comm)
+    with pytest.raises(ValueError, match="op='adasum' does not follow a re-formed world yet"):
+        ht.DistributedOptimizer(adamw(net()), op="adasum")
+
+
+def test_plain_local_sgd_resumed_at_the_same_size_goes_on_as_if_never_stopped(comm, ckdir):
+    """Periodic averaging without an outer optimizer, SGD with momentum, saved mid-round: bit for bit."""
+    def local(model):
+        return ht.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                    model.named_parameters(), sync_every=H, comm=comm)
+
+    straight = net()
+    train(straight, local(straight), range(11), comm)
+    model = net()
+    opt = local(model)
+    train(model, opt, range(5), comm)
+    with CheckpointManager(ckdir, comm=comm, verify_replicas="off") as manager:
+        manager.save(5, {"model": model, "optimizer": opt})
+    fresh = net(seed=5)
+    opt2 = local(fresh)
+    assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": opt2}) == 5
+    train(fresh, opt2, range(5, 11), comm)
+    assert torch.equal(flat(fresh), flat(straight)), "the resumed run differs from the run never stopped"
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_local_sgd_with_accumulated_passes_equals_synchronous_sgd_on_the_whole_batch(comm, warmup):
+    """Two backward passes a step (the first under no_sync), H = 1 without an outer optimizer: SGD with momentum
+    on every rank's whole batch at once, during the warm-up and after it."""
+    n, r = comm.size, comm.rank
+    model, ref = net(), net()
+    opt = ht.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
+                               sync_every=1, warmup_steps=warmup, comm=comm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(5):
+        x, y = data(step, n)
+        xs, ys = x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]
+        opt.zero_grad()
+        with opt.no_sync():
+            F.mse_loss(model(xs[:B // 2]), ys[:B // 2]).backward()
+        F.mse_loss(model(xs[B // 2:]), ys[B // 2:]).backward()
+        opt.step()
+        step_on(ref, ref_opt, x, y)
+    torch.testing.assert_close(flat(model), flat(ref), rtol=1e-10, atol=1e-12)
 
 
 def test_adasum_keeps_each_ranks_own_optimizer_state_through_a_checkpoint(comm, ckdir):
@@ -244,6 +287,9 @@ def test_adasum_keeps_each_ranks_own_optimizer_state_through_a_checkpoint(comm, 
     assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": opt2}) == 5
     train(fresh, opt2, range(5, 8), comm)
     assert torch.equal(flat(fresh), flat(straight)), "the resumed Adasum run differs from the run never stopped"
+    with pytest.raises(CheckpointError, match=r"'optimizer' is an optimizer state that is each rank's own"):
+        plain = ht.DistributedOptimizer(torch.optim.Adam(net().parameters(), lr=0.01), comm=comm)
+        CheckpointManager(ckdir, comm=comm).restore({"model": net(), "optimizer": plain})
     sub, _ = smaller(comm)
     if sub is not None:
         other = net(seed=6)
