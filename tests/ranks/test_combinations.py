@@ -297,3 +297,51 @@ def test_adasum_keeps_each_ranks_own_optimizer_state_through_a_checkpoint(comm, 
         assert CheckpointManager(ckdir, comm=sub).restore({"model": other, "optimizer": opt3}) == 5
         for key, value in opt3.state[next(iter(other.parameters()))].items():
             assert torch.equal(value, saved[key]), f"rank {comm.rank}: {key} is not its own saved state"
+
+
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_compressed_gradients_of_accumulated_passes_equal_one_pass_of_the_larger_batch(comm, compression):
+    """backward_passes_per_step=2 with a compressor (top-k with its error feedback): the same steps as one pass of
+    the two passes' samples with the same compressor (the local mean is compressed once, at the last pass)."""
+    import hpctrain.compression as C
+
+    def make(model, passes):
+        comp = C.TopK(ratio=0.3) if compression == "topk" else compression
+        return ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       model.named_parameters(), compression=comp, backward_passes_per_step=passes,
+                                       compression_policy=C.Policy(min_numel=0, skip=()), comm=comm)
+
+    r = comm.rank
+    model, ref = net(), net()
+    opt, ref_opt = make(model, 2), make(ref, 1)
+    for step in range(5):
+        x, y = data(step, comm.size)
+        xs, ys = x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]
+        opt.zero_grad()
+        for half in (slice(0, B // 2), slice(B // 2, B)):
+            F.mse_loss(model(xs[half]), ys[half]).backward()
+        opt.step()
+        step_on(ref, ref_opt, xs, ys)
+    torch.testing.assert_close(flat(model), flat(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_zero_checkpoint_resumed_at_the_same_size_goes_on_bit_for_bit(comm, ckdir, stage):
+    """Each rank's chunks back into a fresh ShardedOptimizer of the same world: the run ends where the unbroken
+    one does, bit for bit."""
+    def make(model):
+        return ht.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), stage=stage, bucket_mb=0.0002,
+                                   comm=comm)
+
+    straight = net()
+    train(straight, make(straight), range(8), comm)
+    model = net()
+    opt = make(model)
+    train(model, opt, range(4), comm)
+    with CheckpointManager(ckdir, comm=comm) as manager:
+        manager.save(4, {"model": model, "optimizer": opt})
+    fresh = net(seed=5)
+    opt2 = make(fresh)
+    assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": opt2}) == 4
+    train(fresh, opt2, range(4, 8), comm)
+    assert torch.equal(flat(fresh), flat(straight)), "the resumed ZeRO run differs from the run never stopped"
