@@ -102,7 +102,7 @@ def test_a_keras_state_gathered_at_one_size_loads_at_a_smaller_one(comm):
 
 
 def test_a_keras_checkpoint_holds_each_ranks_chunks_and_restores_at_a_smaller_size(comm, ckdir):
-    from hpctrain.checkpoint import CheckpointManager
+    from hpctrain.checkpoint import CheckpointError, CheckpointManager
 
     n, r = comm.size, comm.rank
     opt = hk.ShardedOptimizer(keras.optimizers.Adam(0.01), bucket_mb=0.0001)
@@ -120,6 +120,11 @@ def test_a_keras_checkpoint_holds_each_ranks_chunks_and_restores_at_a_smaller_si
         assert int(opt2.iterations.numpy()) == 3
         train(fresh, ref, m, r, range(3, 6))
         assert_close(fresh, ref)
+        plain = keras.optimizers.Adam(0.01)        # (a plain Keras optimizer cannot take the chunks: refused)
+        other = make_model(plain)
+        plain.build(other.trainable_variables)
+        with pytest.raises(CheckpointError, match=r"'optimizer' is a ShardedOptimizer's state \(ZeRO\), spread over"):
+            CheckpointManager(ckdir, comm=sub).restore({"model": other, "optimizer": plain})
 
 
 def test_what_keras_cannot_shard_is_refused(comm):
