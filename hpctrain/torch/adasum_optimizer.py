@@ -17,18 +17,18 @@ each rank its own back; at another world size new rank ``r`` takes saved rank
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
+from typing import List
 
 import numpy as np
 import torch
 
 from ..adasum_updates import AdasumUpdates
 from ..checkpoint.state import RANK_STATES_FORMAT
+from .class_swap import subclass_with
 from .gradient_sync import trainable_parameters
 
 __all__ = ["wrap_adasum"]
 
-_CLASSES: Dict[type, type] = {}
 
 
 def wrap_adasum(optimizer: torch.optim.Optimizer, named_parameters=None, comm=None, compression=None):
@@ -41,10 +41,7 @@ def wrap_adasum(optimizer: torch.optim.Optimizer, named_parameters=None, comm=No
     if not all(p.dtype.is_floating_point for p in params):
         raise TypeError("op='adasum' needs floating-point parameters")
     base = type(optimizer)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(f"DistributedAdasum{base.__name__}", (_AdasumMixin, base),
-                                    {"__module__": __name__, "__doc__": base.__doc__})
+    cls = subclass_with(_AdasumMixin, base, f"DistributedAdasum{base.__name__}")
     optimizer.__class__ = cls
     optimizer._hpctrain = _AdasumState(updates, params)
     return optimizer

@@ -16,13 +16,14 @@ the global copy is taken again from the parameters at the next step.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
 
 from ..comm.handle import done_handle
 from ..optim.local_sgd import LOCAL_SGD_FORMAT, LocalSGD, OuterNesterov
+from .class_swap import subclass_with
 from .flat import flatten, unflatten_into
 from .optimizer import DistributedOptimizer
 
@@ -56,6 +57,7 @@ def LocalSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Option
             local steps than a straggler; stop the training loop on ``optimizer.local_sgd.global_steps``
             (every rank's steps, the same on every rank after each outer step).
     """
+    name = f"LocalSGD{type(optimizer).__name__}"
     opt = DistributedOptimizer(optimizer, named_parameters, bucket_mb=bucket_mb,
                                comm=comm if comm is not None else _world())
     outer = OuterNesterov(outer_lr, outer_momentum) if outer_lr is not None else None
@@ -87,16 +89,8 @@ def LocalSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Option
     opt.register_step_pre_hook(before_step)
     opt.register_step_post_hook(after_step)
     opt.local_sgd = local
-    base = type(opt)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(f"LocalSGD{base.__name__[len('Distributed'):]}", (_LocalSGDMixin, base),
-                                    {"__module__": __name__, "__doc__": base.__doc__})
-    opt.__class__ = cls
+    opt.__class__ = subclass_with(_LocalSGDMixin, type(opt), name)
     return opt
-
-
-_CLASSES: Dict[type, type] = {}
 
 
 class _LocalSGDMixin:

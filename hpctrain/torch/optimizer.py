@@ -40,18 +40,18 @@ staged through a float32 host copy for the compressor.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
 from ..compression import Policy
 from ..gradients import GradientAverager
 from .adasum_optimizer import _AdasumMixin, wrap_adasum
+from .class_swap import subclass_with
 from .gradient_sync import GradientSync
 
 __all__ = ["DistributedOptimizer"]
 
-_CLASSES: Dict[type, type] = {}
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
@@ -113,10 +113,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     else:
         averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
         base = type(optimizer)
-        cls = _CLASSES.get(base)
-        if cls is None:
-            cls = _CLASSES[base] = type(f"Distributed{base.__name__}", (_DistributedMixin, base),
-                                        {"__module__": __name__, "__doc__": base.__doc__})
+        cls = subclass_with(_DistributedMixin, base, f"Distributed{base.__name__}")
         sync = GradientSync(optimizer, named_parameters, averager, backward_passes_per_step,
                             int(bucket_mb * 2 ** 20))
         optimizer.__class__ = cls

@@ -49,6 +49,7 @@ import torch
 
 from ..optim.zero import per_element, refuse_compression
 from . import zero_state
+from .class_swap import subclass_with
 from .optimizer import keep_patched_step
 from .zero_sync import IN_FLIGHT, ZeroSync
 
@@ -56,7 +57,6 @@ __all__ = ["ShardedOptimizer", "ELEMENTWISE"]
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam", "ASGD",
                "Rprop")
-_CLASSES: Dict[type, type] = {}
 
 
 def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_parameters=None, bucket_mb: float = 25,
@@ -105,10 +105,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_par
         raise ValueError(f"ShardedOptimizer steps on chunks that cut across parameters, so the update must be "
                          f"element by element; {base.__name__} is not one of torch's element-wise optimizers "
                          f"{ELEMENTWISE}: pass elementwise=True if its update is (no per-tensor norms)")
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(f"Sharded{base.__name__}", (_ShardedMixin, base),
-                                    {"__module__": __name__, "__doc__": base.__doc__})
+    cls = subclass_with(_ShardedMixin, base, f"Sharded{base.__name__}")
     sync = ZeroSync(optimizer, named_parameters, comm_or_world(comm), backward_passes_per_step,
                     int(bucket_mb * 2 ** 20), stage)
     optimizer.__class__ = cls
