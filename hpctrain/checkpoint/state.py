@@ -26,12 +26,12 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..optim.local_sgd import LOCAL_SGD_FORMAT
-from ..optim.zero import SHARDS_FORMAT, whole_states
+from ..optim.formats import LOCAL_SGD_FORMAT, RANK_STATES_FORMAT, SHARDS_FORMAT
+from ..optim.zero import whole_states
 from .hostcopy import HostCopier
 from .tensorfile import dtype_name
 
-__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "load_spread", "variables_of", "RANK_STATES_FORMAT"]
+__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "load_spread", "variables_of"]
 
 _TENSOR, _TUPLE, _DICT, _VARS = "$tensor", "$tuple", "$dict", "$variables"
 
@@ -234,8 +234,6 @@ def _is_object(obj: Any) -> bool:
     return (callable(getattr(obj, "load_state_dict", None)) or isinstance(obj, np.ndarray) or _is_torch_tensor(obj)
             or variables_of(obj) is not None)
 
-
-RANK_STATES_FORMAT = "hpctrain-rank-states/1"   # (an optimizer state spread as each rank's own: Adasum's)
 
 _SPREAD_NAMES = {SHARDS_FORMAT: "a ShardedOptimizer's state (ZeRO)",
                  RANK_STATES_FORMAT: "an optimizer state that is each rank's own (DistributedOptimizer with "

@@ -52,10 +52,11 @@ import time
 
 import numpy as np
 
+from .formats import LOCAL_SGD_FORMAT
+
 __all__ = ["LocalSGD", "OuterNesterov", "START", "SYNC", "LOCAL_SGD_FORMAT"]
 
 START, SYNC = 1, 2      # what step_done() asks of the adapter
-LOCAL_SGD_FORMAT = "hpctrain-local-sgd/1"     # (the mark of a local-SGD state spread over the ranks in a checkpoint)
 
 
 class OuterNesterov:

@@ -33,10 +33,10 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
+from .formats import SHARDS_FORMAT     # (the mark of a sharded state in a checkpoint: see layout_record)
+
 __all__ = ["ShardLayout", "Exchange", "per_element", "layout_record", "reshard_copies", "whole_states",
            "refuse_compression", "SHARDS_FORMAT"]
-
-SHARDS_FORMAT = "hpctrain-zero/1"     # (the mark of a sharded state in a checkpoint: see layout_record)
 
 
 class ShardLayout:
