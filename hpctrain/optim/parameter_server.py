@@ -44,32 +44,12 @@ import numpy as np
 from ..comm.point_to_point import ANY
 from ..comm.signature import format_ranks
 from ..errors import RanksFailedError
-from .ps_messages import TAG_DONE, TAG_FINAL, TAG_HELLO, TAG_PUSH, TAG_REPLY, pack, shard_bounds, unpack
+from .ps_messages import TAG_DONE, TAG_FINAL, TAG_HELLO, TAG_PUSH, TAG_REPLY, Roles, pack, shard_bounds, unpack
 from .ps_worker import WorkerLink
 
 __all__ = ["Roles", "ServerSGD", "ShardServer", "WorkerLink", "shard_bounds", "pack", "unpack"]
 
 DIVERGED_AFTER = 3      # skipped pushes in a row from every training worker that end the job (see ShardServer._finite)
-
-
-class Roles:
-    """Who serves and who trains: the last ``servers`` ranks of ``size`` serve.
-
-    Raises ValueError when fewer than ``servers + 1`` ranks are there.
-    """
-
-    def __init__(self, size: int, servers: int):
-        if not isinstance(servers, int) or servers < 1:
-            raise ValueError(f"servers must be an int >= 1, got {servers!r}")
-        if size < servers + 1:
-            raise ValueError(f"parameter-server training needs at least servers + 1 = {servers + 1} ranks "
-                             f"(one to train), got {size}; launch more ranks or use fewer servers")
-        self.servers = list(range(size - servers, size))
-        self.workers = list(range(size - servers))
-
-    def shard_of(self, rank: int) -> int:
-        """The shard a server rank holds."""
-        return self.servers.index(rank)
 
 
 class ServerSGD:

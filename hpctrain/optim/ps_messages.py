@@ -1,4 +1,5 @@
-"""The parameter server's messages: a clock and a few arrays in one flat byte buffer, read back without pickle.
+"""The parameter server's protocol: who serves, the message tags, the shards, and a message (a clock and a few
+arrays in one flat byte buffer, read back without pickle).
 
 Layout: ``int64 clock, int64 count``, then per array ``int64 byte count``, its
 dtype's string in 8 bytes and its bytes.  Cost: one copy to pack, none to
@@ -10,9 +11,29 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["pack", "unpack", "shard_bounds", "TAG_HELLO", "TAG_PUSH", "TAG_DONE", "TAG_REPLY", "TAG_FINAL"]
+__all__ = ["Roles", "pack", "unpack", "shard_bounds", "TAG_HELLO", "TAG_PUSH", "TAG_DONE", "TAG_REPLY", "TAG_FINAL"]
 
 TAG_HELLO, TAG_PUSH, TAG_DONE, TAG_REPLY, TAG_FINAL = 7301, 7302, 7303, 7304, 7305
+
+
+class Roles:
+    """Who serves and who trains: the last ``servers`` ranks of ``size`` serve.
+
+    Raises ValueError when fewer than ``servers + 1`` ranks are there.
+    """
+
+    def __init__(self, size: int, servers: int):
+        if not isinstance(servers, int) or servers < 1:
+            raise ValueError(f"servers must be an int >= 1, got {servers!r}")
+        if size < servers + 1:
+            raise ValueError(f"parameter-server training needs at least servers + 1 = {servers + 1} ranks "
+                             f"(one to train), got {size}; launch more ranks or use fewer servers")
+        self.servers = list(range(size - servers, size))
+        self.workers = list(range(size - servers))
+
+    def shard_of(self, rank: int) -> int:
+        """The shard a server rank holds."""
+        return self.servers.index(rank)
 
 
 def shard_bounds(n: int, servers: int) -> List[Tuple[int, int]]:

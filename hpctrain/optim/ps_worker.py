@@ -1,15 +1,12 @@
 """A parameter-server worker's side of the protocol (:mod:`hpctrain.optim.parameter_server`): push, pull, finish."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import List
 
 import numpy as np
 
 from ..errors import RanksFailedError
-from .ps_messages import TAG_DONE, TAG_FINAL, TAG_HELLO, TAG_PUSH, TAG_REPLY, pack, shard_bounds, unpack
-
-if TYPE_CHECKING:
-    from .parameter_server import Roles
+from .ps_messages import TAG_DONE, TAG_FINAL, TAG_HELLO, TAG_PUSH, TAG_REPLY, Roles, pack, shard_bounds, unpack
 
 __all__ = ["WorkerLink"]
 
