@@ -20,7 +20,8 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
 from .layout import Mismatch, Sharded, by_rank, read_entries, read_spread
-from .state import load_entry, load_spread
+from .spread import load_spread
+from .state import load_entry
 from .tensorfile import CorruptFileError
 
 __all__ = ["committed_steps", "step_path", "restore_newest"]

@@ -26,12 +26,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..optim.formats import LOCAL_SGD_FORMAT, RANK_STATES_FORMAT, SHARDS_FORMAT
-from ..optim.zero import whole_states
 from .hostcopy import HostCopier
 from .tensorfile import dtype_name
 
-__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "load_spread", "variables_of"]
+__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "variables_of"]
 
 _TENSOR, _TUPLE, _DICT, _VARS = "$tensor", "$tuple", "$dict", "$variables"
 
@@ -233,51 +231,3 @@ def _is_object(obj: Any) -> bool:
     """Whether a state entry is loaded in place (an object with a state dict or variables, an array)."""
     return (callable(getattr(obj, "load_state_dict", None)) or isinstance(obj, np.ndarray) or _is_torch_tensor(obj)
             or variables_of(obj) is not None)
-
-
-_SPREAD_NAMES = {SHARDS_FORMAT: "a ShardedOptimizer's state (ZeRO)",
-                 RANK_STATES_FORMAT: "an optimizer state that is each rank's own (DistributedOptimizer with "
-                                     "op='adasum')",
-                 LOCAL_SGD_FORMAT: "a LocalSGDOptimizer's state (local SGD / DiLoCo: each rank's own parameters and "
-                                   "inner optimizer state)"}
-
-
-def load_spread(key: str, target: Any, common: dict, read) -> None:
-    """Load an entry saved spread over the ranks (its ``common`` part; ``read(rank)``: a saved rank's part).
-
-    Into an object of the kind that saved it (``load_shard_state_dict``: a
-    ShardedOptimizer at any world size, a LocalSGDOptimizer); a ZeRO state
-    into a plain torch optimizer gathered whole (every saved rank's part read,
-    :func:`hpctrain.optim.zero.whole_states`); anything else is refused with
-    ValueError naming the entry, so that no state is dropped in silence.
-    """
-    fmt = common.get("format") if isinstance(common, dict) else None
-    if callable(getattr(target, "load_shard_state_dict", None)) and fmt == getattr(target, "hpctrain_state_format",
-                                                                                   SHARDS_FORMAT):
-        target.load_shard_state_dict(common, read)
-        return
-    torch = _torch()
-    if fmt == SHARDS_FORMAT and torch is not None and isinstance(target, torch.optim.Optimizer) \
-            and "param_groups" in common:
-        params = [p for group in target.param_groups for p in group["params"]]
-        whole = whole_states(common, read, lambda chunks: torch.cat([torch.as_tensor(c).reshape(-1) for c in chunks]))
-        bad = sorted(i for i in whole if i >= len(params))
-        if bad:
-            raise ValueError(f"the checkpoint's {key!r} has optimizer state for tensors {bad[:5]}, but state[{key!r}] "
-                             f"has {len(params)} parameters")
-        moments = set().union(*common["per_element"])
-        state = {i: {k: v.reshape(params[i].shape).clone() if k in moments else
-                     v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for i, st in whole.items()}
-        target.load_state_dict({"state": state, "param_groups": common["param_groups"]})
-        return
-    saved = _SPREAD_NAMES.get(fmt, f"a state spread over the ranks ({fmt})")
-    world = common.get("world", "?") if isinstance(common, dict) else "?"
-    raise ValueError(f"the checkpoint's {key!r} is {saved}, spread over {world} ranks, and state[{key!r}] is a "
-                     f"{type(target).__name__}, which cannot take it: restore it into the same wrapper (at any world "
-                     f"size){_SPREAD_HINTS.get(fmt, '')}")
-
-
-_SPREAD_HINTS = {SHARDS_FORMAT: ", or into a plain torch optimizer (gathered whole); a Keras optimizer takes it only "
-                                "through ShardedOptimizer",
-                 LOCAL_SGD_FORMAT: " (a LocalSGDOptimizer of the same settings); a plain optimizer would take one "
-                                   "rank's parameters and inner state and drop the rest"}

@@ -52,7 +52,7 @@ import time
 
 import numpy as np
 
-from .formats import LOCAL_SGD_FORMAT
+from ..checkpoint.spread import LOCAL_SGD_FORMAT
 
 __all__ = ["LocalSGD", "OuterNesterov", "START", "SYNC", "LOCAL_SGD_FORMAT"]
 

@@ -29,13 +29,13 @@ adapters (:mod:`hpctrain.torch.zero`) move their tensors through it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
 import numpy as np
 
-from .formats import SHARDS_FORMAT     # (the mark of a sharded state in a checkpoint: see layout_record)
+from ..checkpoint.spread import SHARDS_FORMAT     # (the mark of a sharded state in a checkpoint: see layout_record)
 
-__all__ = ["ShardLayout", "Exchange", "per_element", "layout_record", "reshard_copies", "whole_states",
+__all__ = ["ShardLayout", "Exchange", "per_element", "layout_record", "reshard_copies",
            "refuse_compression", "SHARDS_FORMAT"]
 
 
@@ -187,28 +187,3 @@ def reshard_copies(saved: Sequence[dict], layout: ShardLayout, buckets, index_of
                 lo += length
                 pos += length
 
-
-def whole_states(common: dict, read: Callable[[int], dict], cat: Callable[[List[Any]], Any]) -> Dict[int, dict]:
-    """Every tensor's whole optimizer state from a saved sharding (a checkpoint's ``common`` and ranks' parts):
-    ``{tensor index: {key: flat values (per-element states) or the per-tensor value}}``.
-
-    ``read(rank)`` gives a saved rank's part (``{"b<bucket>": {key: its chunk}}``), ``cat`` joins a list of
-    chunks into one flat array: the chunks of ranks ``0..N-1`` of a bucket are its ``n`` elements in order
-    (:class:`ShardLayout`).  This is how a sharded checkpoint restores into an optimizer that is not sharded.
-    Cost: every saved rank's part read once; one copy of the whole state.
-    """
-    world = int(common["world"])
-    parts = [read(r) for r in range(world)]
-    out: Dict[int, dict] = {}
-    for sb, rec in enumerate(common["buckets"]):
-        flats = {}
-        for key in common["per_element"][sb]:
-            missing = [r for r in range(world) if key not in parts[r].get(f"b{sb}", {})]
-            if missing:
-                raise ValueError(f"the saved sharding lacks ranks {missing}' chunks of state {key!r} of bucket {sb}")
-            flats[key] = cat([parts[r][f"b{sb}"][key] for r in range(world)])
-        for idx, off, n in rec["members"]:
-            st = out.setdefault(int(idx), dict(common["scalars"][sb]))
-            for key, flat in flats.items():
-                st[key] = flat[int(off):int(off) + int(n)]
-    return out

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..adasum_updates import AdasumUpdates
-from ..optim.formats import RANK_STATES_FORMAT
+from ..checkpoint.spread import RANK_STATES_FORMAT
 from ..gradients import GradientAverager
 from .adasum_apply import apply_with_adasum
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin

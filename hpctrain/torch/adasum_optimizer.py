@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..adasum_updates import AdasumUpdates
-from ..optim.formats import RANK_STATES_FORMAT
+from ..checkpoint.spread import RANK_STATES_FORMAT
 from .class_swap import subclass_with
 from .gradient_sync import trainable_parameters
 
