@@ -46,10 +46,11 @@ def layouts(n):
     return [(1, n)] + ([(2, 2)] if n == 4 else [])
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_attention_and_mlp_blocks_train_like_one_process(comm, sharded):
-    """The tensor-parallel blocks inside data parallelism; ``sharded``: the optimizer state and gradients
-    sharded over the data-parallel group (ZeRO stage 2), the tensor-parallel ranks each holding their own."""
+@pytest.mark.parametrize("wrapper", ["plain", "zero2", "local-sgd"])
+def test_attention_and_mlp_blocks_train_like_one_process(comm, wrapper):
+    """The tensor-parallel blocks inside data parallelism; ``zero2``: the optimizer state and gradients sharded
+    over the data-parallel group (ZeRO stage 2), the tensor-parallel ranks each holding their own; ``local-sgd``:
+    LocalSGDOptimizer over the data-parallel group, parameters averaged every step (equal to synchronous SGD)."""
     for dp, tp in layouts(comm.size):
         layout = ParallelLayout(dp=dp, tp=tp, comm=comm)
         tpc = layout.tp_comm
@@ -61,8 +62,9 @@ def test_attention_and_mlp_blocks_train_like_one_process(comm, sharded):
                                                                           causal=True),
                                     ht.ParallelMLP.from_linears(shard[4], shard[5], tpc))
         sgd = torch.optim.SGD(model.parameters(), lr=0.05)
-        opt = ht.ShardedOptimizer(sgd, stage=2, comm=layout.dp_comm) if sharded else \
-            ht.DistributedOptimizer(sgd, comm=layout.dp_comm)
+        opt = (ht.ShardedOptimizer(sgd, stage=2, comm=layout.dp_comm) if wrapper == "zero2" else
+               ht.LocalSGDOptimizer(sgd, sync_every=1, comm=layout.dp_comm) if wrapper == "local-sgd" else
+               ht.DistributedOptimizer(sgd, comm=layout.dp_comm))
         replica = layout.coords["dp"]
         for step in range(STEPS):
             x, y = data(step, replica)
