@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 import weakref
 
+from ...torch.class_swap import subclass_with
 from ...torch.optimizer import DistributedOptimizer as _native
 from ...torch.optimizer import rebuild_on
 from .. import basics
@@ -23,8 +24,6 @@ from ..gradient_args import gradient_settings
 from .compression import Compression
 
 __all__ = ["DistributedOptimizer"]
-
-_CLASSES = {}
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
@@ -53,11 +52,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                        int(bucket_mb * 2 ** 20))
     opt._parameter_names = {p: n for n, p in named} if named else {
         p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
-    base = type(opt)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(base.__name__, (_HorovodMixin, base), {"__module__": __name__})
-    opt.__class__ = cls
+    opt.__class__ = subclass_with(_HorovodMixin, type(opt), type(opt).__name__)
     return opt
 
 
