@@ -304,7 +304,8 @@ class Interrupts:
 
 def run_forwarding_signals(cmd: List[str]) -> int:
     """Run ``cmd`` (mpirun) with this process's output; Ctrl-C and SIGTERM handled by :class:`Interrupts`."""
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    # (in the child before it execs mpirun: the stale session folder of the pid mpirun will have)
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=lambda: remove_stale_session_dirs(pid=os.getpid()))
     interrupts = Interrupts(proc)
     code = proc.wait()
     return interrupts.status(code if code >= 0 else 128 - code)
