@@ -24,7 +24,7 @@ import hpctrain.horovod.torch as hvd
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--batch-size", type=int, default=16)
-p.add_argument("--epochs", type=int, default=8)
+p.add_argument("--epochs", type=int, default=10)      # (Horovod's recipe: 10)
 p.add_argument("--lr", type=float, default=0.02)
 p.add_argument("--momentum", type=float, default=0.5)
 p.add_argument("--seed", type=int, default=42)

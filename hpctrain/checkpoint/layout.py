@@ -116,9 +116,8 @@ def read_entries(path: str, step: int, state: Mapping[str, Any], rank: int) -> D
     """Read and verify what ``rank`` needs of ``state`` from the checkpoint of ``step`` in ``path``.
 
     Returns {key: (kind, value)}; an entry spread over the ranks (:func:`split_spread`) has kind ``"spread"``
-    and its common part as value (:func:`read_spread` reads a saved rank's part).  Raises CorruptFileError for a manifest or
-    file that does not match, :class:`Mismatch` for an intact checkpoint that
-    does not fit ``state``.
+    and its common part as value (:func:`read_spread` reads a saved rank's part).  Raises CorruptFileError for a
+    manifest or file that does not match, :class:`Mismatch` for an intact checkpoint that does not fit ``state``.
     """
     try:
         with open(os.path.join(path, "manifest.json")) as f:

@@ -24,7 +24,8 @@ def whole_states(common: dict, read: Callable[[int], dict], cat: Callable[[List[
 
     ``read(rank)`` gives a saved rank's part (``{"b<bucket>": {key: its chunk}}``), ``cat`` joins a list of
     chunks into one flat array: the chunks of ranks ``0..N-1`` of a bucket are its ``n`` elements in order
-    (:class:`hpctrain.optim.zero.ShardLayout`).  This is how a sharded checkpoint restores into an optimizer that is not sharded.
+    (:class:`hpctrain.optim.zero.ShardLayout`).  This is how a sharded checkpoint restores into an optimizer
+    that is not sharded.
     Cost: every saved rank's part read once; one copy of the whole state.
     """
     world = int(common["world"])
