@@ -64,6 +64,23 @@ def smaller(comm):
     return comm.split(0 if comm.rank < m else None), m
 
 
+def resumed_ends_where_the_unbroken_run_does(comm, ckdir, make, save_at, end, verify="warn"):
+    """Train ``end`` steps straight; train ``save_at``, checkpoint, restore into a fresh model and ``make(model)``
+    optimizer, train on to ``end``: the parameters must be the same bits."""
+    straight = net()
+    train(straight, make(straight), range(end), comm)
+    model = net()
+    opt = make(model)
+    train(model, opt, range(save_at), comm)
+    with CheckpointManager(ckdir, comm=comm, verify_replicas=verify) as manager:
+        manager.save(save_at, {"model": model, "optimizer": opt})
+    fresh = net(seed=5)
+    opt2 = make(fresh)
+    assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": opt2}) == save_at
+    train(fresh, opt2, range(save_at, end), comm)
+    assert torch.equal(flat(fresh), flat(straight)), "the resumed run differs from the run never stopped"
+
+
 def simulate_diloco(schedule, start=None, inner_state=None):
     """The DiLoCo copies after ``schedule``, ``[(first step, end step, ranks), ...]``, in one process."""
     glob = copy.deepcopy(start) if start is not None else net()
@@ -232,18 +249,7 @@ def test_plain_local_sgd_resumed_at_the_same_size_goes_on_as_if_never_stopped(co
         return ht.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                     model.named_parameters(), sync_every=H, comm=comm)
 
-    straight = net()
-    train(straight, local(straight), range(11), comm)
-    model = net()
-    opt = local(model)
-    train(model, opt, range(5), comm)
-    with CheckpointManager(ckdir, comm=comm, verify_replicas="off") as manager:
-        manager.save(5, {"model": model, "optimizer": opt})
-    fresh = net(seed=5)
-    opt2 = local(fresh)
-    assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": opt2}) == 5
-    train(fresh, opt2, range(5, 11), comm)
-    assert torch.equal(flat(fresh), flat(straight)), "the resumed run differs from the run never stopped"
+    resumed_ends_where_the_unbroken_run_does(comm, ckdir, local, save_at=5, end=11, verify="off")
 
 
 @pytest.mark.parametrize("warmup", [0, 2])
@@ -333,18 +339,7 @@ def test_a_zero_checkpoint_resumed_at_the_same_size_goes_on_bit_for_bit(comm, ck
         return ht.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), stage=stage, bucket_mb=0.0002,
                                    comm=comm)
 
-    straight = net()
-    train(straight, make(straight), range(8), comm)
-    model = net()
-    opt = make(model)
-    train(model, opt, range(4), comm)
-    with CheckpointManager(ckdir, comm=comm) as manager:
-        manager.save(4, {"model": model, "optimizer": opt})
-    fresh = net(seed=5)
-    opt2 = make(fresh)
-    assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": opt2}) == 4
-    train(fresh, opt2, range(4, 8), comm)
-    assert torch.equal(flat(fresh), flat(straight)), "the resumed ZeRO run differs from the run never stopped"
+    resumed_ends_where_the_unbroken_run_does(comm, ckdir, make, save_at=4, end=8)
 
 
 def test_a_compressors_residuals_restore_by_rank_at_a_smaller_size(comm, ckdir):
