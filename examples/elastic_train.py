@@ -51,6 +51,8 @@ def main() -> None:
                    help="every survivor sleeps S seconds in its on_reform callback (rank 0 prints 'recovering' first)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep each step (to kill a node by hand)")
     p.add_argument("--zero", type=int, choices=(1, 2), help="shard the optimizer (ZeRO stage 1 or 2)")
+    p.add_argument("--compression", choices=("fp16", "bf16"),
+                   help="send the gradients in half precision (the compressors that keep no state between steps)")
     p.add_argument("--log-steps", action="store_true", help="rank 0 prints 'step N' after each step")
     p.add_argument("--out", help="file for the final parameters (.safetensors) and its .json summary")
     p.add_argument("--checkpoint-dir", help="also save checkpoints to disk here (every --checkpoint-every steps), "
@@ -70,7 +72,7 @@ def main() -> None:
     if args.zero:       # (ZeRO: each rank holds its chunk of the momentum; a re-forming reshards it)
         opt = ht.ShardedOptimizer(opt, stage=args.zero, named_parameters=model.named_parameters())
     else:
-        opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=args.compression)
     sampler = hpctrain.elastic.ElasticSampler(args.samples, shuffle=True, seed=3)
     state = ht.TorchState(model, opt, sampler=sampler, epoch=0, step=0)
     if first_rank in args.kill_in_recovery:

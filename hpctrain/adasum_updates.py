@@ -69,12 +69,11 @@ class AdasumUpdates:
         from . import settings
         from .world import comm_or_world
 
-        if comm is None and settings.get("HPCTRAIN_ELASTIC"):
-            raise settings.SettingError(
-                "op='adasum' does not follow a re-formed world yet (each rank's optimizer state is its own, and "
-                "which survivor takes a lost rank's is not defined), so HPCTRAIN_ELASTIC (hpctrain launch --elastic) "
-                "cannot be combined with it: launch without --elastic and resume from its checkpoints, or train "
-                "elastically with op='avg'")
+        if comm is None:
+            settings.refuse_under_elastic(
+                "op='adasum'", "each rank's optimizer state is its own, and which survivor takes a lost rank's is "
+                "not defined", "launch without --elastic and resume from its checkpoints, or train elastically "
+                "with op='avg'")
         self.comm = comm_or_world(comm)
         self.wire = adasum_wire_dtype(compression)
         self.compressor = None if self.wire is None else "fp16"

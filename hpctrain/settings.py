@@ -235,6 +235,14 @@ def get(name: str, env: Optional[Mapping[str, str]] = None, default: Any = None)
     return setting.parse(text)
 
 
+def refuse_under_elastic(what: str, why: str, instead: str) -> None:
+    """Raise :class:`SettingError` (one line on rank 0) when HPCTRAIN_ELASTIC is on: ``what`` cannot follow a
+    re-formed world, ``why`` says what would be lost, ``instead`` what to use."""
+    if get("HPCTRAIN_ELASTIC"):
+        raise SettingError(f"{what} does not follow a re-formed world yet ({why}), so HPCTRAIN_ELASTIC "
+                           f"(hpctrain launch --elastic) cannot be combined with it: {instead}")
+
+
 def unknown_names(env: Optional[Mapping[str, str]] = None) -> List[str]:
     """Return a sentence for each ``HPCTRAIN_*`` variable in ``env`` that is no setting, naming the closest one.
 

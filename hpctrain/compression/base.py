@@ -92,6 +92,7 @@ class Compressor:
     communication = "allreduce"
     default_error_feedback = False
     policy_exempt = False       # True: compress every float tensor, whatever the Policy says
+    keeps_state = False         # True: a step's payload depends on earlier steps (buffers, choices seeded by the step)
 
     def __init__(self, error_feedback: Optional[bool] = None, seed: int = 0):
         self.error_feedback = self.default_error_feedback if error_feedback is None else bool(error_feedback)
@@ -100,6 +101,12 @@ class Compressor:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._describe()})"
+
+    @property
+    def carries_state(self) -> bool:
+        """Whether a step's payload depends on earlier steps (error feedback, or the class's ``keeps_state``):
+        then the compressor's ``state_dict()`` is part of what a restart needs."""
+        return self.error_feedback or self.keeps_state
 
     def _describe(self) -> str:
         return f"error_feedback={self.error_feedback}"

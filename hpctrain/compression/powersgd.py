@@ -49,6 +49,7 @@ class PowerSGD(Compressor):
     """Low-rank gradient compression by one step of power iteration, with error feedback."""
 
     name = "powersgd"
+    keeps_state = True
     communication = "custom"
     default_error_feedback = True
 

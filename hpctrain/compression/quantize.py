@@ -25,6 +25,7 @@ class QSGD(Compressor):
     """
 
     name = "qsgd"
+    keeps_state = True
     communication = "allgather"
 
     def __init__(self, levels: int = 127, error_feedback=None, seed: int = 0):
@@ -61,6 +62,7 @@ class TernGrad(Compressor):
     """
 
     name = "terngrad"
+    keeps_state = True
     communication = "allgather"
 
     def compress(self, x: np.ndarray, slot: Slot) -> Tuple[List[np.ndarray], Any]:

@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import settings
 from .base import Compressor, Policy
 
 
@@ -115,6 +116,11 @@ class CompressedReducer:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compression must be a hpctrain.compression compressor, e.g. "
                             f"hpctrain.compression.get('fp16'), got {compressor!r}")
+        if compressor.carries_state:
+            settings.refuse_under_elastic(
+                f"compression {compressor!r}", "it keeps state between steps, and a commit holds none of it",
+                "use compression 'fp16', 'bf16' or none under --elastic, or launch without --elastic and resume "
+                "from its checkpoints (the compressor's state saved as Sharded(compressor))")
         self.compressor, self.comm = compressor, comm
         self.policy = policy if policy is not None else Policy()
         self._totals: Dict[str, float] = dict.fromkeys(

@@ -119,6 +119,7 @@ class RandomK(Compressor):
     """
 
     name = "randomk"
+    keeps_state = True
 
     def __init__(self, ratio: float = 0.01, error_feedback=None, seed: int = 0):
         super().__init__(error_feedback, seed)
@@ -154,6 +155,7 @@ class DGC(_Sparse):
     """
 
     name = "dgc"
+    keeps_state = True
     default_error_feedback = False   # v is the feedback
 
     def __init__(self, ratio: float = 0.001, momentum: float = 0.9, clip_norm: Optional[float] = None,

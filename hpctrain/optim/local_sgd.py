@@ -101,11 +101,10 @@ class LocalSGD:
         from .. import settings
         from ..world import comm_or_world
 
-        if settings.get("HPCTRAIN_ELASTIC"):
-            raise settings.SettingError(
-                "local SGD / DiLoCo does not follow a re-formed world yet, so HPCTRAIN_ELASTIC (hpctrain launch "
-                "--elastic) cannot be combined with it: launch without --elastic and resume from its checkpoints "
-                "(they restore at any world size), or train elastically with DistributedOptimizer")
+        settings.refuse_under_elastic(
+            "local SGD / DiLoCo", "each rank's parameters between syncs and the global copy are not part of "
+            "a commit", "launch without --elastic and resume from its checkpoints (they restore at any world "
+            "size), or train elastically with DistributedOptimizer")
         if int(sync_every) < 1 or int(warmup_steps) < 0:
             raise ValueError(f"local SGD needs sync_every >= 1 and warmup_steps >= 0, got {sync_every} and "
                              f"{warmup_steps}")

@@ -87,7 +87,8 @@ class CurrentAverager:
 def follow_the_world(owner, op: str, compression, policy, sparse_as_dense: bool) -> None:
     """Give ``owner._hpctrain`` (an averager made without ``comm=``) a new one over each re-formed world.
 
-    Held weakly; the compressor object (and its error-feedback residuals) carries over.
+    Held weakly; the compressor object carries over (only one that keeps no
+    state between steps: the others are refused under HPCTRAIN_ELASTIC).
     """
     from ..adasum_updates import AdasumUpdates
     from ..world import on_reform_of

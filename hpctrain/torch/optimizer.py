@@ -143,7 +143,8 @@ def _follow_the_world(optimizer, averaging: tuple, passes: int, cap_bytes: int) 
     """Rebuild ``optimizer``'s buckets and hooks on the new world each time the world re-forms (elastic mode).
 
     Held weakly: a dropped optimizer stops following.  The compressor object
-    (and its error-feedback residuals) carries over.
+    carries over (one that keeps state between steps is refused under
+    HPCTRAIN_ELASTIC: a commit does not hold its state).
     """
     from ..world import on_reform_of
 
@@ -155,7 +156,8 @@ def rebuild_on(optimizer, comm, averaging: tuple, passes: int, cap_bytes: int) -
 
     Collective over ``comm`` (the buckets' shared memory).  ``averaging`` is
     ``(op, compression, compression_policy, sparse_as_dense)``; the compressor
-    object in use (and its error-feedback residuals) carries over.
+    object in use carries over (only one that keeps no state between steps:
+    the others are refused under HPCTRAIN_ELASTIC).
     """
     old = optimizer._hpctrain
     old.remove_hooks()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import hpctrain.torch as ht
+from hpctrain import compression
 from hpctrain.checkpoint import CheckpointError, CheckpointManager
 
 B, H = 4, 4
@@ -223,7 +224,8 @@ def test_a_plain_checkpoint_starts_diloco_from_its_state(comm, ckdir):
 
 
 def test_what_would_lose_state_is_refused_in_one_line(comm, ckdir, monkeypatch):
-    """A DiLoCo checkpoint into a plain optimizer, a plain value into an optimizer, local SGD in elastic mode."""
+    """A DiLoCo checkpoint into a plain optimizer, a plain value into an optimizer; local SGD, Adasum and a
+    compressor that keeps state between steps in elastic mode."""
     model = net()
     opt = diloco(model, comm)
     train(model, opt, range(2), comm)
@@ -241,6 +243,14 @@ def test_what_would_lose_state_is_refused_in_one_line(comm, ckdir, monkeypatch):
         diloco(net(), comm)
     with pytest.raises(ValueError, match="op='adasum' does not follow a re-formed world yet"):
         ht.DistributedOptimizer(adamw(net()), op="adasum")
+    # a compressor that keeps state between steps (residuals, choices seeded by the step) is refused; the casts
+    # keep none and follow the world (tests/test_elastic.py, the fp16 case)
+    for name in ("topk", "powersgd", "randomk", "qsgd"):
+        with pytest.raises(ValueError, match=rf"compression {type(compression.get(name)).__name__}\(.*does not "
+                                             rf"follow a re-formed world yet .*use compression 'fp16', 'bf16' or none"):
+            ht.DistributedOptimizer(adamw(net()), comm=comm, compression=name)
+    for name in ("fp16", "bf16", "none"):
+        ht.DistributedOptimizer(adamw(net()), comm=comm, compression=name)
 
 
 def test_plain_local_sgd_resumed_at_the_same_size_goes_on_as_if_never_stopped(comm, ckdir):
