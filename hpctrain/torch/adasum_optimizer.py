@@ -37,9 +37,14 @@ def wrap_adasum(optimizer: torch.optim.Optimizer, named_parameters=None, comm=No
     ``named_parameters``: the parameters' names for error messages.
     """
     updates = AdasumUpdates(comm, compression)
-    params, _ = trainable_parameters(optimizer, named_parameters, updates.comm)
+    params, names = trainable_parameters(optimizer, named_parameters, updates.comm)
     if not all(p.dtype.is_floating_point for p in params):
         raise TypeError("op='adasum' needs floating-point parameters")
+    split = [name for name, p in zip(names, params) if getattr(p, "hpctrain_tp_size", 1) > 1]
+    if split:
+        raise ValueError(f"op='adasum' combines whole tensors by their dot products, and {split[0]!r} is a slice of "
+                         f"one split over a tensor-parallel group ({len(split)} such parameters), whose Adasum would "
+                         f"differ from the whole tensor's: use op='avg' with tensor parallelism (tp > 1)")
     base = type(optimizer)
     cls = subclass_with(_AdasumMixin, base, f"DistributedAdasum{base.__name__}")
     optimizer.__class__ = cls
@@ -62,6 +67,7 @@ class _AdasumMixin:
     """The methods an Adasum DistributedOptimizer adds to the wrapped optimizer's class."""
 
     _hpctrain: _AdasumState
+    hpctrain_passes = "summed"          # (as Horovod's Adasum optimizer: autograd's sum of the passes is stepped on)
 
     def synchronize(self) -> None:
         """Nothing to finish: with op='adasum' the parameters are combined in ``step()``."""

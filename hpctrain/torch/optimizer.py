@@ -172,6 +172,7 @@ class _DistributedMixin:
     """The methods a DistributedOptimizer adds to the wrapped optimizer's class."""
 
     _hpctrain: GradientSync
+    hpctrain_passes = "averaged"        # (gradients of passes accumulated in no_sync() are averaged by step())
 
     def synchronize(self) -> None:
         """Finish all-reducing the gradients now (before clipping them, say); ``step()`` then skips it."""

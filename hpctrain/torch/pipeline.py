@@ -11,11 +11,12 @@ samples contributes ``(b_i / B) loss_i`` (``loss_fn`` a mean), so the
 gradients equal those of the whole batch of ``B`` on one process.  The loss
 comes back on every rank of the pipeline.
 
-With a :func:`hpctrain.torch.DistributedOptimizer` on the data-parallel group
-(pass it to ``train_step``), the micro-batch backward passes but the last run
-inside its ``no_sync()``, so the data-parallel all-reduce happens once per step,
-after the last micro-batch; the optimizer's division by the number of passes
-is undone in the loss scale.
+With an hpctrain optimizer on the data-parallel group (DistributedOptimizer,
+ShardedOptimizer, LocalSGDOptimizer; pass it to ``train_step``), the
+micro-batch backward passes but the last run inside its ``no_sync()``, so the
+data-parallel reduction happens once per step, after the last micro-batch;
+the optimizer's division by the number of passes is undone in the loss scale
+(``op="adasum"`` sums the passes, as Horovod's: nothing to undo).
 
 An exception in a stage (a shape that does not fit the next stage, say) is
 sent along the pipeline in place of every message the stage still owed, so
@@ -174,7 +175,9 @@ class Pipeline(torch.nn.Module):
             sizes = [len(y) for y in ys]
             if min(sizes) == 0:
                 raise ValueError(f"a batch of {sum(sizes)} samples cannot make {m} micro-batches")
-        dist = optimizer is not None and hasattr(optimizer, "no_sync") and hasattr(optimizer, "_hpctrain")
+        # an hpctrain optimizer says what it does with accumulated passes: "averaged" is undone in the loss scale
+        passes = getattr(optimizer, "hpctrain_passes", None)
+        dist = passes is not None
         held, outs, losses, sends = {}, {}, [], []
         last_b = max(i for i, a in enumerate(self.actions) if a.kind == "B")
         for k, action in enumerate(self.actions):
@@ -189,7 +192,7 @@ class Pipeline(torch.nn.Module):
                     held[i] = x
                     self.peak_in_flight = max(self.peak_in_flight, len(held))
                     if self.last:
-                        scale = len(ys[i]) / sum(sizes) * (m if dist else 1)
+                        scale = len(ys[i]) / sum(sizes) * (m if passes == "averaged" else 1)
                         outs[i] = self.loss_fn(out, ys[i]) * scale
                         losses.append(outs[i].detach())
                     else:
@@ -217,5 +220,7 @@ class Pipeline(torch.nn.Module):
                 raise PipelineError(text) from exc
         for h in sends:
             h.wait()
-        total = torch.stack(losses).sum() / (m if dist else 1) if self.last else torch.zeros(())
-        return self.comm.broadcast(total.reshape(1), root=self.stages - 1).reshape(())
+        # (sent as float64, whatever the loss's dtype: every stage knows the message; each returns its parameters')
+        dtype = next((p.dtype for p in self.stage_module.parameters() if p.is_floating_point()), torch.float32)
+        total = torch.stack(losses).sum() / (m if passes == "averaged" else 1) if self.last else torch.zeros(())
+        return self.comm.broadcast(total.to(torch.float64).reshape(1), root=self.stages - 1).reshape(()).to(dtype)

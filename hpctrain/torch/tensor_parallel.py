@@ -97,6 +97,14 @@ class _ScatterToTP(torch.autograd.Function):
         return _gather_last(g, ctx.comm), None
 
 
+def _mark_shards(comm, *params) -> None:
+    """Mark ``params`` as slices of a larger tensor split over ``comm`` (``hpctrain_tp_size``): whoever combines
+    whole tensors (Adasum's dot products) can refuse them."""
+    for p in params:
+        if p is not None and comm.size > 1:
+            p.hpctrain_tp_size = comm.size
+
+
 def _shard_count(total: int, comm, what: str) -> int:
     if total % comm.size:
         raise ValueError(f"{what} = {total} is not divisible by the {comm.size} ranks of the tensor-parallel group")
@@ -123,6 +131,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(local, in_features))
         self.bias = torch.nn.Parameter(torch.zeros(local)) if bias else None
         torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))   # use from_linear for a shared init
+        _mark_shards(tp_comm, self.weight, self.bias)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, tp_comm, gather_output: bool = False) -> "ColumnParallelLinear":
@@ -162,6 +171,7 @@ class RowParallelLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, local))
         self.bias = torch.nn.Parameter(torch.zeros(out_features)) if bias else None
         torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        _mark_shards(tp_comm, self.weight)          # (the bias is whole on every rank)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, tp_comm, input_is_parallel: bool = True) -> "RowParallelLinear":

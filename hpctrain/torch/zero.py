@@ -270,6 +270,7 @@ class _ShardedMixin:
 
     _hpctrain_zero: _Shards
     hpctrain_state_spans_ranks = True       # (checkpoints and elastic states take it as per-rank parts)
+    hpctrain_passes = "averaged"            # (gradients of passes accumulated in no_sync() are averaged)
 
     @property
     def stage(self) -> int:

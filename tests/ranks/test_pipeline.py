@@ -167,3 +167,82 @@ def test_shapes_travel_once_and_only_the_first_dimension_may_change(comm):
                                                r"stage 0: a activation of rows \(1, 6\) float32 for stage 1, but the "
                                                r"first step sent rows \(6,\) float32"):
         pipe.train_step(x.reshape(len(x), 1, 6), y)
+
+
+
+@pytest.mark.parametrize("wrapper", ["zero1", "zero2", "local-sgd"])
+def test_sharded_and_local_sgd_optimizers_over_the_data_parallel_group_equal_one_process(comm, wrapper):
+    """ShardedOptimizer (stage 1, 2) and LocalSGDOptimizer (averaging every step) over ``layout.dp_comm``, passed
+    to ``train_step``: the micro-batches' gradients are accumulated and averaged once a step, as one process
+    training on every replica's batch at once (float64)."""
+    for dp, pp in layouts(comm.size):
+        layout = ParallelLayout(dp=dp, pp=pp, comm=comm)
+        reference = make_model().double()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        pipe = ht.Pipeline(make_model().double(), layout, micro_batches=2, schedule="1f1b")
+        sgd = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        opt = (ht.LocalSGDOptimizer(sgd, sync_every=1, comm=layout.dp_comm) if wrapper == "local-sgd" else
+               ht.ShardedOptimizer(sgd, stage=int(wrapper[-1]), comm=layout.dp_comm))
+        for step in range(STEPS):
+            x, y = batch(step, layout.coords["dp"])
+            opt.zero_grad()
+            pipe.train_step(x.double(), y, optimizer=opt)
+            opt.step()
+            xs, ys = zip(*(batch(step, k) for k in range(dp)))
+            ref_opt.zero_grad()
+            torch.nn.functional.cross_entropy(reference(torch.cat(xs).double()), torch.cat(ys)).backward()
+            ref_opt.step()
+        assert_stage_equals(pipe, reference, layout, pp, f"{wrapper} dp={dp} pp={pp}")
+        layout.free()
+
+
+def assert_stage_equals(pipe, reference, layout, pp, what, tolerance=1e-9):
+    """This stage's parameters equal its layers' in ``reference`` (relative to the largest)."""
+    counts = ht.pipeline.balance_by_parameters(list(make_model()), pp)
+    start = sum(counts[:layout.stage])
+    want = torch.cat([p.detach().reshape(-1) for p in
+                      torch.nn.Sequential(*list(reference)[start:start + counts[layout.stage]]).parameters()])
+    got = torch.cat([p.detach().reshape(-1) for p in pipe.parameters()])
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err <= tolerance, f"{what}: relative error {err:.3g}"
+
+
+def adasum_pair(a, b):
+    """Adasum of two deltas (Maleki et al. 2021): each scaled down by half its projection onto the other."""
+    dot = float(np.dot(a.ravel(), b.ravel()))
+    na, nb = float(np.dot(a.ravel(), a.ravel())), float(np.dot(b.ravel(), b.ravel()))
+    return (1 - dot / (2 * na) if na else 1) * a + (1 - dot / (2 * nb) if nb else 1) * b
+
+
+def test_adasum_over_the_data_parallel_group_combines_each_stages_whole_tensors(comm):
+    """op='adasum' over ``layout.dp_comm``: a stage holds whole layers, so Adasum tensor by tensor over the
+    data-parallel group equals Adasum of the whole model's replicas (each its own momentum, its own batch) in one
+    process (float64; at dp = 1 the replica's own step)."""
+    for dp, pp in layouts(comm.size):
+        layout = ParallelLayout(dp=dp, pp=pp, comm=comm)
+        replicas = [make_model().double() for _ in range(dp)]
+        ref_opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in replicas]
+        pipe = ht.Pipeline(make_model().double(), layout, micro_batches=2, schedule="1f1b")
+        opt = ht.DistributedOptimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9),
+                                      comm=layout.dp_comm, op="adasum")
+        for step in range(STEPS):
+            x, y = batch(step, layout.coords["dp"])
+            opt.zero_grad()
+            pipe.train_step(x.double(), y, optimizer=opt)
+            opt.step()
+            starts, deltas = [], []
+            for k, (m, o) in enumerate(zip(replicas, ref_opts)):
+                start = [p.detach().clone() for p in m.parameters()]
+                xk, yk = batch(step, k)
+                o.zero_grad()
+                torch.nn.functional.cross_entropy(m(xk.double()), yk).backward()
+                o.step()
+                starts.append(start)
+                deltas.append([(p.detach() - s).numpy() for p, s in zip(m.parameters(), start)])
+            if dp == 2:
+                with torch.no_grad():
+                    for m in replicas:
+                        for p, s, a, b in zip(m.parameters(), starts[0], deltas[0], deltas[1]):
+                            p.copy_(s + torch.from_numpy(adasum_pair(a, b)))
+        assert_stage_equals(pipe, replicas[0], layout, pp, f"adasum dp={dp} pp={pp}")
+        layout.free()

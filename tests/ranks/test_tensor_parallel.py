@@ -124,3 +124,20 @@ def test_sizes_that_do_not_divide_are_refused(comm):
         ht.ColumnParallelLinear(4, comm.size + 1, comm)
     with pytest.raises(ValueError, match=f"heads = {comm.size + 1} is not divisible"):
         ht.ParallelSelfAttention(comm.size + 1, comm.size + 1, comm)
+
+
+def test_adasum_over_tensor_parallel_slices_is_refused_in_one_line(comm):
+    """Adasum's dot products over a slice are not the whole tensor's: refused, naming a sliced parameter."""
+    layout = ParallelLayout(dp=1, tp=comm.size, comm=comm)
+    model = ht.ParallelMLP.from_linears(*reference_layers()[4:], layout.tp_comm)
+    make = lambda: ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),    # noqa: E731
+                                           named_parameters=model.named_parameters(), comm=layout.dp_comm,
+                                           op="adasum")
+    if comm.size == 1:
+        make()          # (a group of one splits nothing)
+    else:
+        with pytest.raises(ValueError, match=r"op='adasum' combines whole tensors by their dot products, and "
+                                             r"'fc1.weight' is a slice of one split over a tensor-parallel group "
+                                             r"\(3 such parameters\).*use op='avg'"):
+            make()
+    layout.free()
