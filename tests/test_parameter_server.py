@@ -88,3 +88,53 @@ def test_a_diverging_run_ends_naming_the_step_instead_of_training_on_nan(tmp_pat
     assert re.search(r"every training worker's last 3 gradients held NaN or infinite values \(step \d+\): the "
                      r"training diverged; lower the servers' lr or momentum", res.stdout), res.stdout[-3000:]
     assert not (tmp_path / "ps.json").exists()
+
+
+def one_process_reference(sizes, lr=0.1, batch_size=16):
+    """The example's servers at S = 0 without momentum, in one process: for each ``(steps, workers)`` of
+    ``sizes`` in turn, every worker's gradient at the same parameters, each applied as ``theta -= lr g / W``."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(EXAMPLE.parent))
+    from parameter_server import batch, make_model
+
+    model = make_model()
+    params = list(model.parameters())
+    step = 0
+    for steps, workers in sizes:
+        for step in range(step, steps):
+            grads = []
+            for w in range(workers):
+                model.zero_grad()
+                x, y = batch(w, step, batch_size)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                grads.append([p.grad.clone() for p in params])
+            with torch.no_grad():
+                for g in grads:
+                    for p, gp in zip(params, g):
+                        p -= lr * (gp * (1.0 / workers))
+        step = steps
+    return {n: t.detach().numpy() for n, t in model.named_parameters()}
+
+
+def test_a_rerun_with_another_number_of_workers_goes_on_from_the_servers_checkpoint(tmp_path):
+    """30 steps of 2 workers and a server, then the same checkpoint directory with 3 workers to step 60: every
+    worker starts at the servers' step, the count of applied gradients goes on, and the model equals the
+    one-process computation through the same numbers of workers (S = 0: the same float operations but for the
+    order the pushes of one step arrive in)."""
+    common = ["--staleness", 0, "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 10]
+    first, _ = launch(3, tmp_path / "a", "--steps", 30, *common)
+    assert first.returncode == 0, first.stdout[-4000:]
+    again, _ = launch(4, tmp_path / "b", "--steps", 60, *common)
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert "resumed from step 30" in again.stdout, again.stdout[-3000:]
+    summary = json.loads((tmp_path / "b.json").read_text())
+    assert (summary["start_step"], summary["workers"], summary["global_steps"]) == (30, 3, 30 * 2 + 30 * 3), summary
+    want = one_process_reference([(30, 2), (60, 3)])
+    got = finals(tmp_path / "b", range(3))
+    assert sorted(got) == [0, 1, 2]
+    for w in got:
+        for k in want:
+            np.testing.assert_allclose(got[w][k], want[k], rtol=1e-10, atol=1e-12, err_msg=f"worker {w}: {k}")
