@@ -164,6 +164,44 @@ def test_diloco_resumed_at_another_size_finishes_the_round_and_goes_on(comm, ckd
     torch.testing.assert_close(flat(fresh), flat(ref[sub.rank]), rtol=1e-9, atol=1e-12)
 
 
+def test_rounds_of_a_time_resumed_at_another_size_finish_the_round_and_count_every_saved_step(comm, ckdir):
+    """``sync_every_s``: rank r did 3 + r local steps of a round not yet over when saved; restored by n - 1 ranks
+    (rounds of a microsecond now: a sync every step): the round is finished as one-process outer SGD (Nesterov)
+    on the mean of every saved rank's delta, every rank starts from it, and ``global_steps`` counts every
+    step ever done, the saved ranks' and the new ones'."""
+    def timed(model, c, seconds):
+        return ht.LocalSGDOptimizer(adamw(model), model.named_parameters(), sync_every_s=seconds, outer_lr=0.7,
+                                    outer_momentum=0.9, comm=c)
+
+    n = comm.size
+    model = net()
+    opt = timed(model, comm, 3600.0)
+    train(model, opt, range(3 + comm.rank), comm)
+    saved = comm.allgather_object(flat(model))
+    with CheckpointManager(ckdir, comm=comm, verify_replicas="off") as manager:
+        manager.save(1, {"model": model, "optimizer": opt})
+    sub, m = smaller(comm)
+    if sub is None or m == n:
+        return
+    fresh = net(seed=5)
+    opt2 = timed(fresh, sub, 1e-6)
+    assert CheckpointManager(ckdir, comm=sub).restore({"model": fresh, "optimizer": opt2}) == 1
+    glob = net()
+    outer = torch.optim.SGD(glob.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    start = flat(glob)
+    mean_delta = sum(start - p for p in saved) / n
+    offset = 0
+    for p in glob.parameters():
+        p.grad = mean_delta[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    outer.step()
+    torch.testing.assert_close(flat(fresh), flat(glob), rtol=1e-12, atol=1e-14)
+    done = sum(3 + r for r in range(n))
+    assert opt2.local_sgd.global_steps == done
+    train(fresh, opt2, range(2), sub)
+    assert opt2.local_sgd.global_steps == done + 2 * m and opt2.local_sgd.syncs == 1 + 2
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_zero_checkpoint_restores_into_a_plain_optimizer_with_its_state(comm, ckdir, stage):
     """ShardedOptimizer saved by n ranks, restored by n - 1 ranks into DistributedOptimizer and by one process

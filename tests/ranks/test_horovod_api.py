@@ -434,3 +434,81 @@ def test_a_rank_leaving_a_loop_early_costs_its_peers_one_error_not_a_hang():
         assert error is not None and "deadlock" in str(error) and f"not by rank {n - 1}" in str(error), error
     got = hvd.allreduce(torch.full((2,), float(r)), op=hvd.Sum)
     assert got.tolist() == [float(sum(range(n)))] * 2
+
+
+def test_a_horovod_style_checkpoint_resumes_at_the_same_and_another_size_and_into_a_plain_optimizer(tmp_path):
+    """Horovod's recipe: rank 0 saves the model's and the optimizer's ``state_dict`` (torch.save); a restart loads
+    it on rank 0 and broadcasts both.  Adam in float64, saved after 3 of 6 steps: resumed at the same size it ends
+    bit for bit where the unbroken run does; resumed over a process set of n - 1 ranks (another size) and in a
+    plain torch Adam on the whole batch (another wrapper) it ends where one-process Adam on the ranks' averaged
+    gradients through the same sizes does."""
+    import torch.nn.functional as F
+    from test_torch_training import batches, flat_params, make_model
+    n, r = hvd.size(), hvd.rank()
+    path = hvd.broadcast_object(str(tmp_path / "checkpoint.pt"), root_rank=0)
+
+    def adam(model):
+        return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def train(model, opt, steps, size, rank):
+        for step in steps:
+            opt.zero_grad()
+            x, y = batches(step, size)[rank] if rank is not None else map(torch.cat, zip(*batches(step, size)))
+            F.cross_entropy(model(x.double()), y).backward()
+            opt.step()
+
+    def reference(sizes):
+        """One process: Adam on the mean of the ``size`` ranks' gradients, for each (steps, size) in turn."""
+        model = make_model().double()
+        opt = adam(model)
+        for steps, size in sizes:
+            for step in steps:
+                opt.zero_grad()
+                grads = []
+                for x, y in batches(step, size):
+                    model.zero_grad()
+                    F.cross_entropy(model(x.double()), y).backward()
+                    grads.append([p.grad.clone() for p in model.parameters()])
+                for i, p in enumerate(model.parameters()):
+                    p.grad = sum(g[i] for g in grads) / size
+                opt.step()
+        return flat_params(model)
+
+    def resumed(size, process_set=hvd.global_process_set):
+        model = make_model(seed=7).double()         # (other weights: the checkpoint must bring them)
+        opt = hvd.DistributedOptimizer(adam(model), named_parameters=model.named_parameters(),
+                                       process_set=process_set)
+        if r == 0:
+            saved = torch.load(path, weights_only=True)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0, process_set=process_set)
+        hvd.broadcast_optimizer_state(opt, root_rank=0, process_set=process_set)
+        train(model, opt, range(3, 6), size, r)
+        return flat_params(model)
+
+    model = make_model().double()
+    opt = hvd.DistributedOptimizer(adam(model), named_parameters=model.named_parameters())
+    train(model, opt, range(3), n, r)
+    if r == 0:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    hvd.barrier()
+    train(model, opt, range(3, 6), n, r)
+    unbroken = flat_params(model)
+    assert torch.equal(resumed(n), unbroken)
+    m = max(1, n - 1)
+    smaller = hvd.add_process_set(list(range(m))) if m < n else hvd.global_process_set
+    if r < m:
+        got = resumed(m, smaller)
+        want = reference([(range(3), n), (range(3, 6), m)])
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-12
+    if smaller is not hvd.global_process_set:
+        hvd.barrier()
+        assert hvd.remove_process_set(smaller)
+    plain = make_model(seed=7).double()
+    plain_opt = adam(plain)
+    saved = torch.load(path, weights_only=True)
+    plain.load_state_dict(saved["model"])
+    plain_opt.load_state_dict(saved["optimizer"])
+    train(plain, plain_opt, range(3, 6), n, None)
+    assert float((flat_params(plain) - unbroken).abs().max() / unbroken.abs().max()) <= 1e-12
