@@ -38,15 +38,10 @@ from typing import List, Mapping, Optional
 
 from . import settings
 from .errors import EXIT_PREEMPTED
+from .launcher_protocol import ELASTIC_FINISHED, ELASTIC_RESTARTING, ELASTIC_STARTED
 
 __all__ = ["build_command", "find_mpirun", "mpi_vendor", "ulfm_supported", "remove_stale_session_dirs",
-           "run_elastic", "ELASTIC_STARTED", "ELASTIC_FINISHED", "ELASTIC_RESTARTING"]
-
-# What rank 0 of an elastic job prints on stdout when its world is made (hpctrain.init) and, of its last world,
-# when it ends normally (hpctrain.world's exit hook): see run_elastic.
-ELASTIC_STARTED = "hpctrain: elastic mode:"
-ELASTIC_FINISHED = "hpctrain: the elastic job finished"
-ELASTIC_RESTARTING = "hpctrain: the elastic job restarts"       # (on more hosts: hpctrain.elastic.hosts)
+           "run_elastic"]
 
 _LAUNCHERS = {"prterun", "mpirun", "mpiexec", "orterun", "prte", "prted"}
 

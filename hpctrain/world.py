@@ -21,6 +21,7 @@ from .comm.base import Communicator
 from .comm.runtime import SHARED_SETTINGS, Config
 from .env import detect_launcher
 from .errors import NotInitializedError
+from .launcher_protocol import ELASTIC_FINISHED, ELASTIC_STARTED, write_world
 from .memory import keep_freed_memory
 from .reform_hooks import generation, on_reform, on_reform_of, reformed
 
@@ -124,14 +125,10 @@ def init(backend: str = "auto") -> Communicator:
             write_trace_at_close(w, config.timeline, on_reform)      # (over each re-formed world too)
         _world = w
         if config.elastic and w.rank == 0:       # (hpctrain launch --elastic looks for it: see run_elastic)
-            from .launch import ELASTIC_STARTED
-
             sys.stdout.write(f"{ELASTIC_STARTED} {w.size} ranks; a failed rank leaves the others going on down to "
                              f"{settings.get('HPCTRAIN_ELASTIC_MIN_NP')}\n")
             sys.stdout.flush()
         if config.elastic:
-            from .elastic.hosts import write_world
-
             write_world(w)
         _install_excepthook(w)
         _install_atexit()       # (a world of one too: its timeline and on_close callbacks run at exit)
@@ -207,7 +204,6 @@ def _shutdown_at_exit() -> None:
                 pass
         os._exit(code or 1)
     if code == 0 and last is not None and last.rank == 0 and last._rt.config.elastic and not _restarting[0]:
-        from .launch import ELASTIC_FINISHED        # (hpctrain launch --elastic looks for it: see run_elastic)
 
         behind = len(last._rt.tolerated)        # (failed ranks the job went on without: on_rank_failure)
         sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size - behind} ranks after {generation()} re-forming"
@@ -361,8 +357,6 @@ def _replace_world(new: Communicator) -> None:
             raise NotInitializedError("hpctrain is not initialised: there is no world to re-form")
         _world = new
         _install_excepthook(new, previous=_saved_excepthook)
-    from .elastic.hosts import write_world
-
     write_world(new)
     reformed(new)
 

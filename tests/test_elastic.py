@@ -442,7 +442,7 @@ def test_discovered_hosts_are_parsed_and_planned_the_same_on_every_rank():
 
 def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_until_they_return(tmp_path):
     from hpctrain.elastic.driver import _Watch
-    from hpctrain.elastic.hosts import read_json, write_json
+    from hpctrain.launcher_protocol import read_json, write_json
 
     listing, script, control = tmp_path / "hosts.txt", tmp_path / "discover.sh", tmp_path / "control"
     script.write_text(f"#!/bin/sh\ncat {listing}\n")
@@ -483,7 +483,7 @@ def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_wi
     assert _after_node_loss({"b"}, [("a", 2)], 1, 1, 3, limit) is None      # (the ranks re-formed twice before)
     assert "the reset limit (2) is reached (a restart now would be reset 3" in capsys.readouterr().err
     from hpctrain.elastic.driver import _control_folder, _ranks_env, _resets_before
-    from hpctrain.elastic.hosts import write_json
+    from hpctrain.launcher_protocol import write_json
 
     assert _resets_before(str(tmp_path), 1) == 1                    # (no report from the ranks)
     write_json(str(tmp_path / "resets.json"), {"resets": 3})         # (rank 0's count after its third reset)

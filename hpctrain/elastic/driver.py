@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .. import settings
-from .hosts import HOSTS_FILE, RESETS_FILE, RESTART_FILE, WORLD_FILE, read_json, write_json
+from ..launcher_protocol import HOSTS_FILE, RESETS_FILE, RESTART_FILE, WORLD_FILE, read_json, write_json
 
 __all__ = ["parse_hosts", "discover", "DiscoveryError", "run_with_discovery", "run_fixed_hosts"]
 

@@ -28,7 +28,6 @@ a small object; nothing without a discovery script.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -36,54 +35,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import settings
 from ..errors import WorldFailedError
+from ..launcher_protocol import (COMMIT_DIR, ELASTIC_RESTARTING, HOSTS_FILE, RESETS_FILE, RESTART_FILE,
+                                 control_dir, discovering, rank_host, read_json, write_json)
 
-__all__ = ["HostsChanged", "control_dir", "check", "resume", "resuming", "write_world", "plan", "rank_host",
-           "read_json", "write_json", "record_resets", "HOSTS_FILE", "WORLD_FILE", "RESTART_FILE", "RESETS_FILE",
-           "COMMIT_DIR"]
+__all__ = ["HostsChanged", "check", "resume", "resuming", "plan", "record_resets"]
 
-HOSTS_FILE, WORLD_FILE, RESTART_FILE, COMMIT_DIR = "hosts.json", "world.json", "restart.json", "commit"
-RESETS_FILE = "resets.json"
 
 
 class HostsChanged(WorldFailedError):
     """Ranks left the world because their hosts left the discovery script's list (the others re-form)."""
-
-
-def control_dir() -> Optional[str]:
-    """The launcher's control folder (``HPCTRAIN_ELASTIC_CONTROL``), or None on one host (no launcher's watch)."""
-    return settings.get("HPCTRAIN_ELASTIC_CONTROL") or None
-
-
-def discovering() -> bool:
-    """Whether the launcher runs a host discovery script (it posts hosts news), not fixed hosts."""
-    return control_dir() is not None and settings.get("HPCTRAIN_ELASTIC_HOSTS_VERSION") > 0
-
-
-def read_json(path: str) -> Optional[dict]:
-    """The JSON object in ``path``, or None when it is missing or half-written."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def write_json(path: str, value: dict) -> None:
-    """Write ``value`` to ``path`` atomically (a temporary file renamed over it)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
-
-
-def rank_host(launch_rank: Optional[int] = None) -> str:
-    """This process's host as the discovery script names it (the launcher's list, by the rank it started as)."""
-    import socket
-
-    names = [h for h in settings.get("HPCTRAIN_ELASTIC_RANK_HOSTS").split(",") if h]
-    if launch_rank is None:
-        launch_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")))
-    return names[launch_rank] if launch_rank < len(names) else socket.gethostname()
 
 
 def plan(offered: Sequence[Tuple[str, int]], hosts: Sequence[str], max_np: int) -> Tuple[List[bool], bool]:
@@ -187,8 +147,6 @@ def _restart(state, comm, doc: dict, hosts: Sequence[str]) -> None:
                    {"commit": state.commit_number, "size": comm.size, "version": doc["version"],
                     "resets": resets_done(state) + 1,
                     "save_s": time.monotonic() - start, "time": time.time()})
-        from ..launch import ELASTIC_RESTARTING
-
         sys.stdout.write(f"{ELASTIC_RESTARTING} from commit {state.commit_number} (written in "
                          f"{time.monotonic() - start:.2f} s): the discovery script offers "
                          f"{sum(int(s) for _, s in doc['hosts'])} slot(s) for {comm.size} rank(s)\n")
@@ -250,16 +208,6 @@ def resume(state) -> Optional[int]:
 
 
 _RESUMED: List[bool] = []       # (a process resumes once: the launcher's restart started it)
-
-
-def write_world(comm) -> None:
-    """Rank 0: tell the discovery launcher the world's size and its ranks' hosts (at each start and re-forming)."""
-    if not discovering():
-        return
-    control = control_dir()
-    hosts = comm.allgather_object(rank_host())
-    if comm.rank == 0:
-        write_json(os.path.join(control, WORLD_FILE), {"size": comm.size, "hosts": hosts, "time": time.time()})
 
 
 def record_resets(state, comm) -> None:

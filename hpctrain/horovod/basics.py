@@ -124,7 +124,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         world = _hpctrain_init()
         if world._rt.config.elastic:        # (what horovodrun's elastic workers read: the rank they started as)
             os.environ.setdefault("HOROVOD_RANK", str(world.rank))
-            from ..elastic.hosts import rank_host
+            from ..launcher_protocol import rank_host
 
             os.environ.setdefault("HOROVOD_HOSTNAME", rank_host())
         if comm is not None:
