@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Optional
 
 from . import settings
 from .agreement import check_writable, disagreeing_settings
+from .comm.abort import fail_this_rank as _fail_this_rank
 from .comm.base import Communicator
 from .comm.runtime import SHARED_SETTINGS, Config
 from .env import detect_launcher
@@ -203,13 +203,13 @@ def _shutdown_at_exit() -> None:
             except (OSError, ValueError):       # (a closed or broken stream: nothing more to say there)
                 pass
         os._exit(code or 1)
-    if code == 0 and last is not None and last.rank == 0 and last._rt.config.elastic and not _restarting[0]:
-
-        behind = len(last._rt.tolerated)        # (failed ranks the job went on without: on_rank_failure)
+    policy = last.failure_policy if last is not None else None
+    if code == 0 and policy is not None and last.rank == 0 and policy.reforms and not _restarting[0]:
+        behind = len(policy.left_behind)        # (failed ranks the job went on without: on_rank_failure)
         sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size - behind} ranks after {generation()} re-forming"
                          f"{'' if generation() == 1 else 's'}{f', {behind} failed and left behind' if behind else ''}\n")
         sys.stdout.flush()
-    if generation() or (last is not None and last._rt.tolerated):     # (ranks failed and the job went on)
+    if generation() or (policy is not None and policy.left_behind):     # (ranks failed and the job went on)
         _exit_without_finalize(code)
 
 
@@ -219,21 +219,9 @@ def _mark_restarting() -> None:
 
 
 def fail_this_rank(message: str) -> None:
-    """Elastic mode: print ``message`` and end this process as a failed rank (never returns).
-
-    The process kills itself (SIGKILL): Open MPI's fault-tolerance extension
-    reports a process that died to the others (who then re-form without it,
-    :mod:`hpctrain.elastic`), but not one that exited, even with an error
-    status; they would wait for it for ever.
-    """
-    sys.stderr.write(f"{message.rstrip()}\nhpctrain: rank {_world.rank if _world is not None else '?'} leaves the "
-                     f"job as a failed rank; the others go on without it (elastic mode)\n")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    """Elastic mode: print ``message`` and end this process as a failed rank (never returns; see
+    :func:`hpctrain.comm.abort.fail_this_rank`)."""
+    _fail_this_rank(message, _world.rank if _world is not None else "?")
 
 
 def _exit_without_finalize(code: int) -> None:
@@ -281,22 +269,17 @@ def _install_excepthook(comm: Communicator, previous=None) -> None:
             comm.abort(f"hpctrain: rank {comm.rank}: interrupted (KeyboardInterrupt), aborting the job", 130)
         if comm.backend == "local":
             return previous(kind, value, tb)
-        failed = comm._rt.failure_message()         # (an MPI call that failed because ranks died: name them)
-        if failed:
-            comm._rt.exit_after_failure(f"{failed}\n(the exception: {kind.__name__}: {value})")
         text = "".join(traceback.format_exception(kind, value, tb))
         status = getattr(value, "exit_status", 1)       # (a rank that exited with status N: the job's too)
-        if comm._rt.config.elastic and not comm._rt.failed:     # it fails alone: the others re-form without it
-            fail_this_rank(f"hpctrain: rank {comm.rank}: uncaught exception:\n{text}")
-        comm.abort(f"hpctrain: rank {comm.rank}: uncaught exception, aborting the job:\n{text}",
-                   status if isinstance(status, int) and status > 0 else 1)
+        comm.failure_policy.end_after(comm.rank, text, "", value, status if isinstance(status, int) and status > 0
+                                      else 1)
 
     sys.excepthook = hook
 
 
 def _say_what_survives(comm: Communicator) -> None:
     """Rank 0: print the ``on_interrupt`` notes (a world of one shuts down first, committing what it can)."""
-    notes = list(comm._rt.interrupt_notes)
+    notes = comm.interrupt_notes()
     if comm.backend == "local":
         try:
             shutdown()

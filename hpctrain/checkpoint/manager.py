@@ -159,7 +159,7 @@ class CheckpointManager(CommitSteps):
         if err:
             raise CheckpointError(err)
         self._register_with(comm)
-        if follow and settings.get("HPCTRAIN_ELASTIC"):        # (held weakly: a dropped manager stops following)
+        if follow and comm.failure_policy.reforms:      # (held weakly: a dropped manager stops following)
             from ..world import on_reform_of
 
             on_reform_of(self, CheckpointManager._move_to)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
 
-__all__ = ["abort_job", "exit_after_failure"]
+__all__ = ["abort_job", "exit_after_failure", "fail_this_rank"]
 
 _ABORT_GRACE_S = 10.0
 
@@ -47,3 +48,21 @@ def exit_after_failure(message: str, code: int = 1) -> None:
     except (OSError, ValueError):
         pass
     os._exit(code)
+
+
+def fail_this_rank(message: str, rank="?") -> None:
+    """Elastic mode: print ``message`` and end this process as a failed rank (never returns).
+
+    The process kills itself (SIGKILL): Open MPI's fault-tolerance extension
+    reports a process that died to the others (who then re-form without it,
+    :mod:`hpctrain.elastic`), but not one that exited, even with an error
+    status; they would wait for it for ever.
+    """
+    sys.stderr.write(f"{message.rstrip()}\nhpctrain: rank {rank} leaves the job as a failed rank; the others go on "
+                     f"without it (elastic mode)\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)

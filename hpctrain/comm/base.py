@@ -30,6 +30,7 @@ import numpy as np
 from ..collectives import registry
 from .call_path import CallPath
 from .data_movement import Exchanges
+from .failure_policy import FailurePolicy, Tolerate
 from .lean import NOT_LEAN
 from .handle import Handle, Riding, Topology, done_handle, same as _same
 from .point_to_point import PointToPoint
@@ -267,12 +268,39 @@ class Communicator(CallPath, PointToPoint, Primitives):
         At shutdown the failed ranks are not waited for.
         """
         rt = self._rt
-        rt.failure_handler = handler
+        tolerate = rt.policy = Tolerate(rt, handler, rt.policy)
 
         def remove() -> None:
-            if rt.failure_handler is handler:
-                rt.failure_handler = None
+            if rt.policy is tolerate:
+                rt.policy = tolerate.previous
         return remove
+
+    @property
+    def failure_policy(self) -> FailurePolicy:
+        """What failed ranks do to this world (:mod:`hpctrain.comm.failure_policy`): ask it, not the settings."""
+        return self._rt.policy
+
+    @property
+    def failure_detector(self):
+        """The backend's detector of failed ranks (``failed()``, ``settled()``, ``describe()``), or None."""
+        return self._rt.failures
+
+    def failure_message(self) -> str:
+        """Say which world ranks failed and on which nodes ("" if none is known)."""
+        return self._rt.failure_message()
+
+    def exit_after_failure(self, message: str, code: int = 1) -> None:
+        """End this process after ranks failed, telling the others it leaves (never returns)."""
+        self._rt.exit_after_failure(message, code)
+
+    def reserve_collectives(self, thread) -> None:
+        """Let only ``thread`` issue collectives from now on (None: any thread again; hpctrain.horovod's
+        negotiation thread)."""
+        self._rt.owner = thread
+
+    def discard(self) -> None:
+        """Stop this world's runtime on this rank without leaving (elastic mode: the world re-forms)."""
+        self._rt.discard()
 
     def departed(self, among: Sequence[int]) -> str:
         """Say which of the world ranks ``among`` have left the job (returned, exited, shut down), as the
@@ -284,6 +312,16 @@ class Communicator(CallPath, PointToPoint, Primitives):
         left = [r for r in board.update() if r in among]
         return board.describe(left) if left else ""
 
+    def left_while_waiting(self, among: Sequence[int], since: float, now: float) -> str:
+        """Say which of the world ranks ``among`` left the job since ``since`` (``time.monotonic()``) while this
+        rank waited for them (as the watchdog names them); "" if none did."""
+        board = self._rt.departures
+        if board is None:
+            return ""
+        board.update()
+        gone = board.blocking(among, since, now)
+        return board.describe(gone) if gone else ""
+
     def on_interrupt(self, describe: Callable[[], str]) -> Callable[[], None]:
         """Have rank 0 print ``describe()`` when a KeyboardInterrupt (Ctrl-C) ends the job; return a remover.
 
@@ -292,6 +330,10 @@ class Communicator(CallPath, PointToPoint, Primitives):
         notes = self._rt.interrupt_notes
         notes.append(describe)
         return lambda: describe in notes and notes.remove(describe)
+
+    def interrupt_notes(self) -> List[Callable[[], str]]:
+        """The ``on_interrupt`` callbacks registered now (rank 0 calls them once the interruption is handled)."""
+        return list(self._rt.interrupt_notes)
 
     def close(self, exit_status: int = 0) -> None:
         """Finish the queued calls, leave (see :mod:`hpctrain.comm.departures`), free the node's shared memory.

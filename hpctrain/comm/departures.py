@@ -30,6 +30,8 @@ from typing import Callable, Dict, Iterable, List, Tuple
 
 import numpy as np
 
+from .mpi import ulfm
+
 __all__ = ["Departures", "MPINotices", "KVNotices", "GRACE_S"]
 
 log = logging.getLogger("hpctrain")
@@ -143,9 +145,8 @@ class MPINotices:
             except self._MPI.Exception:
                 # Under MPI's fault-tolerance extension a wildcard probe fails until this rank has
                 # acknowledged the processes that failed (they are named elsewhere: failures.py).
-                if acked or not hasattr(self._comm, "Ack_failed"):
+                if acked or not ulfm.acknowledge(self._comm):
                     return out
-                self._comm.Ack_failed()
                 acked = True
                 continue
             if msg is None:

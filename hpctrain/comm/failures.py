@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Dict, List, Sequence
 
+from .mpi import ulfm
+
 __all__ = ["FailureDetector"]
 
 
@@ -38,11 +40,7 @@ class FailureDetector:
         self._world = comm.Get_group()
         self._known: List[int] = []
         self._lock = threading.Lock()
-        try:
-            self._comm.Get_failed().Free()
-            self.usable = True
-        except (AttributeError, NotImplementedError, MPI.Exception):
-            self.usable = False
+        self.usable = ulfm.available(self._comm, MPI)
 
     def failed(self) -> List[int]:
         """The world ranks known to have failed (empty where ULFM is off or unavailable)."""
@@ -53,13 +51,9 @@ class FailureDetector:
                 self._comm.Iprobe()                 # (progress: failure notices come in here)
             except self._MPI.Exception:
                 pass                                # (a wildcard probe fails once a process has: as it should)
-            group = self._comm.Get_failed()
-            try:
-                if group.Get_size() > len(self._known):
-                    ranks = group.Translate_ranks(list(range(group.Get_size())), self._world)
-                    self._known = sorted(int(r) for r in ranks)
-            finally:
-                group.Free()
+            ranks = ulfm.failed_ranks(self._comm, self._world)
+            if len(ranks) > len(self._known):
+                self._known = ranks
             return list(self._known)
 
     def settled(self, grace: float = 1.5, quiet: float = 0.3, first_within: float = 0.0) -> List[int]:

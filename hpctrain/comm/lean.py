@@ -88,7 +88,7 @@ def make_lean(comm, call, kind: str, arr: np.ndarray, body: Callable[[np.ndarray
     the input, which is returned (the input must be writable).
     """
     rt = comm._rt
-    if kind not in ("numpy", "torch") or (kind == "torch" and arr.dtype == BFLOAT16) or rt.config.elastic:
+    if kind not in ("numpy", "torch") or (kind == "torch" and arr.dtype == BFLOAT16) or rt.policy.reforms:
         return None         # (elastic mode: every call goes through Runtime.run, which turns failures into errors)
     lane = rt.collectives
     lock = lane._exec_lock

@@ -29,10 +29,11 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 from .. import settings
 from .comm_log import CommLog
+from .failure_policy import policy_for
 from .lane import InFlight, Lane
 from .timeline import Timeline
 
@@ -145,18 +146,11 @@ class Runtime:
         self.departures = None         # a departures.Departures where the backend sends leaving notices
         self.failures = None           # a failures.FailureDetector where the backend can name failed ranks
         self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
-        # elastic mode's failure policy: a failed rank revokes every communicator (so no survivor stays blocked)
-        # and collectives raise WorldFailedError instead of the job ending (see world_failed)
-        self.revokers: list = []       # callables that revoke one communicator's MPI communicators
         self.is_failure: Callable[[BaseException], bool] = lambda exc: False   # the backend's "a rank failed"
-        self.failed: list = []         # world ranks known to have failed, once world_failed ran
-        # a failure policy of the program's own (a parameter server goes on without a lost worker): called by the
-        # watchdog with every failed world rank known, each time more are; replaces the abort and the re-forming
-        self.failure_handler: Optional[Callable[[List[int]], None]] = None
-        self.tolerated: List[int] = []  # what failure_handler was last told
         self.comm_log = CommLog(on=config.comm_log)     # see comm_log.py
         self.timeline = Timeline(on=bool(config.timeline))   # see timeline.py
-        self._closed = False
+        self.closed = False
+        self.policy = policy_for(self)  # what failed ranks do (failure_policy.py): the one reader of config.elastic
         self._watchdog = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -165,64 +159,14 @@ class Runtime:
         """Run a collective now, after the asynchronous ones issued before it."""
         if self.owner is not None:
             self._check_owner()
-        if self.config.elastic:
-            return self.collectives.run(self._guarded(fn), text, members)
-        return self.collectives.run(fn, text, members)
+        return self.collectives.run(self.policy.guard(fn), text, members)
 
     def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
                ) -> Future:
         """Queue a collective for the background thread and return a Future of its result."""
         if self.owner is not None:
             self._check_owner()
-        if self.config.elastic:
-            return self.collectives.submit(self._guarded(fn), text, members)
-        return self.collectives.submit(fn, text, members)
-
-    # -- elastic mode: failures raise ------------------------------------------
-    def _guarded(self, fn: Callable[[], object]) -> Callable[[], object]:
-        """``fn`` that raises WorldFailedError once ranks failed, or when it failed because they did."""
-        def guarded():
-            if self.failed:
-                raise self._failed_error()
-            try:
-                return fn()
-            except Exception as exc:
-                if not self.failed and not self.is_failure(exc):
-                    detector = self.failures          # (a revoked or broken call also ends in other errors)
-                    if detector is None or not detector.failed():
-                        raise
-                # (what is known now: reform() waits for a lost node's other processes to be reported)
-                self.world_failed(self.failures.failed() if self.failures is not None else [])
-                raise self._failed_error() from exc
-        return guarded
-
-    def world_failed(self, ranks) -> None:
-        """Ranks failed (elastic mode): remember them and revoke every communicator, once, so that every
-        survivor's collective in flight ends (with WorldFailedError) instead of waiting for them."""
-        if self.failed:
-            return
-        self.failed = sorted(ranks) or [-1]
-        for revoke in list(self.revokers):
-            try:
-                revoke()
-            except Exception:  # noqa: BLE001 - one communicator that cannot be revoked must not stop the others
-                pass
-
-    def failure_known(self) -> bool:
-        """Whether a rank failed (elastic mode); the first to learn it revokes the world (as the watchdog would)."""
-        if not self.failed and self.failures is not None:
-            known = self.failures.failed()
-            if known:
-                self.world_failed(known)
-        return bool(self.failed)
-
-    def _failed_error(self):
-        from ..errors import WorldFailedError
-
-        known = [r for r in self.failed if r >= 0]
-        said = self.failures.describe(known) if known and self.failures is not None else "a rank"
-        return WorldFailedError(f"hpctrain: rank {self.world_rank}: {said} failed (the process died or its node "
-                                f"was lost); the world must re-form (hpctrain.elastic.run does)", known)
+        return self.collectives.submit(self.policy.guard(fn), text, members)
 
     def _check_owner(self) -> None:
         """Refuse a collective from another thread than ``owner`` (hpctrain.horovod's negotiation thread)."""
@@ -278,11 +222,9 @@ class Runtime:
                 sys.stderr.flush()
         self.collectives.close(drain=True)
         self.receives.close(drain=False)
-        self._closed = True
-        gone: List[int] = []        # (failed ranks a failure handler let the job go on without never leave)
+        self.closed = True
+        gone = self.policy.at_close()   # (failed ranks a failure handler let the job go on without never leave)
         if self.failures is not None:
-            if self.failure_handler is not None:
-                gone = self.tolerated = self.failures.failed()
             self.failures.free()
         if self.config.comm_log and self.world_rank == 0:
             table = self.comm_log.table()
@@ -315,7 +257,7 @@ class Runtime:
         ranks failed; the watchdog stops; nothing is announced to the other
         ranks and no ``on_close`` callback runs (they hold the old world).
         """
-        self._closed = True
+        self.closed = True
         self._on_close = []
         self.collectives.close(drain=True)
         self.receives.close(drain=False)
@@ -360,27 +302,16 @@ class Runtime:
             return              # (a call that has not waited a second is not held up by anyone yet)
         board.update()
         gone = board.blocking(cur.members, cur.start, time.monotonic())
-        if gone and not self._closed:
+        if gone and not self.closed:
             self._abort(f"hpctrain: rank {self.world_rank}: {board.describe(gone)} while this rank waits for it in "
                         f"{cur.describe()}; it will never join, aborting the job", board.exit_status(gone))
 
     def _watch(self):
         cfg = self.config
         period = max(0.05, min(1.0, cfg.stall_warning_s / 4))
-        while not self._closed:
+        while not self.closed:
             time.sleep(period)
-            if self.failure_handler is not None:
-                known = self.failures.failed() if self.failures is not None and not self._closed else []
-                if len(known) > len(self.tolerated):
-                    self.tolerated = known
-                    self.failure_handler(known)
-            elif cfg.elastic:         # (a failure is the survivors' to handle: their collectives raise)
-                if not self._closed:
-                    self.failure_known()
-            else:
-                failed = self.failure_message() if not self._closed else ""
-                if failed:
-                    self.exit_after_failure(failed)
+            self.policy.watch()
             self._check_departures()
             for lane in (self.collectives, self.receives):
                 cur = lane.inflight

@@ -63,24 +63,24 @@ def reform():
     this re-forming's :class:`Reformed`), as any collective of the new world
     would: :func:`hpctrain.elastic.run` re-forms again.
     """
-    from ..comm.mpi import world_over
+    from ..comm.mpi import ulfm, world_over
     from ..world import _replace_world, world
 
     old = world()
-    rt = old._rt
-    if not rt.config.elastic or old.backend != "mpi":
+    policy = old.failure_policy
+    if not policy.reforms or old.backend != "mpi":
         raise HpctrainError("hpctrain.elastic.reform() needs elastic mode on the MPI backend "
                             "(start the job with `hpctrain launch --elastic ...`)")
-    MPI = old._MPI
-    detector = rt.failures
+    from mpi4py import MPI
+
+    detector = old.failure_detector
     lost = detector.settled(first_within=FIRST_NEWS_S) if detector is not None else []
     lost_text = detector.describe(lost) if detector is not None and lost else "no rank known"
-    rt.world_failed(lost)               # (revokes the old communicators if this rank had not heard yet)
+    policy.world_failed(lost)           # (revokes the old communicators if this rank had not heard yet)
     t0 = time.monotonic()
-    base, attempts = old._base, 0
+    base, attempts = old.mpi_comm, 0
     while True:
-        base = base.Shrink()
-        base.Set_errhandler(MPI.ERRORS_RETURN)
+        base = ulfm.shrink(base, MPI)
         if attempts == 0:
             t1 = time.monotonic()
             info = Reformed(old.size, base.Get_size(), old.rank, base.Get_rank(), lost, lost_text, t1 - t0)
@@ -90,13 +90,13 @@ def reform():
             raise WorldTooSmallError(f"hpctrain: {info.lost_text} failed and {base.Get_size()} of {old.size} ranks "
                                      f"are left, fewer than the job's minimum of {least} (--min-np); ending the job")
         try:
-            new = world_over(base, rt.config, "world", owns=True)
+            new = world_over(base, old.config, "world", owns=True)
             break
         except Exception as exc:        # (a rank failed while the new world was being built: shrink again)
-            if not rt.is_failure(exc) or attempts >= MAX_ATTEMPTS:
+            if policy.world_error(exc) is None or attempts >= MAX_ATTEMPTS:
                 raise
             attempts += 1
-            base.Revoke()
+            ulfm.revoke([base], MPI)
             _DISCARDED.append(base)
             info.lost_text += " and a rank during the re-forming"
     info.new_size, info.new_rank = base.Get_size(), base.Get_rank()
@@ -119,7 +119,7 @@ def _discard(old) -> None:
     ends; the cost is the old world's shared memory (its mailbox, and the
     arena and shared buckets where they were made) per re-forming.
     """
-    old._rt.discard()
+    old.discard()
     _DISCARDED.append(old)
 
 

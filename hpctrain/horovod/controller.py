@@ -100,7 +100,7 @@ class Controller(ReadyRequests):
         self.error: Optional[BaseException] = None
         self._exchange = CycleExchange(world)
         self._thread = threading.Thread(target=self._loop, name="hpctrain-horovod", daemon=True)
-        world._rt.owner = self._thread      # from now on only this thread may issue collectives
+        world.reserve_collectives(self._thread)      # from now on only this thread may issue collectives
         self._thread.start()
 
     # -- what the API calls ---------------------------------------------------
@@ -208,18 +208,13 @@ class Controller(ReadyRequests):
             _KEPT.append(self._exchange)    # (freeing a failed world's requests and communicator can hang)
         else:
             self._exchange.free()
-        self.world._rt.owner = None
+        self.world.reserve_collectives(None)
 
     def _world_failure(self, exc: BaseException) -> Optional[BaseException]:
         """In elastic mode, the error for ranks that failed under the negotiation (its own doorbell exchange
         included: the whole world is revoked then); None when ``exc`` is not that."""
-        rt = self.world._rt
-        if not rt.config.elastic or not (isinstance(exc, WorldFailedError) or rt.is_failure(exc)):
-            return None
-        if not isinstance(exc, WorldFailedError):
-            rt.world_failed(rt.failures.failed() if rt.failures is not None else [])
-            exc = rt._failed_error()
-        return WorldFailedInHorovod(str(exc), exc.failed)
+        exc = self.world.failure_policy.world_error(exc)
+        return None if exc is None else WorldFailedInHorovod(str(exc), exc.failed)
 
     def _has_news(self) -> bool:
         """Whether this rank has something for the next cycle (call with ``_cv`` held)."""

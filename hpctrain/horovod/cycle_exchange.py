@@ -78,9 +78,8 @@ class CycleExchange:
             self._bell = np.zeros(1, np.int64)
             self._bell_req = self.comm.Irecv(self._bell, source=MPI.ANY_SOURCE, tag=_DOORBELL_TAG)
             self._rings: List[Any] = []            # sends not known to be complete (with their buffers)
-            self._revoke = self.comm.Revoke
-            if world._rt.config.elastic:           # (a failed rank revokes it with the world's own)
-                world._rt.revokers.append(self._revoke)
+            # (elastic mode: a failed rank revokes it with the world's own)
+            self._forget_revoke = world.failure_policy.on_revoke(self.comm.Revoke)
 
     @property
     def has_doorbells(self) -> bool:
@@ -157,21 +156,16 @@ class CycleExchange:
                 self._check_departures(start, now)
 
     def _check_departures(self, since: float, now: float) -> None:
-        board = getattr(self.world._rt, "departures", None)
-        if board is None:
-            return
-        board.update()
-        gone = board.blocking(range(self.world.size), since, now)
+        gone = self.world.left_while_waiting(range(self.world.size), since, now)
         if gone:
             from .pending import HorovodInternalError
-            raise HorovodInternalError(f"{board.describe(gone)} while this rank ({self.world.rank}) "
-                                       f"negotiates Horovod collectives with it")
+            raise HorovodInternalError(f"{gone} while this rank ({self.world.rank}) negotiates Horovod collectives "
+                                       f"with it")
 
     def free(self) -> None:
         """Release the exchange's communicator."""
         if self.comm is not None:
-            if self._revoke in self.world._rt.revokers:
-                self.world._rt.revokers.remove(self._revoke)
+            self._forget_revoke()
             self._bell_req.Cancel()
             self._bell_req.Wait()
             for req, _ in self._rings:

@@ -93,7 +93,7 @@ def _reset() -> None:
     while True:
         basics.shutdown()
         try:
-            if world()._rt.failed:
+            if world().failure_policy.failed:
                 reform()
             basics.init()
             for hook in list(basics._reset_hooks):

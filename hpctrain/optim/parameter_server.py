@@ -279,7 +279,7 @@ class ShardServer:
                             f"(ParameterServer.finish()) while this server serves it; ending the job")
 
     def _forget_lost(self) -> None:
-        failed = self.comm._rt.tolerated
+        failed = self.comm.failure_policy.left_behind
         if failed:
             self.drop(failed)
         if self.lost & self.live:

@@ -6,8 +6,17 @@
 - ``mailbox.py`` (+ ``_mailbox_kernel.c``): the one-node call check and the small inputs that ride it;
 - ``riding.py``: the collectives whose inputs ride the call check;
 - ``direct.py``, ``cross_memory.py``: large one-node all-reduces by direct copies between processes;
-- ``requests.py``: non-blocking requests and the ring's point-to-point transport.
-"""
-from .communicator import MPICommunicator, init_world, world_over
+- ``requests.py``: non-blocking requests and the ring's point-to-point transport;
+- ``ulfm.py``: MPI's fault-tolerance verbs (revoke, shrink, acknowledge, the failed ranks).
 
+The communicator is imported on first use of its names, so that ``ulfm`` can be
+imported by the runtime's failure machinery without it.
+"""
 __all__ = ["MPICommunicator", "init_world", "world_over"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import communicator
+        return getattr(communicator, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,6 +35,7 @@ from ..departures import Departures, MPINotices
 from ..failures import FailureDetector
 from .mailbox import Mailbox
 from .riding import RidingOnNode
+from . import ulfm
 from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from ..runtime import Config, Runtime
 from ..signature import DESC_BYTES, Call, encoded, format_ranks, judge
@@ -60,7 +61,7 @@ class MPICommunicator(RidingOnNode, Communicator):
         self._nodes = NodeGroups(comm, world_ranks[comm.Get_rank()], MPI)
         self._arena: Optional[SharedArena] = None
         self._buffers: Dict[int, SharedBuffer] = {}     # data address -> buffer from shared_empty
-        self._waits = Waits(MPI, runtime if runtime.config.elastic else None)
+        self._waits = Waits(MPI, runtime if runtime.policy.reforms else None)
         self._cross = RingTransport(self._nodes.cross, self._waits) if self._nodes.cross is not None else None
         g = self._nodes
         topology = Topology(g.local_rank, g.local_size, g.node_rank, g.num_nodes)
@@ -72,8 +73,7 @@ class MPICommunicator(RidingOnNode, Communicator):
         self._mailbox: Optional[Mailbox] = None
         self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
         self._direct = DirectCopies(self._nodes, MPI, runtime)
-        if runtime.config.elastic:
-            runtime.revokers.append(self._revoke)
+        self._forget_revoke = runtime.policy.on_revoke(self._revoke)      # (elastic mode: failures revoke it)
         if self._size > 1:
             self._open_windows()
 
@@ -303,12 +303,11 @@ class MPICommunicator(RidingOnNode, Communicator):
             return
         from ...errors import RanksFailedError
 
-        self._p2p.Ack_failed()
-        group, mine = self._p2p.Get_failed(), self._p2p.Get_group()
+        ulfm.acknowledge(self._p2p)
+        mine = self._p2p.Get_group()
         try:
-            failed = sorted(self.world_ranks[r] for r in group.Translate_ranks(list(range(group.Get_size())), mine))
+            failed = sorted(self.world_ranks[r] for r in ulfm.failed_ranks(self._p2p, mine))
         finally:
-            group.Free()
             mine.Free()
         raise RanksFailedError(f"hpctrain: rank {self._rank} of {self.name}: world {format_ranks(failed)} failed "
                                f"(the process died or its node was lost)", failed) from exc
@@ -325,16 +324,15 @@ class MPICommunicator(RidingOnNode, Communicator):
         """Revoke the MPI communicators under this one (elastic mode, after a failure): every call on them, on
         every surviving rank, ends with MPI_ERR_REVOKED, including the shared-memory waits (their barriers and the
         mailbox's progress probes run on them)."""
-        for c in (self._coll, self._p2p, self._ctrl, self._nodes.node, self._nodes.cross, self._base):
-            if c is not None and c != self._MPI.COMM_NULL:
-                try:
-                    c.Revoke()
-                except self._MPI.Exception:
-                    pass
+        ulfm.revoke((self._coll, self._p2p, self._ctrl, self._nodes.node, self._nodes.cross, self._base), self._MPI)
+
+    @property
+    def mpi_comm(self):
+        """The mpi4py communicator this one is made over (what the survivors shrink after a failure)."""
+        return self._base
 
     def _free(self) -> None:
-        if self._revoke in self._rt.revokers:
-            self._rt.revokers.remove(self._revoke)
+        self._forget_revoke()
         self._release_shared()
         if self._mailbox is not None:
             self._mailbox.free()

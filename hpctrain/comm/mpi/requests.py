@@ -35,7 +35,7 @@ class Waits:
     """Wait on MPI requests: MPI's own calls, or in elastic mode (``runtime`` given) a poll that never has MPI
     free a request it has not finished (module docstring).
 
-    While requests are pending the poll asks ``runtime.failure_known()``
+    While requests are pending the poll asks ``runtime.policy.failure_known()``
     every ``_FAILURE_POLL_S``.  Where the program handles failures itself
     (``on_rank_failure``: a parameter server going on without a lost worker,
     on the same communicators) MPI's own calls wait, as outside elastic mode.
@@ -47,7 +47,7 @@ class Waits:
         self._MPI, self._rt = MPI, runtime
 
     def _polls(self) -> bool:
-        return self._rt is not None and self._rt.failure_handler is None
+        return self._rt is not None and self._rt.policy.polls_requests
 
     def all(self, reqs, statuses=None) -> None:
         """Wait until every request of ``reqs`` completed (``MPI_Waitall``)."""
@@ -92,7 +92,7 @@ class Waits:
 
     def _check(self, reqs) -> None:
         """Raise MPI_ERR_PROC_FAILED, keeping ``reqs``, once a rank is known to have failed."""
-        if self._rt.failure_known():
+        if self._rt.policy.failure_known():
             _KEPT.extend(r for r in reqs if r)
             raise self._MPI.Exception(self._MPI.ERR_PROC_FAILED)
 
