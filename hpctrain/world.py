@@ -104,7 +104,7 @@ def init(backend: str = "auto") -> Communicator:
         if w.size > 1:
             # settings that decide which algorithm runs and whether calls are checked: ranks that differ would
             # run different collectives (a hang, or a measured choice read as data), so they are an error here
-            differ = disagreeing_settings(w._allgather_object,
+            differ = disagreeing_settings(w.allgather_object_unchecked,
                                           {settings.setting("HPCTRAIN_" + f.upper()).name: getattr(config, f)
                                            for f in SHARED_SETTINGS})
             if differ:

@@ -275,6 +275,11 @@ class Communicator(CallPath, PointToPoint, Primitives):
                 rt.policy = tolerate.previous
         return remove
 
+    def allgather_object_unchecked(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj`` through the backend's own all-gather, outside the call check (for the check of
+        the settings that decide the call check itself)."""
+        return self._allgather_object(obj)
+
     @property
     def failure_policy(self) -> FailurePolicy:
         """What failed ranks do to this world (:mod:`hpctrain.comm.failure_policy`): ask it, not the settings."""

@@ -112,11 +112,11 @@ def check(state) -> bool:
     from ..world import world
 
     comm = world()
-    doc = state._broadcast_object(comm, reader.pending() if comm.rank == 0 else None)
+    doc = state.broadcast_value(comm, reader.pending() if comm.rank == 0 else None)
     if doc is None:
         return False
     reader.known = doc["version"]
-    hosts = state._allgather_object(comm, rank_host())
+    hosts = state.allgather_value(comm, rank_host())
     stays, grow = plan([tuple(h) for h in doc["hosts"]], hosts, settings.get("HPCTRAIN_ELASTIC_MAX_NP"))
     if grow:
         _restart(state, comm, doc, hosts)
@@ -140,8 +140,8 @@ def _restart(state, comm, doc: dict, hosts: Sequence[str]) -> None:
 
     control = control_dir()
     start = time.monotonic()
-    state._release_world()
-    _checkpoint(state, comm).save(state.commit_number, _entries(state), force=True)
+    state.release_world()
+    _checkpoint(state, comm).save(state.commit_number, state.checkpoint_entries(), force=True)
     if comm.rank == 0:
         write_json(os.path.join(control, RESTART_FILE),
                    {"commit": state.commit_number, "size": comm.size, "version": doc["version"],
@@ -168,16 +168,6 @@ def _checkpoint(state, comm):
                              verify_replicas="off", comm=comm)
 
 
-def _entries(state) -> dict:
-    """The state's values as checkpoint entries: rank 0's for the shared ones, each rank's own for the local ones."""
-    from ..checkpoint import Sharded
-
-    entries = {name: (Sharded(getattr(state, name), missing="skip") if name in state._local
-                      else getattr(state, name)) for name in state._names}
-    entries["__commit_number"] = state.commit_number
-    return entries
-
-
 def resuming() -> bool:
     """Whether this process was started by the launcher's restart on more hosts and has not loaded its commit."""
     return bool(settings.get("HPCTRAIN_ELASTIC_RESUME")) and not _RESUMED
@@ -195,15 +185,11 @@ def resume(state) -> Optional[int]:
     from ..world import world
 
     comm = world()
-    entries = _entries(state)
+    entries = state.checkpoint_entries()
     step = _checkpoint(state, comm).restore(entries)
     if step is None:
         return None
-    for name in state._names:
-        value = entries[name]
-        if name not in state._local and value is not getattr(state, name):
-            setattr(state, name, value)
-    state._number = int(entries["__commit_number"]) - 1
+    state.load_checkpoint_entries(entries)
     return step
 
 

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ..checkpoint import Sharded
 from ..errors import HpctrainError
 
 __all__ = ["State", "ObjectState"]
@@ -209,6 +210,23 @@ class ObjectState(State):
     def _sync(self, comm) -> None:
         self._sync_values(comm, ())
 
+    def checkpoint_entries(self) -> Dict[str, Any]:
+        """The values as checkpoint entries: rank 0's for the shared ones, each rank's own (``Sharded``) for the
+        local ones, and the commit number (a restart on more hosts writes and loads these: elastic/hosts.py)."""
+        entries = {name: (Sharded(getattr(self, name), missing="skip") if name in self._local
+                          else getattr(self, name)) for name in self._names}
+        entries["__commit_number"] = self.commit_number
+        return entries
+
+    def load_checkpoint_entries(self, entries: Dict[str, Any]) -> None:
+        """Take the values of :meth:`checkpoint_entries` after a checkpoint restored them: the next commit has
+        the number after the saved one's."""
+        for name in self._names:
+            value = entries[name]
+            if name not in self._local and value is not getattr(self, name):
+                setattr(self, name, value)
+        self._number = int(entries["__commit_number"]) - 1
+
     def _recover_spread(self, comm) -> None:
         """Give each spread value (committed as parts) the chunks of the new world from the old world's parts:
         each old rank's own copy where it survived, else its buddy's (:func:`hpctrain.elastic.peer_copy.recover`)."""
@@ -223,16 +241,16 @@ class ObjectState(State):
         """Give every rank rank 0's values, but for the local ones and ``skip`` (one pickled broadcast)."""
         names = [n for n in self._names if n not in self._local and n not in skip]
         if names:
-            self._apply(self._broadcast_object(comm, self._capture(names)))
+            self._apply(self.broadcast_value(comm, self._capture(names)))
 
-    def _broadcast_object(self, comm, value: Any) -> Any:
+    def broadcast_value(self, comm, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (one pickled broadcast over ``comm``)."""
         return comm.broadcast_object(value, root=0)
 
-    def _release_world(self) -> None:
+    def release_world(self) -> None:
         """Let hpctrain's own collectives run on the world (before the restart's checkpoint; nothing to do here)."""
 
-    def _allgather_object(self, comm, value: Any) -> list:
+    def allgather_value(self, comm, value: Any) -> list:
         """Every rank's ``value``, in rank order (one pickled all-gather over ``comm``)."""
         return comm.allgather_object(value)
 

@@ -152,15 +152,15 @@ class State(_CoreObjectState):
         self._sync(None)
         self.save()
 
-    def _broadcast_object(self, comm, value: Any) -> Any:
+    def broadcast_value(self, comm, value: Any) -> Any:
         from .requests import broadcast_object
 
         return broadcast_object(value, 0, None, basics.global_process_set)
 
-    def _release_world(self) -> None:
+    def release_world(self) -> None:
         basics.shutdown()       # (the job ends for a restart: hpctrain's checkpoint collectives write the commit)
 
-    def _allgather_object(self, comm, value: Any) -> list:
+    def allgather_value(self, comm, value: Any) -> list:
         from .requests import allgather_object
 
         return allgather_object(value, None, basics.global_process_set)
