@@ -22,5 +22,5 @@ setup(
         "observe": ["tensorboard", "matplotlib"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn", "matplotlib", "safetensors"],
     },
-    entry_points={"console_scripts": ["hpctrain=hpctrain.cli:main"]},
+    entry_points={"console_scripts": ["hpctrain=hpctrain.launcher.cli:main"]},
 )

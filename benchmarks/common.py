@@ -27,7 +27,7 @@ def launch_worker(n: int, argv: List[str], timeout: float = 1800, gloo: bool = F
     thread per rank (OMP_NUM_THREADS=1), a fresh rendezvous port in BENCH_PORT.
     ``gloo``: ``horovodrun --gloo`` instead; ``elastic``: ``hpctrain launch --elastic``'s command.
     """
-    from hpctrain.launch import build_command
+    from hpctrain.launcher.launch import build_command
 
     env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_PORT=str(free_port()), TF_CPP_MIN_LOG_LEVEL="3")
     cmd = build_command(n, [sys.executable, *argv], env=env, gloo=gloo, elastic=elastic)

@@ -46,7 +46,7 @@ TARGETS = {"topk": (40, 1.0), "powersgd": (20, 1.0), "onebit": (25, 2.0), "efsig
 
 
 def run_example(framework: str, n: int, spec: str, epochs: int, seed: int) -> dict:
-    from hpctrain.launch import build_command
+    from hpctrain.launcher.launch import build_command
 
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp:
         out = Path(tmp) / "summary.json"

@@ -68,7 +68,7 @@ PEERS = ("horovod", "hpctrain.horovod", "hpctrain", "none", "horovod-default-mal
 
 def launch(peer: str, n: int, batch: int, image: int, iters: int, gloo: bool = False) -> float:
     """Run the script once for ``peer`` (under ``horovodrun --gloo`` with ``gloo``); return total img/s."""
-    from hpctrain.launch import build_command
+    from hpctrain.launcher.launch import build_command
     from hpctrain.memory import USER_SETTINGS, environment
 
     with tempfile.TemporaryDirectory() as tmp:

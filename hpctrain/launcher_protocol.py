@@ -1,7 +1,7 @@
 """What the launcher and the ranks of an elastic job tell each other: stdout markers and control files.
 
 Both sides import this module and nothing else of each other: the launcher
-(:mod:`hpctrain.launch`, :mod:`hpctrain.elastic.driver`, in mpirun's parent
+(:mod:`hpctrain.launcher.launch`, :mod:`hpctrain.launcher.elastic_driver`, in mpirun's parent
 process) and the ranks (:mod:`hpctrain.world`, :mod:`hpctrain.elastic.hosts`).
 
 * Markers: lines rank 0 prints on stdout (:data:`ELASTIC_STARTED` when its

@@ -10,7 +10,7 @@ if not os.environ.get("HPCTRAIN_TEST_INNER_PYTEST"):
 @pytest.fixture(autouse=True)
 def _no_stale_mpi_sessions():
     """Before each test, remove the session folders of killed mpiruns (a later mpirun given the pid fails)."""
-    from hpctrain.launch import remove_stale_session_dirs
+    from hpctrain.launcher.launch import remove_stale_session_dirs
     remove_stale_session_dirs()
 
 

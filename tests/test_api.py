@@ -17,7 +17,7 @@ def public_objects():
     import hpctrain.collectives.ops as ops
     import hpctrain.collectives.ring as ring
     import hpctrain.env as env
-    import hpctrain.launch as launch
+    import hpctrain.launcher.launch as launch
     import hpctrain.horovod.basics as hvd_basics
     import hpctrain.horovod.keras as hvd_keras
     import hpctrain.horovod.tensorflow as hvd_tf

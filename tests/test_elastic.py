@@ -425,7 +425,7 @@ def test_object_state_commits_restores_and_keeps_the_last_two_commits():
 
 
 def test_discovered_hosts_are_parsed_and_planned_the_same_on_every_rank():
-    from hpctrain.elastic.driver import DiscoveryError, parse_hosts
+    from hpctrain.launcher.elastic_driver import DiscoveryError, parse_hosts
     from hpctrain.elastic.hosts import plan
 
     assert parse_hosts("a:2\n\n# comment\nb\nc:0\na:1\n", default_slots=3) == [("a", 3), ("b", 3)]
@@ -441,7 +441,7 @@ def test_discovered_hosts_are_parsed_and_planned_the_same_on_every_rank():
 
 
 def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_until_they_return(tmp_path):
-    from hpctrain.elastic.driver import _Watch
+    from hpctrain.launcher.elastic_driver import _Watch
     from hpctrain.launcher_protocol import read_json, write_json
 
     listing, script, control = tmp_path / "hosts.txt", tmp_path / "discover.sh", tmp_path / "control"
@@ -472,8 +472,8 @@ def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_wi
     """What the launcher decides once Open MPI reported a lost daemon (the run itself: tests/test_multinode.py)."""
     import argparse
 
-    from hpctrain.cli import _fixed_hosts
-    from hpctrain.elastic.driver import _after_node_loss
+    from hpctrain.launcher.cli import _fixed_hosts
+    from hpctrain.launcher.elastic_driver import _after_node_loss
 
     limit = {"HPCTRAIN_ELASTIC_RESET_LIMIT": "2"}
     assert _after_node_loss({"b"}, [("a", 2), ("c", 1)], 2, 1, 2, limit) == [("a", 2), ("c", 1)]
@@ -482,7 +482,7 @@ def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_wi
     assert "2 slot(s) left on a, fewer than --min-np 3: the job ends" in capsys.readouterr().err
     assert _after_node_loss({"b"}, [("a", 2)], 1, 1, 3, limit) is None      # (the ranks re-formed twice before)
     assert "the reset limit (2) is reached (a restart now would be reset 3" in capsys.readouterr().err
-    from hpctrain.elastic.driver import _control_folder, _ranks_env, _resets_before
+    from hpctrain.launcher.elastic_driver import _control_folder, _ranks_env, _resets_before
     from hpctrain.launcher_protocol import write_json
 
     assert _resets_before(str(tmp_path), 1) == 1                    # (no report from the ranks)
@@ -504,7 +504,7 @@ def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_wi
 
 def test_a_launcher_left_stuck_after_its_last_rank_ended_is_ended_and_one_with_ranks_running_is_not():
     """The guard against Open MPI's launcher deadlocking once every rank is gone (seen after MPI_Abort under ULFM)."""
-    from hpctrain.elastic.driver import end_if_orphaned
+    from hpctrain.launcher.elastic_driver import end_if_orphaned
 
     stuck = "import subprocess, time; subprocess.run(['sleep', '2.5']); time.sleep(60)"   # (its 'rank' ends)
     busy = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"   # (its 'rank' runs on)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hpctrain.env import LaunchInfo, detect_launcher
-from hpctrain.launch import build_command
+from hpctrain.launcher.launch import build_command
 
 from harness import BIN, base_env, mpirun_cmd, run
 
@@ -82,7 +82,7 @@ def test_hpctrain_version_is_the_installed_distribution():
 def test_hpctrain_info_imports_no_framework_and_takes_under_two_seconds():
     """The versions come from the installed metadata: torch, TensorFlow and Horovod stay unimported."""
     from importlib.metadata import version
-    code = ("import sys, time; from hpctrain.cli import main; t = time.perf_counter(); main(['info']); "
+    code = ("import sys, time; from hpctrain.launcher.cli import main; t = time.perf_counter(); main(['info']); "
             "print('elapsed', time.perf_counter() - t); "
             "print('imported', [m for m in ('torch', 'tensorflow', 'horovod') if m in sys.modules])")
     result = run([sys.executable, "-c", code], base_env(), 120)
@@ -222,7 +222,7 @@ def test_launch_removes_a_killed_mpiruns_session_folder_that_stops_the_next_one_
 
     import psutil
     from harness import kill_tree
-    from hpctrain.launch import remove_stale_session_dirs
+    from hpctrain.launcher.launch import remove_stale_session_dirs
 
     if shutil.which("unshare") is None or subprocess.run(
             _in_new_pid_namespace(["true"]), capture_output=True).returncode != 0:
@@ -335,7 +335,7 @@ def test_ctrl_c_without_a_preemption_save_ends_the_job_in_one_line_and_a_second_
 def test_the_elastic_relay_leaves_out_open_mpis_untested_after_failure_boxes_and_nul_bytes():
     """Relay (what hpctrain launch --elastic passes on of mpirun's output): the osc/sm box and its reminders go,
     said once in one line for both streams; other boxes and lines pass unchanged and in order; NUL bytes go."""
-    from hpctrain.mpirun_output import OSC_NOTE, Relay
+    from hpctrain.launcher.mpirun_output import OSC_NOTE, Relay
 
     rule = b"-" * 74 + b"\n"
     box = [rule, b"WARNING: The selected 'osc' module 'sm' is not tested for post-failure\n",

@@ -8,7 +8,7 @@ import pytest
 from harness import REPO
 from hpctrain import settings
 from hpctrain.comm.runtime import Config
-from hpctrain.launch import build_command
+from hpctrain.launcher.launch import build_command
 from hpctrain.settings import SettingError
 
 PACKAGE = REPO / "hpctrain"

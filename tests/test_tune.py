@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import hpctrain
-from hpctrain.tune import SIZES, crossover
+from hpctrain.launcher.tune import SIZES, crossover
 
 from harness import BIN, base_env, mpirun_cmd, run
 

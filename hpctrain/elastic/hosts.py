@@ -1,6 +1,6 @@
 """Hosts that come and go (``hpctrain launch --elastic --host-discovery-script S``): the ranks' side.
 
-The launcher (:mod:`hpctrain.elastic.driver`) runs the discovery script every
+The launcher (:mod:`hpctrain.launcher.elastic_driver`) runs the discovery script every
 second and writes what it offers to ``<control>/hosts.json`` with a version
 number (``HPCTRAIN_ELASTIC_CONTROL``); rank 0 of the world writes the world's
 size and hosts to ``<control>/world.json`` at each start and re-forming.  At
@@ -200,7 +200,7 @@ def record_resets(state, comm) -> None:
     """Rank 0: tell the launcher the job's resets so far (after each reset), which it counts on after a restart.
 
     Open MPI ends the whole job when a node's daemon is lost; the launcher
-    then starts it again (:mod:`hpctrain.elastic.driver`), and the
+    then starts it again (:mod:`hpctrain.launcher.elastic_driver`), and the
     re-formings before are counted towards the reset limit from this file.
     """
     control = control_dir()

@@ -32,7 +32,7 @@ def run(func: Callable[..., Any], args=(), kwargs=None, np: int = 1, hosts: Opti
     """
     import cloudpickle
 
-    from ..launch import build_command
+    from ..launcher.launch import build_command
 
     if min_np is not None or max_np is not None:
         raise ValueError("elastic runs (min_np/max_np) are not built in hpctrain yet; pass np only")

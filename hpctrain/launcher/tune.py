@@ -77,7 +77,7 @@ def _worker(rounds: int) -> None:
 
 def run_tune(n: int, out: str = "", rounds: int = 3) -> dict:
     """Measure on ``n`` ranks, write the tuning file and return what was written."""
-    from .comm.runtime import Config, tuning_path
+    from ..comm.runtime import Config, tuning_path
     from .launch import build_command
 
     if n < 2:
@@ -86,7 +86,7 @@ def run_tune(n: int, out: str = "", rounds: int = 3) -> dict:
     with tempfile.TemporaryDirectory(prefix="hpctrain-tune-") as tmp:
         # the ranks must not read an old (perhaps malformed) tuning file
         env = dict(os.environ, HPCTRAIN_TUNE_FILE=os.path.join(tmp, "none.json"))
-        cmd = build_command(n, [sys.executable, "-m", "hpctrain.tune", "--worker", str(rounds)], env=env)
+        cmd = build_command(n, [sys.executable, "-m", "hpctrain.launcher.tune", "--worker", str(rounds)], env=env)
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     if res.returncode != 0 or not lines:

@@ -36,9 +36,9 @@ import sys
 import tempfile
 from typing import List, Mapping, Optional
 
-from . import settings
-from .errors import EXIT_PREEMPTED
-from .launcher_protocol import ELASTIC_FINISHED, ELASTIC_RESTARTING, ELASTIC_STARTED
+from .. import settings
+from ..errors import EXIT_PREEMPTED
+from ..launcher_protocol import ELASTIC_FINISHED, ELASTIC_RESTARTING, ELASTIC_STARTED
 
 __all__ = ["build_command", "find_mpirun", "mpi_vendor", "ulfm_supported", "remove_stale_session_dirs",
            "run_elastic"]
@@ -323,7 +323,7 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
     Ctrl-C and SIGTERM: :class:`Interrupts` (the ranks' preemption signal).
     ``watch()``, when given, is called every HPCTRAIN_ELASTIC_DISCOVERY_S
     seconds while mpirun runs (the discovery script's poll:
-    :mod:`hpctrain.elastic.driver`).  The hosts whose Open MPI daemon was
+    :mod:`hpctrain.launcher.elastic_driver`).  The hosts whose Open MPI daemon was
     lost after the job started (a node crash: its runtime then ends the whole
     job, survivors too) are added to ``lost`` (read from Open MPI's report, on either stream).
     """
@@ -335,7 +335,7 @@ def run_elastic(cmd: List[str], watch=None, lost: Optional[set] = None) -> int:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=lambda: remove_stale_session_dirs(pid=os.getpid()))
     interrupts = Interrupts(proc)
-    from .elastic.driver import ORPHANED_GRACE_S, end_if_orphaned, poll_while
+    from .elastic_driver import ORPHANED_GRACE_S, end_if_orphaned, poll_while
 
     poll_while(proc, watch)
     orphaned = end_if_orphaned(proc)

@@ -142,8 +142,8 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
     """Run the elastic job on the discovery script's hosts, restarting it on more (module docstring); its status.
 
     ``build(n, argv, hosts=..., elastic=True, min_np=..., exports=...)`` makes
-    mpirun's command (:func:`hpctrain.launch.build_command`) and
-    ``run(cmd, watch=...)`` runs it (:func:`hpctrain.launch.run_elastic`);
+    mpirun's command (:func:`hpctrain.launcher.launch.build_command`) and
+    ``run(cmd, watch=...)`` runs it (:func:`hpctrain.launcher.launch.run_elastic`);
     ``exports`` are more settings for the ranks.
     """
     with _control_folder() as control:

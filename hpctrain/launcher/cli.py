@@ -9,7 +9,7 @@ __all__ = ["main"]
 
 
 def _launch(args) -> int:
-    from . import settings
+    from .. import settings
     from .launch import build_command, remove_stale_session_dirs
 
     if args.gloo and args.mpi:
@@ -39,7 +39,7 @@ def _launch(args) -> int:
     if not args.gloo:
         remove_stale_session_dirs(pid=os.getpid())   # mpirun gets this pid: a killed one's folder stops it
     if args.elastic:
-        from .elastic.driver import run_fixed_hosts
+        from .elastic_driver import run_fixed_hosts
         from .launch import run_elastic
 
         hosts = _fixed_hosts(args)
@@ -56,7 +56,7 @@ def _launch(args) -> int:
 
 def _fixed_hosts(args):
     """The hosts and slots of ``-H`` or ``--hostfile`` (``[(host, slots)]``), or None for a launch on this host."""
-    from .elastic.driver import parse_hosts
+    from .elastic_driver import parse_hosts
 
     if args.hosts:
         return parse_hosts(args.hosts.replace(",", "\n"))
@@ -71,7 +71,7 @@ def _fixed_hosts(args):
 
 def _reset_limit(args) -> dict:
     """``--reset-limit N`` for the ranks (HPCTRAIN_ELASTIC_RESET_LIMIT)."""
-    from . import settings
+    from .. import settings
 
     if args.reset_limit is None:
         return {}
@@ -81,9 +81,9 @@ def _reset_limit(args) -> dict:
 
 
 def _launch_discovered(args, argv) -> int:
-    """``--elastic --host-discovery-script S``: the ranks follow the hosts S offers (hpctrain.elastic.driver)."""
-    from . import settings
-    from .elastic.driver import run_with_discovery
+    """``--elastic --host-discovery-script S``: the ranks follow the hosts S offers (hpctrain.launcher.elastic_driver)."""
+    from .. import settings
+    from .elastic_driver import run_with_discovery
     from .launch import build_command, run_elastic
 
     if not (args.elastic and args.host_discovery_script):
@@ -112,8 +112,8 @@ def _check_before_launch(argv) -> None:
 
     Unknown HPCTRAIN_* names are warnings (with the closest known name), as at init().
     """
-    from . import settings
-    from .comm.runtime import Config
+    from .. import settings
+    from ..comm.runtime import Config
 
     for line in settings.unknown_names():
         print(f"hpctrain launch: warning: {line}", file=sys.stderr)
@@ -168,7 +168,7 @@ def _tune(args) -> int:
 
 
 def _report(args) -> int:
-    from .observe.report import write_report
+    from ..observe.report import write_report
 
     for path in write_report(args.run_dir, args.out):
         print(path)
@@ -177,7 +177,7 @@ def _report(args) -> int:
 
 def main(argv=None) -> int:
     """Run the hpctrain command line and return its exit status."""
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(prog="hpctrain", description="hpctrain: distributed training tools")
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")

@@ -6,7 +6,7 @@ framework extensions from the files it installed, so ``hpctrain info`` takes
 well under two seconds where importing torch and TensorFlow takes several.
 ``hpctrain info --import`` imports each framework instead and reports its
 import error, and Horovod's controllers (MPI, Gloo) and GPU ops.  Importing
-is not working: ``hpctrain check`` (:mod:`hpctrain.check`) runs each backend.
+is not working: ``hpctrain check`` (:mod:`hpctrain.launcher.check`) runs each backend.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import socket
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from .env import detect_launcher
+from ..env import detect_launcher
 from .launch import find_mpirun, mpi_vendor
 
 __all__ = ["versions", "backends", "report"]
@@ -122,7 +122,7 @@ def report(imports: bool = False) -> str:
 
     ``imports``: see :func:`versions`.
     """
-    from .world import init
+    from ..world import init
 
     launch = detect_launcher()
     comm = init()
@@ -132,7 +132,7 @@ def report(imports: bool = False) -> str:
         return ""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     items = versions(imports)
-    from . import __version__
+    from .. import __version__
     lines = [f"hpctrain info (hpctrain {__version__})", ""]
     width = max(len(k) for k, _ in items)
     lines += [f"  {k:<{width}}  {v}" for k, v in items]
@@ -150,8 +150,8 @@ SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
 
 def algorithm_lines(comm) -> List[str]:
     """Return the registered all-reduce algorithms (those of this backend marked *) and what ``auto`` picks."""
-    from .collectives import registry
-    from .settings import format_bytes
+    from ..collectives import registry
+    from ..settings import format_bytes
 
     offered = set(comm.allreduce_algorithms())
     lines = ["  all-reduce algorithms (* runs on this backend):"]
