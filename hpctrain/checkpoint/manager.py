@@ -14,7 +14,7 @@ Protocol of one save, as named steps (every rank takes part in each):
    streams its safetensors file into the partial directory, with a CRC-32 of
    every byte, and fsyncs it.
 4. **commit** (rank 0, as soon as every rank has written: each leaves a
-   marker with its result beside its files, :mod:`hpctrain.checkpoint.commit`;
+   marker with its result beside its files, :mod:`hpctrain.checkpoint.background_commit`;
    confirmed collectively at the next ``save()``/``wait()``, which commits
    itself if rank 0 has not): any error on any rank makes rank 0 remove the
    partial directory.  Otherwise rank 0 writes ``manifest.json`` (file list,
@@ -48,8 +48,8 @@ from .. import settings
 from ..agreement import check_same
 from ..comm.timeline import span_of
 from ..errors import EXIT_PREEMPTED, CheckpointError
-from .commit import BackgroundCommit
-from .commit_steps import CommitSteps
+from .background_commit import BackgroundCommit
+from .save_protocol import CommitSteps
 from .hostcopy import HostCopier, default_copy_threads
 from .layout import Sharded, describe_error, split_spread, write_files
 from .restore import committed_steps, restore_newest, step_path

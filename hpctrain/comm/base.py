@@ -31,7 +31,7 @@ from ..collectives import registry
 from .call_path import CallPath
 from .data_movement import Exchanges
 from .failure_policy import FailurePolicy, Tolerate
-from .lean import NOT_LEAN
+from .repeated_calls import NOT_LEAN
 from .handle import Handle, Riding, Topology, done_handle, same as _same
 from .point_to_point import PointToPoint
 from .primitives import Primitives

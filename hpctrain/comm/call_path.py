@@ -8,7 +8,7 @@ becomes part of the call, so every rank hears of it), ``_run`` and
 ``_submit`` run it in the collective lane (blocking, or behind a
 :class:`Handle`), ``_task`` wraps the work in the call check and, while they
 are on, the comm log and the timeline; ``_lean`` runs a repeated call from
-its remembered plan (:mod:`hpctrain.comm.lean`).
+its remembered plan (:mod:`hpctrain.comm.repeated_calls`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import CollectiveMismatchError
 from .comm_log import call_bytes
 from .handle import Handle, Plan, Riding, same as _same
-from .lean import NOT_LEAN
+from .repeated_calls import NOT_LEAN
 from .signature import Call
 
 __all__ = ["CallPath"]
@@ -44,7 +44,7 @@ class CallPath:
             return Call(kind, seq, error=f"{type(exc).__name__}: {exc}", **hints), None, _same
 
     def _lean(self, x: Any, call: tuple) -> Any:
-        """Run ``call`` on ``x`` through its lean path (a repeated call, see :mod:`hpctrain.comm.lean`), or
+        """Run ``call`` on ``x`` through its lean path (a repeated call, see :mod:`hpctrain.comm.repeated_calls`), or
         return NOT_LEAN (none remembered, or the comm log or timeline is on: they observe planned calls)."""
         red = self._reductions
         if type(x) not in red.lean_types or self._rt.comm_log.on or self._rt.timeline.on:

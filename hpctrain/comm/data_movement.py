@@ -16,7 +16,7 @@ import numpy as np
 from ..collectives import registry
 from ..tensors import dtype_name, to_numpy
 from .handle import Plan, same as _same
-from .lean import copy_body
+from .repeated_calls import copy_body
 from .signature import Call
 
 __all__ = ["Exchanges", "bytes_of"]

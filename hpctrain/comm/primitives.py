@@ -77,7 +77,7 @@ class Primitives(abc.ABC):
 
     def _lean_reduce_scatter(self, call: Call, arr: np.ndarray, bounds, op: str, alg: str):
         """Return ``body(a, seq)``: one exchange that checks ``call`` and returns this rank's flat block of the
-        reduce-scatter of ``a`` (like ``arr``); or None where the backend has none (see :mod:`hpctrain.comm.lean`)."""
+        reduce-scatter of ``a`` (like ``arr``); or None where the backend has none (see :mod:`hpctrain.comm.repeated_calls`)."""
         return None
 
     def _lean_gather(self, call: Call, post: bool, then):
@@ -89,7 +89,7 @@ class Primitives(abc.ABC):
                        ) -> Optional[Callable[[np.ndarray, np.ndarray, int], None]]:
         """Return ``exchange(x, out, seq)``: one exchange that checks ``call`` on every rank and leaves the
         all-reduce of ``x`` (like ``arr``) in ``out``, raising CollectiveMismatchError when the calls differ; or
-        None where the backend has none (then repeated calls are planned each time; see :mod:`hpctrain.comm.lean`).
+        None where the backend has none (then repeated calls are planned each time; see :mod:`hpctrain.comm.repeated_calls`).
         """
         return None
 

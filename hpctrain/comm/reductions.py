@@ -24,7 +24,7 @@ from ..collectives.results import ResultBuffers
 from ..collectives.flat import Flat
 from ..tensors import dtype_name, framework_of, to_numpy
 from .handle import Plan, same as _same
-from .lean import allreduce_body, copy_body, lean_key, make_lean
+from .repeated_calls import allreduce_body, copy_body, lean_key, make_lean
 from .algorithm_links import Links
 from .grouped import GroupedReductions
 from .inplace import copy_back_into as _copy_back_into
@@ -47,7 +47,7 @@ class Reductions(GroupedReductions):
     def __init__(self, comm):
         self._c = comm
         self.seen: dict = {}               # (dtype, shape, op, algorithm) -> (checked call, algorithm)
-        self.lean: dict = {}               # lean.lean_key -> the call's lean path (see lean.py)
+        self.lean: dict = {}               # lean.lean_key -> the call's lean path (see repeated_calls.py)
         self.lean_types: set = set()       # the types of inputs in ``lean``
         self.seen_grouped: dict = {}       # (op, algorithm, dtypes and shapes) -> grouped_allreduce's plan
         self.algorithms: dict = {}         # name -> registry.Algorithm, as chosen here before
@@ -138,14 +138,14 @@ class Reductions(GroupedReductions):
 
     def _remember_lean(self, x, arr: np.ndarray, call: Call, op: str, algorithm: str, alg: str,
                        inplace: bool) -> None:
-        """Leave the lean path of all-reduces like this one (:mod:`hpctrain.comm.lean`) where one applies."""
+        """Leave the lean path of all-reduces like this one (:mod:`hpctrain.comm.repeated_calls`) where one applies."""
         c = self._c
         exchange = c._lean_exchange(call, arr, op, alg) if c._size > 1 else None
         body = allreduce_body(c, arr, op, inplace, exchange)
         self.remember(x, arr, call, body, ("allreduce", op, algorithm, inplace), inplace)
 
     def remember(self, x, arr: np.ndarray, call: Call, body, key: tuple, inplace: bool = False) -> None:
-        """Remember ``body`` as the lean path of calls like ``call`` on inputs like ``x`` (see lean.py)."""
+        """Remember ``body`` as the lean path of calls like ``call`` on inputs like ``x`` (see repeated_calls.py)."""
         kind = framework_of(x)
         if body is None or (kind == "numpy" and type(x) is not np.ndarray):
             return

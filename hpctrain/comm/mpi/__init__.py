@@ -4,7 +4,7 @@
   call check, hpctrain's algorithms over MPI messages and windows);
 - ``node.py``: the ranks of each node and their shared-memory windows (the arena, shared buffers);
 - ``mailbox.py`` (+ ``_mailbox_kernel.c``): the one-node call check and the small inputs that ride it;
-- ``riding.py``: the collectives whose inputs ride the call check;
+- ``mailbox_collectives.py``: the collectives whose inputs ride the call check;
 - ``direct.py``, ``cross_memory.py``: large one-node all-reduces by direct copies between processes;
 - ``requests.py``: non-blocking requests and the ring's point-to-point transport;
 - ``ulfm.py``: MPI's fault-tolerance verbs (revoke, shrink, acknowledge, the failed ranks).

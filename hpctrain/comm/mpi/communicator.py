@@ -4,7 +4,7 @@ Each communicator duplicates its MPI communicator three times so that the
 call check, hpctrain's algorithms and the user's point-to-point messages can
 never match each other's messages.  On one node the call check is one
 exchange through shared memory (:mod:`hpctrain.comm.mpi.mailbox`), which small
-inputs ride along with (:mod:`hpctrain.comm.mpi.riding`).  Across nodes it is a gather to rank 0 and
+inputs ride along with (:mod:`hpctrain.comm.mpi.mailbox_collectives`).  Across nodes it is a gather to rank 0 and
 a reply (``2 (n-1)`` messages of at most 512 bytes), done with non-blocking
 receives so that rank 0 always knows which ranks have not joined yet.  Either
 way the watchdog shows the ranks not yet joined when a collective stalls.
@@ -34,7 +34,7 @@ from ..base import Communicator, Handle, Riding, Topology
 from ..departures import Departures, MPINotices
 from ..failures import FailureDetector
 from .mailbox import Mailbox
-from .riding import RidingOnNode
+from .mailbox_collectives import RidingOnNode
 from . import ulfm
 from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from ..runtime import Config, Runtime

@@ -17,7 +17,7 @@ import shutil
 from typing import List, Optional
 
 from ..errors import CheckpointError
-from .commit import post_written, remove_markers
+from .background_commit import post_written, remove_markers
 from .layout import compare_replicas, describe_error, failed_on, write_files, write_manifest
 
 __all__ = ["CommitSteps"]

@@ -3,7 +3,7 @@
 Two forms of the same exchange (:mod:`hpctrain.comm.mpi.mailbox`): ``_riding_*``
 give a planned call's work as a :class:`~hpctrain.comm.handle.Riding`, posted
 by the call check itself; ``_lean_*`` give the bodies of repeated calls
-(:mod:`hpctrain.comm.lean`), which post and check in one call of the
+(:mod:`hpctrain.comm.repeated_calls`), which post and check in one call of the
 mailbox's C kernel.  Ranks on either form meet in the same exchange.  A mixin
 of :class:`hpctrain.comm.mpi.MPICommunicator` (it uses ``_mailbox``,
 ``_size``, ``_rank``, ``_coll``, ``_MPI``, ``_ops``, ``_mismatch`` and
@@ -75,7 +75,7 @@ class RidingOnNode:
         return Riding(raw if fits else None, np.dtype(np.uint8) if fits else None, gather, raw.nbytes)
 
     def _lean_reduce_scatter(self, call: Call, arr: np.ndarray, bounds, op: str, alg: str):
-        """The body of a lean reduce-scatter (:mod:`hpctrain.comm.lean`): the input rides the call check
+        """The body of a lean reduce-scatter (:mod:`hpctrain.comm.repeated_calls`): the input rides the call check
         (:meth:`_riding_reduce_scatter` without the planning); None where it cannot."""
         mb, acc = self._mailbox, self._riding_dtype(arr)
         if acc is None or alg not in ("shm", "hierarchical"):
@@ -112,7 +112,7 @@ class RidingOnNode:
         return body
 
     def _lean_exchange(self, call: Call, arr: np.ndarray, op: str, alg: str):
-        """The exchange of a lean all-reduce (:mod:`hpctrain.comm.lean`): the payload rides the call check.
+        """The exchange of a lean all-reduce (:mod:`hpctrain.comm.repeated_calls`): the payload rides the call check.
 
         Returns ``exchange(x, out, seq)``, or None where it does not apply (no
         mailbox, too big, not a shared-memory algorithm).  Sums of
