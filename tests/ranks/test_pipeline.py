@@ -101,13 +101,7 @@ def test_pipeline_training_equals_one_process(comm, schedule, m):
             torch.nn.functional.cross_entropy(reference(torch.cat(xs)), torch.cat(ys)).backward()
             ref_opt.step()
             assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss)), (step, loss, want_loss)
-        counts = ht.pipeline.balance_by_parameters(list(make_model()), pp)
-        start = sum(counts[:layout.stage])
-        want = torch.cat([p.detach().reshape(-1) for p in
-                          torch.nn.Sequential(*list(reference)[start:start + counts[layout.stage]]).parameters()])
-        got = torch.cat([p.detach().reshape(-1) for p in pipe.parameters()])
-        err = float((got - want).abs().max() / want.abs().max())
-        assert err <= 1e-5, f"dp={dp} pp={pp} {schedule} m={m}: relative error {err:.3g}"
+        assert_stage_equals(pipe, reference, layout, pp, f"dp={dp} pp={pp} {schedule} m={m}", tolerance=1e-5)
         x, _ = batch(STEPS, replica)
         with torch.no_grad():
             want_out = reference(x)
