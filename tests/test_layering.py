@@ -7,7 +7,6 @@ anything but ``self``).
 """
 import ast
 import re
-from pathlib import Path
 
 from harness import REPO
 
