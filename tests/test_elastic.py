@@ -535,8 +535,10 @@ def test_elastic_launch_options_that_do_not_fit_are_refused_before_anything_star
     assert res.returncode == 2 and said in res.stdout, res.stdout
 
 
+# (at 2 ranks the TCP error mostly comes before the failure notice and MPI completes the requests itself: the
+# case of this test is at 3 and 4)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [3, 4])
 def test_a_rank_killed_with_ring_messages_in_flight_over_tcp_leaves_survivors_that_go_on(n, tmp_path):
     """Over TCP (``--mca btl self,tcp``, as between nodes) the last rank dies in the middle of back-to-back ring
     all-reduces of 8 MB (10^6 float64).  Open MPI's wait calls free a request that failed while its fragments

@@ -47,7 +47,9 @@ def test_digits_example_reaches_97_percent_and_resumes(example, n, tmp_path):
     assert json.loads(out.read_text())["test_accuracy"] == summary["test_accuracy"]
 
 
-HYBRID = {1: [[]], 2: [["--pp", "2"], ["--tp", "2"]], 4: [["--dp", "2", "--pp", "2"], ["--dp", "2", "--tp", "2"]]}
+# (at 4 ranks one layout: dp 2 x tp 2 trains like one process in tests/ranks/test_tensor_parallel.py, dp 2 x pp 2
+# in tests/ranks/test_pipeline.py; the two splits of one model agree at 2)
+HYBRID = {1: [[]], 2: [["--pp", "2"], ["--tp", "2"]], 4: [["--dp", "2", "--tp", "2"]]}
 
 
 # The two hybrid examples share the rank counts: torch at 1, 2 and 4 (a world of one; its pipeline and

@@ -26,7 +26,8 @@ import pytest
 
 from harness import BIN, REPO, assert_bit_identical, base_env, kill_tree, run, saved_arrays
 
-LAYOUTS = [(2, 1), (2, 2), (3, 2)]        # (3x1 is 2x1's loss of one rank a node; the elastic test below)
+# (2 x 1 was left out for CI time: 2 x 2 loses a node's every rank, 3 x 2 one node of three)
+LAYOUTS = [(2, 2), (3, 2)]
 COLLECTIVES = ("(world_shape or own_shared_memory or test_allreduce or allgather or broadcast or reduce_scatter "
                "or alltoall or bit_identical or shm_refused or grouped_allreduce_equals or narrow_integer) and not 64mib")
 TRAINING = ["test_torch_training.py", "test_tf_training.py", "test_checkpoint.py"]

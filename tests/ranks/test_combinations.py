@@ -353,14 +353,16 @@ def test_adasum_keeps_each_ranks_own_optimizer_state_through_a_checkpoint(comm, 
             assert torch.equal(value, saved[key]), f"rank {comm.rank}: {key} is not its own saved state"
 
 
-@pytest.mark.parametrize("compression", ["fp16", "topk"])
+@pytest.mark.parametrize("compression", ["fp16", "topk", "powersgd"])
 def test_compressed_gradients_of_accumulated_passes_equal_one_pass_of_the_larger_batch(comm, compression):
-    """backward_passes_per_step=2 with a compressor (top-k with its error feedback): the same steps as one pass of
-    the two passes' samples with the same compressor (the local mean is compressed once, at the last pass)."""
+    """backward_passes_per_step=2 with a compressor (a cast; top-k with its error feedback; PowerSGD of rank 1 from
+    the first step): the same steps as one pass of the two passes' samples with the same compressor (the local mean
+    is compressed once, at the last pass)."""
     import hpctrain.compression as C
 
     def make(model, passes):
-        comp = C.TopK(ratio=0.3) if compression == "topk" else compression
+        comp = {"topk": lambda: C.TopK(ratio=0.3), "powersgd": lambda: C.PowerSGD(rank=1, start_iter=0)}.get(
+            compression, lambda: compression)()
         return ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        model.named_parameters(), compression=comp, backward_passes_per_step=passes,
                                        compression_policy=C.Policy(min_numel=0, skip=()), comm=comm)

@@ -101,7 +101,9 @@ def test_torch_training_converges_with_every_compressor(comm, name):
     assert len(set(comm.allgather_object(hashlib.sha256(params.tobytes()).hexdigest()))) == 1, "replicas differ"
 
 
-@pytest.mark.parametrize("name", ["topk", "powersgd", "dgc"])
+# (one of each family that keeps state: sparse with error feedback, low rank, sparse with momentum, quantized with
+# choices seeded by the step, signs with error feedback)
+@pytest.mark.parametrize("name", ["topk", "powersgd", "dgc", "qsgd", "onebit"])
 def test_compressor_state_checkpoints_and_a_resumed_run_continues_bit_for_bit(comm, name):
     import torch
 

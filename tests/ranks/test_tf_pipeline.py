@@ -2,7 +2,7 @@
 
 Stages are built from one seed on every rank, and the single-process
 reference chains the same layers; after 10 steps of SGD with momentum, with
-GPipe and 1F1B and 1, 2 or 3 micro-batches (3 leaves a remainder), the
+GPipe at 1 and 2 micro-batches and 1F1B at 3 (a remainder), the
 stage's variables equal the reference's within 1e-5 relative and the losses
 agree each step.
 """
@@ -41,7 +41,9 @@ def layouts(n):
 
 
 # (one micro-batch makes GPipe and 1F1B the same list of actions, F0 B0 on every stage: tests/test_pipeline_schedule.py)
-@pytest.mark.parametrize("m, schedule", [(1, "gpipe"), (2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
+# (the schedules themselves are framework-neutral: tests/test_pipeline_schedule.py and test_pipeline.py run every
+# pair; here the Keras stages under each schedule, 1F1B with a remainder)
+@pytest.mark.parametrize("m, schedule", [(1, "gpipe"), (2, "gpipe"), (3, "1f1b")])
 def test_keras_pipeline_equals_one_process(comm, schedule, m):
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for dp, pp in layouts(comm.size):
