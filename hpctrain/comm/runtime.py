@@ -159,14 +159,16 @@ class Runtime:
         """Run a collective now, after the asynchronous ones issued before it."""
         if self.owner is not None:
             self._check_owner()
-        return self.collectives.run(self.policy.guard(fn), text, members)
+        policy = self.policy            # (outside elastic mode the call itself: nothing added per call)
+        return self.collectives.run(policy.guard(fn) if policy.reforms else fn, text, members)
 
     def submit(self, fn: Callable[[], object], text: Union[str, Callable[[], str]], members: Tuple[int, ...] = ()
                ) -> Future:
         """Queue a collective for the background thread and return a Future of its result."""
         if self.owner is not None:
             self._check_owner()
-        return self.collectives.submit(self.policy.guard(fn), text, members)
+        policy = self.policy
+        return self.collectives.submit(policy.guard(fn) if policy.reforms else fn, text, members)
 
     def _check_owner(self) -> None:
         """Refuse a collective from another thread than ``owner`` (hpctrain.horovod's negotiation thread)."""
