@@ -36,7 +36,6 @@ __all__ = ["FailurePolicy", "Abort", "Reform", "Tolerate", "policy_for"]
 class FailurePolicy:
     """What failed ranks do to this world (module docstring); ``rt`` is the world's runtime."""
 
-    name = "abort"
     reforms = False             # whether the world re-forms from the survivors (elastic mode)
     polls_requests = False      # whether waits on MPI requests poll, so a failed peer ends them (elastic mode)
 
@@ -101,7 +100,6 @@ class Abort(FailurePolicy):
 class Reform(FailurePolicy):
     """Elastic mode: failures revoke the world and raise; the survivors re-form (module docstring)."""
 
-    name = "reform"
     reforms = True
     polls_requests = True
 
@@ -190,7 +188,6 @@ class Reform(FailurePolicy):
 class Tolerate(FailurePolicy):
     """Go on when ranks fail: ``handler(failed world ranks)`` stands in for ``previous``'s abort or re-forming."""
 
-    name = "tolerate"
 
     def __init__(self, rt, handler: Callable[[List[int]], None], previous: FailurePolicy):
         super().__init__(rt)
