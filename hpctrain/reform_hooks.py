@@ -8,13 +8,14 @@ same order, so collectives inside them meet.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Callable
+from typing import Callable, Optional
+
+from .hooks import Hooks
 
 __all__ = ["on_reform", "on_reform_of", "generation", "reformed"]
 
 _generation = [0]           # how many times the world re-formed (elastic mode) since the process started
-_hooks: list = []           # callables given the new world after a re-forming
+_hooks = Hooks("re-form")   # callables given the new world after a re-forming
 
 
 def generation() -> int:
@@ -22,7 +23,7 @@ def generation() -> int:
     return _generation[0]
 
 
-def on_reform(callback: Callable[[object], object]) -> Callable[[], None]:
+def on_reform(callback: Callable[..., object], owner: Optional[object] = None) -> Callable[[], None]:
     """Call ``callback(new_world)`` each time the world re-forms (elastic mode), on every surviving rank, in the
     order registered; return a function that takes it back.
 
@@ -30,31 +31,18 @@ def on_reform(callback: Callable[[object], object]) -> Callable[[], None]:
     buckets, a checkpoint manager): the old communicator is gone after a
     re-forming, so they rebuild on the new one here (collectives inside the
     callback meet: every survivor runs the same callbacks in the same order).
+    With an ``owner``, held weakly, it is ``callback(owner, new_world)`` until
+    the owner is dropped (objects made each step, a tape, leave no hook behind).
     """
-    _hooks.append(callback)
-
-    def remove() -> None:
-        if callback in _hooks:
-            _hooks.remove(callback)
-    return remove
+    return _hooks.add(callback, owner)
 
 
 def on_reform_of(owner: object, callback: Callable[[object, object], object]) -> None:
-    """:func:`on_reform` for what ``owner`` holds: ``callback(owner, new_world)``, with ``owner`` held weakly
-    (once it is dropped the callback is taken back: objects made each step, a tape, leave no hook behind)."""
-    def follow(world) -> None:
-        held = ref()
-        if held is None:
-            remove()
-            return
-        callback(held, world)
-
-    remove = on_reform(follow)
-    ref = weakref.ref(owner, lambda _: remove())
+    """:func:`on_reform` for what ``owner`` holds: ``callback(owner, new_world)``, with ``owner`` held weakly."""
+    on_reform(callback, owner)
 
 
 def reformed(new) -> None:
     """Count one re-forming and run the callbacks with ``new``, the world now (called by :mod:`hpctrain.world`)."""
     _generation[0] += 1
-    for hook in list(_hooks):
-        hook(new)
+    _hooks.run(new)

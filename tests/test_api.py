@@ -90,6 +90,31 @@ def test_local_world_collectives_and_lifecycle():
         hpctrain.init("nccl")
 
 
+def test_world_hooks_run_in_order_and_forget_a_dropped_owner():
+    import gc
+
+    class Owner:
+        pass
+
+    hpctrain.shutdown()
+    comm = hpctrain.init("local")
+    ran = []
+    kept, dropped = Owner(), Owner()
+    comm.on_close(lambda: ran.append("first"), "first")
+    comm.on_close(lambda owner: ran.append(("kept", owner is kept)), "kept", owner=kept)
+    comm.on_close(lambda owner: ran.append("dropped"), "dropped", owner=dropped)
+    remove = comm.on_close(lambda: ran.append("removed"), "removed")
+    comm.on_interrupt(lambda owner: "a note", owner=dropped)
+    comm.on_interrupt(lambda: "the step saved")
+    assert len(comm.interrupt_notes()) == 2
+    del dropped
+    gc.collect()
+    remove()
+    assert [note() for note in comm.interrupt_notes()] == ["the step saved"]
+    hpctrain.shutdown()
+    assert ran == [("kept", True), "first"]          # last added first; the dropped and removed ones never ran
+
+
 def test_segment_bounds_match_array_split():
     for count in (0, 1, 2, 5, 7, 1000003):
         for parts in (1, 2, 3, 4):

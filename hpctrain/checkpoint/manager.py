@@ -38,7 +38,6 @@ import os
 import shutil
 import sys
 import time
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -160,17 +159,16 @@ class CheckpointManager(CommitSteps):
             raise CheckpointError(err)
         self._register_with(comm)
         if follow and comm.failure_policy.reforms:      # (held weakly: a dropped manager stops following)
-            from ..world import on_reform_of
+            from ..world import on_reform
 
-            on_reform_of(self, CheckpointManager._move_to)
+            on_reform(CheckpointManager._move_to, owner=self)
 
     def _register_with(self, comm) -> None:
         """Have ``comm``'s close wait for the save in flight, and its interruption say what is saved."""
         on_close = getattr(comm, "on_close", None)
         if on_close is not None:
-            ref = weakref.ref(self)
-            on_close(lambda: ref() is not None and ref().wait(), f"the checkpoint manager of {self.directory}")
-            comm.on_interrupt(lambda: ref().saved() if ref() is not None else "")
+            on_close(CheckpointManager.wait, f"the checkpoint manager of {self.directory}", owner=self)
+            comm.on_interrupt(CheckpointManager.saved, owner=self)
 
     def _move_to(self, world) -> None:
         """Go on over a re-formed ``world`` (elastic mode; no collective).

@@ -245,15 +245,18 @@ class Communicator(CallPath, PointToPoint, Primitives):
         :mod:`hpctrain.comm.abort`)."""
         self._rt.abort(message, code)
 
-    def on_close(self, callback: Callable[[], object], what: str) -> Callable[[], None]:
+    def on_close(self, callback: Callable[..., object], what: str, owner: Optional[object] = None
+                 ) -> Callable[[], None]:
         """Run ``callback`` when the world closes (``hpctrain.shutdown()``, or at exit), before this rank leaves.
 
         ``what`` names it in the error if it fails.  Callbacks run last added
         first, on every rank, so collectives inside them meet; one that fails
-        does not stop the others (see :meth:`Runtime.close`).
+        does not stop the others (see :meth:`Runtime.close`).  With an
+        ``owner``, held weakly, it is ``callback(owner)`` until the owner is
+        dropped (:class:`~hpctrain.hooks.Hooks`).
         Returns a function that takes the callback back.
         """
-        return self._rt.on_close(callback, what)
+        return self._rt.on_close(callback, what, owner)
 
     def on_rank_failure(self, handler: Callable[[List[int]], None]) -> Callable[[], None]:
         """Let the job go on when ranks fail: ``handler(failed world ranks)`` instead of the abort (or, in
@@ -327,18 +330,18 @@ class Communicator(CallPath, PointToPoint, Primitives):
         gone = board.blocking(among, since, now)
         return board.describe(gone) if gone else ""
 
-    def on_interrupt(self, describe: Callable[[], str]) -> Callable[[], None]:
+    def on_interrupt(self, describe: Callable[..., str], owner: Optional[object] = None) -> Callable[[], None]:
         """Have rank 0 print ``describe()`` when a KeyboardInterrupt (Ctrl-C) ends the job; return a remover.
 
-        For what survives an interruption: a checkpoint manager says which step is committed.
+        For what survives an interruption: a checkpoint manager says which
+        step is committed.  With an ``owner``, held weakly, it is
+        ``describe(owner)`` (:class:`~hpctrain.hooks.Hooks`).
         """
-        notes = self._rt.interrupt_notes
-        notes.append(describe)
-        return lambda: describe in notes and notes.remove(describe)
+        return self._rt.interrupt_hooks.add(describe, owner)
 
     def interrupt_notes(self) -> List[Callable[[], str]]:
         """The ``on_interrupt`` callbacks registered now (rank 0 calls them once the interruption is handled)."""
-        return list(self._rt.interrupt_notes)
+        return [describe for _, describe in self._rt.interrupt_hooks.entries()]
 
     def close(self, exit_status: int = 0) -> None:
         """Finish the queued calls, leave (see :mod:`hpctrain.comm.departures`), free the node's shared memory.

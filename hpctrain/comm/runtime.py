@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple, Union
 
 from .. import settings
+from ..hooks import Hooks
 from .comm_log import CommLog
 from .failure_policy import policy_for
 from .lane import InFlight, Lane
@@ -141,8 +142,8 @@ class Runtime:
         self._abort = abort
         self.collectives = Lane("collectives")
         self.receives = Lane("receives")
-        self._on_close: list = []      # (what, callable) run by close() first: see on_close
-        self.interrupt_notes: list = []   # callables saying what a Ctrl-C leaves behind: see Communicator.on_interrupt
+        self.close_hooks = Hooks("close", last_first=True)     # run by close() first: see on_close
+        self.interrupt_hooks = Hooks("interrupt")     # what a Ctrl-C leaves behind: see Communicator.on_interrupt
         self.departures = None         # a departures.Departures where the backend sends leaving notices
         self.failures = None           # a failures.FailureDetector where the backend can name failed ranks
         self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
@@ -186,21 +187,17 @@ class Runtime:
         if cur is not None:
             cur.waiting_on = waiting_on
 
-    def on_close(self, callback: Callable[[], object], what: str) -> Callable[[], None]:
+    def on_close(self, callback: Callable[..., object], what: str, owner: Optional[object] = None
+                 ) -> Callable[[], None]:
         """Run ``callback`` when the world closes, before its lanes stop; return a function that takes it back.
 
         ``what`` names it in the error when it fails ("the timeline writer").
         Callbacks run last added first (as exit hooks do: what started later
         stops first), the same on every rank, so callbacks that call
-        collectives meet.
+        collectives meet.  With an ``owner`` (held weakly) it is
+        ``callback(owner)`` (:class:`~hpctrain.hooks.Hooks`).
         """
-        entry = (what, callback)
-        self._on_close.append(entry)
-
-        def remove() -> None:
-            if entry in self._on_close:
-                self._on_close.remove(entry)
-        return remove
+        return self.close_hooks.add(callback, owner, what)
 
     def close(self, exit_status: int = 0) -> None:
         """Run the ``on_close`` callbacks, let queued collectives finish, print the comm log, then leave.
@@ -212,9 +209,8 @@ class Runtime:
         ``HPCTRAIN_STALL_TIMEOUT_S`` (see :meth:`Departures.leave`); ``exit_status``
         travels in the leaving notice.
         """
-        callbacks, self._on_close = self._on_close, []
         failures = []
-        for what, cb in reversed(callbacks):
+        for what, cb in self.close_hooks.take_all():
             try:
                 cb()
             except Exception as exc:  # noqa: BLE001 - reported below, after the rank has left
@@ -260,7 +256,7 @@ class Runtime:
         ranks and no ``on_close`` callback runs (they hold the old world).
         """
         self.closed = True
-        self._on_close = []
+        self.close_hooks.take_all()
         self.collectives.close(drain=True)
         self.receives.close(drain=False)
         self.departures = self.failures = None      # (their communicators are left to the old world's end)

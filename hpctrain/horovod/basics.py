@@ -20,6 +20,7 @@ from typing import Any, List, Optional
 
 from .. import settings
 from ..agreement import check_writable, writable
+from ..hooks import Hooks
 from ..world import init as _hpctrain_init
 from .controller import Controller
 from .pending import HorovodInternalError, OpHandle
@@ -47,14 +48,15 @@ class HostsUpdatedInterrupt(RuntimeError):
         self.skip_sync = skip_sync
 
 
-_reset_hooks: list = []     # callables run after hvd.elastic re-initialised on a new world (see on_reset)
+reset_hooks = Hooks("reset")     # run after hvd.elastic re-initialised on a new world (see on_reset)
 
 
-def on_reset(callback) -> None:
+def on_reset(callback, owner=None):
     """Run ``callback()`` each time ``hvd.elastic.run`` has re-initialised Horovod on a re-formed world, before
     the state's reset callbacks (what holds the old negotiation, a DistributedOptimizer's buckets, rebuilds
-    there: every rank runs them in the same order, so collectives inside meet)."""
-    _reset_hooks.append(callback)
+    there: every rank runs them in the same order, so collectives inside meet).  With an ``owner``, held
+    weakly, it is ``callback(owner)`` until the owner is dropped.  Returns a function that takes it back."""
+    return reset_hooks.add(callback, owner)
 
 
 class ProcessSet:

@@ -96,8 +96,7 @@ def _reset() -> None:
             if world().failure_policy.failed:
                 reform()
             basics.init()
-            for hook in list(basics._reset_hooks):
-                hook()
+            basics.reset_hooks.run()
             return
         except WorldTooSmallError as exc:
             exit_after_failure(str(exc), 1)

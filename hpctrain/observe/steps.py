@@ -43,6 +43,7 @@ from typing import Callable, Deque, Dict, List, Optional
 
 import numpy as np
 
+from ..hooks import Hooks
 from .resources import FIELDS, ResourceSampler
 
 __all__ = ["StepMetrics"]
@@ -111,16 +112,16 @@ class StepMetrics:
         self._recent: Deque[Dict] = collections.deque(maxlen=interval)
         self._streak = np.zeros(self.comm.size, dtype=np.int64)
         self._closed = False
-        self.on_close: List[Callable[[], None]] = []   # run by close() (e.g. removing a framework hook)
+        self.close_hooks = Hooks("close")   # run by close() (e.g. removing a framework hook)
         self._last = time.perf_counter()
         self._totals = self._log.totals()
         self._compressed = self._compression_totals()
         self._log_dir, self._tensorboard = log_dir, tensorboard
         self._forget_close = self._close_with(self.comm)
         if comm is None:            # (elastic mode: go on over each re-formed world)
-            from ..world import on_reform_of
+            from ..world import on_reform
 
-            on_reform_of(self, lambda metrics, world: metrics._follow(world))
+            on_reform(StepMetrics._follow, owner=self)
 
     def _close_with(self, comm) -> Callable[[], None]:
         """Be closed (flushed) when ``comm`` closes at hpctrain.shutdown() unless closed before."""
@@ -311,8 +312,7 @@ class StepMetrics:
         if self._window:
             self._gather()
         self._closed = True
-        for fn in self.on_close:
-            fn()
+        self.close_hooks.run()
         if self._writer is not None:
             self._writer.close()
         if not self._log_was_on:

@@ -91,7 +91,7 @@ def follow_the_world(owner, op: str, compression, policy, sparse_as_dense: bool)
     state between steps: the others are refused under HPCTRAIN_ELASTIC).
     """
     from ..adasum_updates import AdasumUpdates
-    from ..world import on_reform_of
+    from ..world import on_reform
 
     def rebuild(held, world):
         old = held._hpctrain
@@ -100,7 +100,7 @@ def follow_the_world(owner, op: str, compression, policy, sparse_as_dense: bool)
         else:
             kept = old.compressor if old.compressor is not None else compression
             held._hpctrain = GradientAverager(world, op, kept, policy, sparse_as_dense)
-    on_reform_of(owner, rebuild)
+    on_reform(rebuild, owner=owner)
 
 
 def allreduce(tensor: Any, op: str = "sum", comm=None) -> tf.Tensor:

@@ -34,7 +34,7 @@ def track_steps(optimizer: torch.optim.Optimizer, log_dir: Optional[str] = None,
         held = getattr(getattr(optimizer, "_hpctrain", None), "comm", None)
         comm = None if held is None or held is world() else held
     metrics = StepMetrics(comm, log_dir, samples_per_step, compression=stats, **options)
-    metrics.on_close.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: metrics.mark()).remove)
+    metrics.close_hooks.add(optimizer.register_step_post_hook(lambda opt, args, kwargs: metrics.mark()).remove)
     return metrics
 
 

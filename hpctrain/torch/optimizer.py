@@ -146,9 +146,9 @@ def _follow_the_world(optimizer, averaging: tuple, passes: int, cap_bytes: int) 
     carries over (one that keeps state between steps is refused under
     HPCTRAIN_ELASTIC: a commit does not hold its state).
     """
-    from ..world import on_reform_of
+    from ..world import on_reform
 
-    on_reform_of(optimizer, lambda opt, world: rebuild_on(opt, world, averaging, passes, cap_bytes))
+    on_reform(lambda opt, world: rebuild_on(opt, world, averaging, passes, cap_bytes), owner=optimizer)
 
 
 def rebuild_on(optimizer, comm, averaging: tuple, passes: int, cap_bytes: int) -> None:

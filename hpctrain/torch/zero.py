@@ -112,10 +112,10 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, stage: int = 2, named_par
     optimizer._hpctrain_zero = _Shards(optimizer, base, sync, overlap_allgather)
     keep_patched_step(optimizer)
     if comm is None:
-        from ..world import on_reform_of
+        from ..world import on_reform
 
-        on_reform_of(optimizer, lambda opt, world: _reshard_on(opt, world, base, backward_passes_per_step,
-                                                                int(bucket_mb * 2 ** 20)))
+        on_reform(lambda opt, world: _reshard_on(opt, world, base, backward_passes_per_step, int(bucket_mb * 2 ** 20)),
+                  owner=optimizer)
     return optimizer
 
 

@@ -12,7 +12,6 @@ gradients are split into that many buckets of about equal bytes).
 from __future__ import annotations
 
 import warnings
-import weakref
 
 from ...torch.class_swap import subclass_with
 from ...torch.optimizer import DistributedOptimizer as _native
@@ -59,16 +58,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 def _follow_resets(optimizer, averaging: tuple, passes: int, cap_bytes: int) -> None:
     """After each reset of ``hvd.elastic.run`` (a re-formed world, Horovod initialised again), rebuild
     ``optimizer``'s buckets over the new negotiation (held weakly: a dropped optimizer stops following)."""
-    ref = weakref.ref(optimizer)
-
-    def follow() -> None:
-        opt = ref()
-        if opt is not None:
-            rebuild_on(opt, NegotiatedComm(global_process_set), averaging, passes, cap_bytes)
-        elif follow in basics._reset_hooks:
-            basics._reset_hooks.remove(follow)
-
-    basics.on_reset(follow)
+    basics.on_reset(lambda opt: rebuild_on(opt, NegotiatedComm(global_process_set), averaging, passes, cap_bytes),
+                    owner=optimizer)
 
 
 def _check_names(optimizer, named_parameters):
