@@ -163,7 +163,7 @@ def span_of(comm, name: str, cat: str, **args):
 def write_trace_at_close(world, path: str, on_reform) -> None:
     """Write the job's trace to ``path`` when the world closes (hpctrain.shutdown()), and in elastic mode when the
     re-formed world closes: each new world's recorder first takes this rank's events from the old one
-    (``on_reform``: :func:`hpctrain.reform_hooks.on_reform`, given by the caller above this module)."""
+    (``on_reform``: :func:`hpctrain.world.on_reform`, given by the caller above this module)."""
     held = [world]
     world.on_close(lambda: write_trace(world, path), f"the timeline writer ({path})")
 

@@ -136,7 +136,7 @@ def check(state) -> bool:
 
 def _restart(state, comm, doc: dict, hosts: Sequence[str]) -> None:
     """Write the newest commit for the launcher's restart on more hosts, then end this process (status 0)."""
-    from ..world import _mark_restarting
+    from ..world.lifecycle import _mark_restarting
 
     control = control_dir()
     start = time.monotonic()

@@ -64,7 +64,7 @@ def reform():
     would: :func:`hpctrain.elastic.run` re-forms again.
     """
     from ..comm.mpi import ulfm, world_over
-    from ..world import _replace_world, world
+    from ..world.lifecycle import _replace_world, world
 
     old = world()
     policy = old.failure_policy

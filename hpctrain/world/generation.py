@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .hooks import Hooks
+from ..hooks import Hooks
 
 __all__ = ["on_reform", "on_reform_of", "generation", "reformed"]
 

@@ -14,16 +14,16 @@ import time
 import traceback
 from typing import Optional
 
-from . import settings
-from .agreement import check_writable, disagreeing_settings
-from .comm.abort import fail_this_rank as _fail_this_rank
-from .comm.base import Communicator
-from .comm.runtime import SHARED_SETTINGS, Config
-from .env import detect_launcher
-from .errors import NotInitializedError
-from .launcher_protocol import ELASTIC_FINISHED, ELASTIC_STARTED, write_world
-from .memory import keep_freed_memory
-from .reform_hooks import generation, on_reform, on_reform_of, reformed
+from .. import settings
+from ..agreement import check_writable, disagreeing_settings
+from ..comm.abort import fail_this_rank as _fail_this_rank
+from ..comm.base import Communicator
+from ..comm.runtime import SHARED_SETTINGS, Config
+from ..env import detect_launcher
+from ..errors import NotInitializedError
+from ..launcher_protocol import ELASTIC_FINISHED, ELASTIC_STARTED, write_world
+from ..memory import keep_freed_memory
+from .generation import generation, on_reform, on_reform_of, reformed
 
 __all__ = ["init", "shutdown", "is_initialized", "world", "resolve_backend", "BACKENDS", "on_reform", "on_reform_of",
            "generation"]
@@ -95,11 +95,11 @@ def init(backend: str = "auto") -> Communicator:
             raise
         keep_freed_memory()
         if chosen == "mpi":
-            from .comm import mpi as impl
+            from ..comm import mpi as impl
         elif chosen == "horovod":
-            from .comm import horovod as impl
+            from ..comm import horovod as impl
         else:
-            from .comm import local as impl
+            from ..comm import local as impl
         w = impl.init_world(config)
         if w.size > 1:
             # settings that decide which algorithm runs and whether calls are checked: ranks that differ would
@@ -113,7 +113,7 @@ def init(backend: str = "auto") -> Communicator:
                 raise settings.SettingError(f"ranks of {w.name} disagree on settings every rank must share "
                                             f"(set them alike for all ranks; a tuning file counts): {differ}")
         if config.timeline:       # every rank's timeline, merged into one file by rank 0 at shutdown
-            from .comm.timeline import write_trace_at_close
+            from ..comm.timeline import write_trace_at_close
 
             w.timeline.on = False          # (the check's own collective stays off the timeline)
             why = check_writable(w, config.timeline)
