@@ -14,7 +14,71 @@ from .hosts import record_resets, resets_done, resume
 from .peer_copy import PartLost
 from .reform import WorldTooSmallError, reform
 
-__all__ = ["run"]
+__all__ = ["run", "retry", "Recovery", "reset_limit_reached", "count_resets", "end_job"]
+
+
+class Recovery:
+    """What an elastic API does around the one retry loop (:func:`retry`): when it starts, before each attempt,
+    which exceptions are failures, and how the world and the state come back after one.
+
+    hpctrain's own is :class:`CommitRecovery` (re-form, agree on the newest
+    commit); ``hvd.elastic.run`` is the same loop with Horovod's
+    (:mod:`hpctrain.horovod.elastic`: restore the last save, re-initialise the
+    negotiation).  Each reset is counted by :func:`count_resets`, against
+    ``HPCTRAIN_ELASTIC_RESET_LIMIT`` by :func:`reset_limit_reached`.
+    """
+
+    def start(self, state) -> None:
+        """Before the first attempt (a restart on more hosts loads the commit written for it)."""
+
+    def before_attempt(self, state) -> None:
+        """Before each call of the training function."""
+
+    def failure(self, exc: Exception) -> Optional[Exception]:
+        """The failure ``exc`` stands for, which the loop recovers from; None: ``exc`` is the program's own."""
+        return None
+
+    def recover(self, state, failure: Exception) -> None:
+        """Bring the world and ``state`` back after ``failure`` (or end the job, naming what was lost)."""
+
+
+def retry(func: Callable, recovery: Callable[[], Recovery]) -> Callable:
+    """Wrap ``func(state, ...)``: call it, and after each failure ``recovery`` recognises, recover and call it
+    again (``recovery()`` makes one :class:`Recovery` per call of the wrapper)."""
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        how = recovery()
+        how.start(state)
+        while True:
+            how.before_attempt(state)
+            try:
+                return func(state, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the program's own errors propagate below
+                failure = how.failure(exc)
+                if failure is None:
+                    raise
+                how.recover(state, failure)
+    return wrapper
+
+
+def reset_limit_reached(state, pending: int = 0) -> bool:
+    """Whether the job has reset ``HPCTRAIN_ELASTIC_RESET_LIMIT`` times already, counting ``pending`` resets of
+    the recovery under way (re-formings and restarts, across the launcher's restarts on more hosts)."""
+    limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
+    return bool(limit) and resets_done(state) + pending >= limit
+
+
+def count_resets(state, count: int, world) -> None:
+    """Count ``count`` more resets of ``state``'s job, and tell the launcher (rank 0 of ``world``)."""
+    state._resets = getattr(state, "_resets", 0) + count
+    record_resets(state, world)
+
+
+def end_job(message: str) -> None:
+    """End this survivor with ``message`` (status 1); every other survivor ends the same way."""
+    from ..comm.abort import exit_after_failure
+
+    exit_after_failure(message, 1)
 
 
 def run(func: Callable) -> Callable:
@@ -44,23 +108,23 @@ def run(func: Callable) -> Callable:
     restarts on them and the wrapper first loads the commit written for that
     restart (:mod:`hpctrain.elastic.hosts`).
     """
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
+    return retry(func, CommitRecovery)
+
+
+class CommitRecovery(Recovery):
+    """hpctrain's recovery: re-form the world from the survivors and go back to the newest commit all kept."""
+
+    def start(self, state) -> None:
         if resume(state) is not None:     # (the launcher's restart on more hosts: a new size)
             state.on_reset()
         state.sync()
         state.recoveries = getattr(state, "recoveries", [])
-        while True:
-            try:
-                return func(state, *args, **kwargs)
-            except WorldFailedError as exc:
-                _recover(state, exc)
-            except Exception as exc:        # (a failure inside tf.function reaches here as TensorFlow's error)
-                failure = wrapped_world_failure(exc)
-                if failure is None:
-                    raise
-                _recover(state, failure)
-    return wrapper
+
+    def failure(self, exc: Exception) -> Optional[Exception]:
+        return exc if isinstance(exc, WorldFailedError) else wrapped_world_failure(exc)
+
+    def recover(self, state, failure: Exception) -> None:
+        _recover(state, failure)
 
 
 _FAILURE_NAMES = re.compile(r"\b(WorldFailedError|WorldFailedInHorovod)\b")
@@ -82,17 +146,15 @@ def wrapped_world_failure(exc: BaseException) -> Optional[WorldFailedError]:
 def _recover(state, exc: WorldFailedError) -> None:
     """Re-form the world and bring ``state`` back to the newest common commit, again while ranks keep failing."""
     failed_at, failed_wall = time.monotonic(), time.time()
-    limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
     formings: List = []          # the re-formings of this recovery (more than one when ranks fail during it)
     while True:
-        done = resets_done(state) + len(formings)
-        if limit and done >= limit:
-            _end(f"hpctrain: {exc}; the world re-formed {limit} times already "
-                 f"(HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job")
+        if reset_limit_reached(state, len(formings)):
+            end_job(f"hpctrain: {exc}; the world re-formed {settings.get('HPCTRAIN_ELASTIC_RESET_LIMIT')} times "
+                    f"already (HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job")
         try:
             world, info = reform()
         except WorldTooSmallError as too_few:
-            _end(str(too_few))
+            end_job(str(too_few))
         except WorldFailedError as again:       # (an on_reform callback's collective met a new failure)
             formings.append(again.reformed)
             exc = again
@@ -108,7 +170,7 @@ def _recover(state, exc: WorldFailedError) -> None:
             continue
         except PartLost as gone:        # (a rank's part of the commit and its copy died: the disk, if it can)
             if getattr(state, "_from_disk", None) is None:
-                _end(f"{gone} ({exc})")
+                end_job(f"{gone} ({exc})")
             try:
                 step = state.from_disk()
                 number, what = f"disk:{step}", f"the disk checkpoint of step {step} (a part of the commit was lost)"
@@ -117,7 +179,7 @@ def _recover(state, exc: WorldFailedError) -> None:
                 exc = again
                 continue
             except Exception as failed:        # noqa: BLE001 - every survivor ends with the same message
-                _end(f"{gone}; the disk fallback failed too: {type(failed).__name__}: {failed}")
+                end_job(f"{gone}; the disk fallback failed too: {type(failed).__name__}: {failed}")
         t2 = time.monotonic()
         first, last = formings[0], formings[-1]
         record = {"old_size": first.old_size, "new_size": last.new_size,
@@ -125,8 +187,7 @@ def _recover(state, exc: WorldFailedError) -> None:
                   "shrink_s": sum(f.shrink_s for f in formings), "build_s": sum(f.build_s for f in formings),
                   "recover_s": t2 - t1, "reform_s": t1 - failed_at, "commit": number, "failed_at": failed_wall}
         state.recoveries.append(record)
-        state._resets = getattr(state, "_resets", 0) + len(formings)
-        record_resets(state, world)
+        count_resets(state, len(formings), world)
         if world.rank == 0:
             lost = "; then ".join(f"{f.lost_text} failed" + (" during the recovery" if i else "")
                                   for i, f in enumerate(formings))
@@ -139,10 +200,3 @@ def _recover(state, exc: WorldFailedError) -> None:
 
 def _summary(info) -> dict:
     return {"old_size": info.old_size, "new_size": info.new_size, "lost": info.lost}
-
-
-def _end(message: str) -> None:
-    """End this survivor with ``message`` (status 1); every other survivor ends the same way."""
-    from ..comm.abort import exit_after_failure
-
-    exit_after_failure(message, 1)

@@ -22,14 +22,13 @@ host memory (the last two; a restore goes back to the newest).
 """
 from __future__ import annotations
 
-import functools
 import queue
-from typing import Any
+from typing import Any, Optional
 
 from .. import settings
 from ..elastic import hosts
 from ..elastic.hosts import resume, resuming
-from ..elastic.run import wrapped_world_failure
+from ..elastic.run import Recovery, count_resets, end_job, reset_limit_reached, retry, wrapped_world_failure
 from ..elastic.state import ObjectState as _CoreObjectState
 from ..world import world
 from . import basics
@@ -45,48 +44,52 @@ def run(func):
     to its last commit; on ``HostsUpdatedInterrupt`` it is kept (and synced
     again unless the interrupt says ``skip_sync``).  More resets than
     ``HPCTRAIN_ELASTIC_RESET_LIMIT`` (Horovod's ``--reset-limit``) end the job.
+    It is :func:`hpctrain.elastic.run`'s loop and reset count with Horovod's
+    recovery (:class:`HorovodRecovery`).
     """
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
-        skip_sync, resets = False, settings.get("HPCTRAIN_ELASTIC_RESETS_DONE")
-        limit = settings.get("HPCTRAIN_ELASTIC_RESET_LIMIT")
+    return retry(func, HorovodRecovery)
+
+
+class HorovodRecovery(Recovery):
+    """Horovod's recovery: restore the last save (or keep the state after a change of hosts), stop the
+    negotiation, re-form the world if ranks failed, start the negotiation again."""
+
+    def __init__(self):
+        self.skip_sync = False
+
+    def start(self, state) -> None:
         if resuming():          # (the launcher's restart on more hosts: load the commit written for it)
             basics.shutdown()
             resume(state)
             _reset()
             state.on_reset()
-        while True:
-            try:
-                if not skip_sync:
-                    state.sync()
-                return func(state, *args, **kwargs)
-            except HorovodInternalError as exc:
-                state.restore()
-                skip_sync, why = False, exc
-            except HostsUpdatedInterrupt as exc:
-                skip_sync, why = exc.skip_sync, exc
-            except Exception as exc:        # (a failure inside tf.function reaches here as TensorFlow's error)
-                if wrapped_world_failure(exc) is None:
-                    raise
-                state.restore()
-                skip_sync, why = False, exc
-            resets += 1
-            state._resets = resets - settings.get("HPCTRAIN_ELASTIC_RESETS_DONE")
-            if limit and resets > limit:
-                from ..comm.abort import exit_after_failure
 
-                exit_after_failure(f"hpctrain.horovod: {why}; reset {limit} time(s) already "
-                                   f"(HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job", 1)
-            _reset()
-            hosts.record_resets(state, world())
-            state.on_reset()
-    return wrapper
+    def before_attempt(self, state) -> None:
+        if not self.skip_sync:
+            state.sync()
+
+    def failure(self, exc: Exception) -> Optional[Exception]:
+        if isinstance(exc, (HorovodInternalError, HostsUpdatedInterrupt)) or wrapped_world_failure(exc) is not None:
+            return exc          # (a failure inside tf.function reaches here as TensorFlow's error)
+        return None
+
+    def recover(self, state, failure: Exception) -> None:
+        if isinstance(failure, HostsUpdatedInterrupt):
+            self.skip_sync = failure.skip_sync
+        else:
+            state.restore()
+            self.skip_sync = False
+        if reset_limit_reached(state):
+            end_job(f"hpctrain.horovod: {failure}; reset {settings.get('HPCTRAIN_ELASTIC_RESET_LIMIT')} time(s) "
+                    f"already (HPCTRAIN_ELASTIC_RESET_LIMIT), ending the job")
+        _reset()
+        count_resets(state, 1, world())
+        state.on_reset()
 
 
 def _reset() -> None:
     """Horovod's reset: stop the negotiation, re-form the world if ranks failed, start the negotiation again
     (and again, while ranks keep failing during it)."""
-    from ..comm.abort import exit_after_failure
     from ..elastic.reform import WorldTooSmallError, reform
     from ..errors import WorldFailedError
 
@@ -99,7 +102,7 @@ def _reset() -> None:
             basics.reset_hooks.run()
             return
         except WorldTooSmallError as exc:
-            exit_after_failure(str(exc), 1)
+            end_job(str(exc))
         except WorldFailedError:        # (a rank failed during the reset: the new world re-forms too)
             continue
 
