@@ -39,14 +39,14 @@ a sparse gradient stays sparse.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .adasum_updates import AdasumUpdates
+from .bucket_strategies import Compressed, strategy_for
 from .collectives.buckets import Bucket
 from .compression import Policy, gradient_compressor, reducer_for
-from .compression.reducer import Pending
 
 __all__ = ["GradientAverager", "bucket_length", "no_rows"]
 
@@ -65,23 +65,26 @@ class GradientAverager:
         compression: a compressor of :mod:`hpctrain.compression`, its name, or None.
         policy: which tensors the compressor takes (default :class:`~hpctrain.compression.Policy`).
         sparse_as_dense: densify sparse gradients instead of gathering their rows (module docstring).
-        bucket_hook: ``hook(comm, flat, bucket, op) -> handle`` (whose ``wait()`` returns the reduced
-            buffer) replaces :meth:`start_bucket`'s all-reduce: how a strategy such as ZeRO's
-            reduce-scatter (:mod:`hpctrain.torch.zero`) reduces a bucket.  Not with a compressor.
+        bucket_strategy: how :meth:`start_bucket` reduces a bucket (:mod:`hpctrain.bucket_strategies`: a name
+            or a strategy object, such as ZeRO's reduce-scatter or local SGD's); default: the communicator's
+            own (``comm.bucket_strategy``), wrapped in the compressor's reduction when there is one.
     """
 
     def __init__(self, comm=None, op: str = "avg", compression=None, policy: Optional[Policy] = None,
-                 sparse_as_dense: bool = False, bucket_hook: Optional[Callable[..., Any]] = None):
+                 sparse_as_dense: bool = False, bucket_strategy: Any = None):
         from .world import comm_or_world
 
-        if bucket_hook is not None and (compression is not None or op == "adasum"):
-            raise ValueError("a bucket hook reduces buckets its own way: it does not take compression or "
-                             f"op='adasum' (got compression={compression!r}, op={op!r})")
-        self.bucket_hook = bucket_hook
+        if bucket_strategy is not None and op == "adasum":
+            raise ValueError(f"op='adasum' combines whole tensors, not buckets: it takes no bucket strategy "
+                             f"(got {bucket_strategy!r})")
         self.adasum = AdasumUpdates(comm, compression) if op == "adasum" else None
         self.compressor = gradient_compressor(op, compression) if self.adasum is None else None
         self.comm, self.op, self.sparse_as_dense = comm_or_world(comm), op, bool(sparse_as_dense)
         self.reducer = reducer_for(self.compressor, self.comm, policy) if self.compressor is not None else None
+        self.chosen_strategy = bucket_strategy      # (what a rebuild over a re-formed world keeps)
+        strategy = strategy_for(self.comm.bucket_strategy) if bucket_strategy is None else \
+            strategy_for(bucket_strategy) if isinstance(bucket_strategy, str) else bucket_strategy
+        self.bucket_strategy = strategy if self.reducer is None else Compressed(strategy, self.reducer)
         self.steps = 0
         self._sent = 0
 
@@ -111,38 +114,17 @@ class GradientAverager:
         return self.reducer.reduce(list(zip(names, copies)), op=self.op)
 
     def start_bucket(self, flat: Any, bucket: Bucket, names: Sequence[str], shapes: Sequence[tuple]):
-        """Start reducing one bucket's flat buffer in place; the result's ``wait()`` returns ``flat``.
+        """Start reducing one bucket's flat buffer through the bucket strategy; the result's ``wait()`` returns
+        the reduced buffer (``flat`` itself, reduced in place, for the all-reduce strategies).
 
         Without a compressor ``flat`` may be any tensor the communicator takes
-        (it is reduced whole, flags included, by one all-reduce; a communicator
-        with ``reduce_bucket_async(flat, op, index, tensor_names)`` is given
-        the bucket's index and tensor names with it); with one it
-        is a writable float numpy array whose gradients are compressed by name
-        while its flags are all-reduced uncompressed.
+        (reduced whole, flags included); with one it is a writable float numpy
+        array whose gradients are compressed by name while its flags are
+        all-reduced uncompressed (:class:`~hpctrain.bucket_strategies.Compressed`).
         """
-        if self.bucket_hook is not None:
-            if self.comm.size > 1:
-                self._sent += bucket.numel * flat.itemsize
-            return self.bucket_hook(self.comm, flat, bucket, self.op)
-        if self.reducer is None:
-            if self.comm.size > 1:
-                self._sent += bucket.numel * flat.itemsize
-            by_bucket = getattr(self.comm, "reduce_bucket_async", None)   # (hpctrain.horovod's negotiated comm)
-            if by_bucket is not None:
-                return by_bucket(flat, self.op, bucket.index, [names[i] for i in bucket.members])
-            return self.comm.allreduce_async(flat, op=self.op, inplace=True)
-        entries = [(names[i], flat[off:off + n].reshape(shape))
-                   for i, off, n, shape in zip(bucket.members, bucket.offsets, bucket.numels,
-                                               (shapes[i] for i in bucket.members))]
-        pending = self.reducer.start(entries, op=self.op)
-        flags = self.comm.allreduce_async(flat[bucket.numel:], op=self.op, inplace=True) \
-            if self.comm.size > 1 else None
-
-        def finish() -> None:
-            pending.wait()
-            if flags is not None:
-                flags.wait()
-        return Pending(finish, flat)
+        if self.reducer is None and self.comm.size > 1:
+            self._sent += bucket.numel * flat.itemsize
+        return self.bucket_strategy(self.comm, flat, bucket, names, shapes, self.op)
 
     def flags(self, values: Sequence[float]) -> Tuple[List[bool], List[bool], List[bool]]:
         """Per tensor of a reduced bucket: did any rank have a gradient, send rows, have a dense one.

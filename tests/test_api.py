@@ -115,6 +115,40 @@ def test_world_hooks_run_in_order_and_forget_a_dropped_owner():
     assert ran == [("kept", True), "first"]          # last added first; the dropped and removed ones never ran
 
 
+def test_bucket_strategies_are_found_by_name_refuse_compression_in_one_line_and_survive_a_rebuild():
+    import torch
+
+    from hpctrain.bucket_strategies import strategy_for
+    from hpctrain.comm.handle import done_handle
+    from hpctrain.gradients import GradientAverager
+    from hpctrain.torch import DistributedOptimizer
+    from hpctrain.torch.optimizer import rebuild_on
+
+    hpctrain.shutdown()
+    comm = hpctrain.init("local")
+    with pytest.raises(ValueError, match="unknown bucket strategy 'ring'; expected one of allreduce, local_sgd"):
+        strategy_for("ring")
+    with pytest.raises(ValueError, match="'reduce_scatter' bucket strategy reduces buckets its own way"):
+        GradientAverager(comm, "avg", "fp16", bucket_strategy="reduce_scatter")
+    calls = []
+
+    def doubling(comm, flat, bucket, names, shapes, op):      # a strategy of the program's own
+        calls.append(bucket.index)
+        flat.mul_(2)
+        return done_handle(flat)
+    doubling.takes_compression = False
+    model = torch.nn.Linear(3, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                               bucket_strategy=doubling)
+    rebuild_on(opt, comm, ("avg", None, None, False), 1, 2 ** 20)        # (what following a re-formed world does)
+    sync = opt._hpctrain          # (a world of one sends nothing in step(): the bucket is started by hand)
+    flat = torch.arange(sync.buckets[0].numel + 2, dtype=torch.float32)
+    reduced = sync.averager.start_bucket(flat, sync.buckets[0], sync.names, sync.shapes).wait()
+    assert calls == [0]
+    torch.testing.assert_close(reduced, 2 * torch.arange(sync.buckets[0].numel + 2, dtype=torch.float32))
+    hpctrain.shutdown()
+
+
 def test_segment_bounds_match_array_split():
     for count in (0, 1, 2, 5, 7, 1000003):
         for parts in (1, 2, 3, 4):

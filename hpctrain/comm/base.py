@@ -54,6 +54,8 @@ class Communicator(CallPath, PointToPoint, Primitives):
         topology: node layout of this process.
     """
 
+    bucket_strategy = "allreduce"       # how a gradient bucket is reduced over it (hpctrain.bucket_strategies)
+
     def __init__(self, runtime: Runtime, rank: int, size: int, name: str,
                  world_ranks: Sequence[int], topology: Topology):
         self._rt = runtime

@@ -88,6 +88,8 @@ def _host_view(x) -> Any:
 class NegotiatedComm:
     """The communicator of ``process_set`` with its collectives negotiated (see the module docstring)."""
 
+    bucket_strategy = "negotiated"      # gradient buckets by index and names (hpctrain.bucket_strategies)
+
     def __init__(self, process_set=None):
         self.process_set = basics.global_process_set if process_set is None else process_set
         ps = basics._set_id(self.process_set)

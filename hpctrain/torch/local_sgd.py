@@ -21,7 +21,7 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
-from ..comm.handle import done_handle
+from ..bucket_strategies import LocalSGDBuckets
 from ..optim.local_sgd import LOCAL_SGD_FORMAT, LocalSGD, OuterNesterov
 from .class_swap import subclass_with
 from .flat import flatten, unflatten_into
@@ -58,20 +58,11 @@ def LocalSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Option
             (every rank's steps, the same on every rank after each outer step).
     """
     name = f"LocalSGD{type(optimizer).__name__}"
-    opt = DistributedOptimizer(optimizer, named_parameters, bucket_mb=bucket_mb,
-                               comm=comm if comm is not None else _world())
+    comm = comm if comm is not None else _world()
     outer = OuterNesterov(outer_lr, outer_momentum) if outer_lr is not None else None
-    sync = opt._hpctrain
-    local = LocalSGD(sync.averager.comm, sync_every, warmup_steps, outer, compression, sync_every_s)
-    averaging = sync.averager
-
-    def reduce_bucket(comm, flat, bucket, op):
-        """The bucket-reduction strategy: averaged during the warm-up, kept local after it."""
-        if local.synchronous and comm.size > 1:
-            return comm.allreduce_async(flat, op=op, inplace=True)
-        return done_handle(flat)
-
-    averaging.bucket_hook = reduce_bucket
+    local = LocalSGD(comm, sync_every, warmup_steps, outer, compression, sync_every_s)
+    opt = DistributedOptimizer(optimizer, named_parameters, bucket_mb=bucket_mb, comm=comm,
+                               bucket_strategy=LocalSGDBuckets(local))
     params = [p for group in opt.param_groups for p in group["params"]]
     local.start(flatten(params).numpy())
 

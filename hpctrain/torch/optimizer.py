@@ -57,7 +57,7 @@ __all__ = ["DistributedOptimizer"]
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                          compression=None, op: str = "avg", backward_passes_per_step: int = 1,
                          bucket_mb: float = 25, comm=None, compression_policy: Optional[Policy] = None,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False, bucket_strategy=None) -> torch.optim.Optimizer:
     """Make ``optimizer`` average its gradients across ranks before every step.
 
     The optimizer object itself is returned, its class changed to a subclass
@@ -97,6 +97,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
             rank's rows (the policy and its cost: :mod:`hpctrain.gradients`);
             a gradient that was sparse is handed back sparse (``to_sparse``),
             so optimizers such as SparseAdam keep working.
+        bucket_strategy: how a bucket of gradients is reduced (:mod:`hpctrain.bucket_strategies`: a name or a
+            strategy; default the communicator's own, an all-reduce); kept when the optimizer follows a
+            re-formed world.
     """
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
@@ -111,7 +114,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     if op == "adasum":
         wrap_adasum(optimizer, named_parameters, comm, compression)
     else:
-        averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
+        averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense, bucket_strategy)
         base = type(optimizer)
         cls = subclass_with(_DistributedMixin, base, f"Distributed{base.__name__}")
         sync = GradientSync(optimizer, named_parameters, averager, backward_passes_per_step,
@@ -163,9 +166,8 @@ def rebuild_on(optimizer, comm, averaging: tuple, passes: int, cap_bytes: int) -
     old.remove_hooks()
     op, compression, policy, sparse_as_dense = averaging
     compression = old.averager.compressor if old.averager.compressor is not None else compression
-    optimizer._hpctrain = GradientSync(optimizer, list(zip(old.names, old.params)),
-                                       GradientAverager(comm, op, compression, policy, sparse_as_dense), passes,
-                                       cap_bytes)
+    averager = GradientAverager(comm, op, compression, policy, sparse_as_dense, old.averager.chosen_strategy)
+    optimizer._hpctrain = GradientSync(optimizer, list(zip(old.names, old.params)), averager, passes, cap_bytes)
 
 
 class _DistributedMixin:

@@ -4,7 +4,7 @@
 same autograd hooks, bucket plan and launch order) with a different bucket
 reduction, ZeRO's (:mod:`hpctrain.optim.zero`): a bucket is packed as
 ``N x (c + m)`` rows (chunk ``r`` of its gradients and the has-gradient
-flags) and reduce-scattered through the averager's bucket hook; the result
+flags) and reduce-scattered through the averager's bucket strategy ("reduce_scatter"); the result
 is this rank's chunk of the averaged gradients, which becomes the gradient of
 its shard.  Buckets never mix parameter groups, so a shard has one group's
 hyperparameters.
@@ -30,18 +30,13 @@ __all__ = ["ZeroSync"]
 IN_FLIGHT = 4       # buckets reduce-scattering at once during backward
 
 
-def _reduce_scatter_rows(comm, rows, bucket, op):
-    """The bucket hook: reduce-scatter the ``N x (c + m)`` rows; ``wait()`` gives this rank's row."""
-    return comm.reduce_scatter_async(rows, op=op)
-
-
 class ZeroSync(GradientSync):
     """Buckets of one sharded optimizer: packing into rows, reduce-scatter, this rank's chunk as shard gradients."""
 
     def __init__(self, optimizer, named_parameters, comm, passes_per_step: int, cap_bytes: int, stage: int):
         self.stage = stage
         self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-        super().__init__(optimizer, named_parameters, GradientAverager(comm, "avg", bucket_hook=_reduce_scatter_rows),
+        super().__init__(optimizer, named_parameters, GradientAverager(comm, "avg", bucket_strategy="reduce_scatter"),
                          passes_per_step, cap_bytes)
         self.layout = ShardLayout([b.numel for b in self.buckets], self.comm.size, self.comm.rank)
         self.group = [self._group_of[id(self.params[b.members[0]])] for b in self.buckets]
