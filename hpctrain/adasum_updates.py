@@ -39,7 +39,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .collectives.adasum import adasum_allreduce
 
 __all__ = ["AdasumUpdates", "adasum_wire_dtype"]
 
@@ -59,9 +58,8 @@ class AdasumUpdates:
     """Combine every rank's list of update tensors with Adasum, tensor by tensor, in one reduction.
 
     Args:
-        comm: the communicator (default: the world); a communicator with its
-            own ``adasum_allreduce(x, segments)`` method (hpctrain.horovod's
-            negotiated one) runs it there.
+        comm: the communicator (default: the world); its ``adasum_allreduce(x, segments)`` runs the
+            reduction (hpctrain.horovod's negotiated one negotiates it).
         compression: None or ``"fp16"`` (see the module docstring).
     """
 
@@ -103,8 +101,7 @@ class AdasumUpdates:
         if flat.size:
             self._sent += flat.nbytes
             segments = [lengths[i] for i in keep]
-            own = getattr(self.comm, "adasum_allreduce", None)
-            combined = own(flat, segments) if own is not None else adasum_allreduce(self.comm, flat, segments)
+            combined = self.comm.adasum_allreduce(flat, segments)
             off = 0
             for i in keep:
                 out[i] = combined[off:off + lengths[i]].reshape(arrays[i].shape).astype(arrays[i].dtype)

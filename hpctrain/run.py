@@ -47,9 +47,9 @@ def main(argv=None) -> None:
             sys.exit(1)
         if not isinstance(exc, KeyboardInterrupt):
             _leave_if_elastic(f"hpctrain.run: uncaught exception in {argv[0]}:\n{traceback.format_exc()}", 1)
-        failed = world().failure_message() if is_initialized() else ""
+        failed = world().life.failure_message() if is_initialized() else ""
         if failed:         # (an MPI call failed because ranks died or a node was lost: name them)
-            world().exit_after_failure(f"{failed}\n(the exception in {argv[0]}: {type(exc).__name__}: {exc})")
+            world().life.exit_after_failure(f"{failed}\n(the exception in {argv[0]}: {type(exc).__name__}: {exc})")
         rank = world().rank if is_initialized() else os.environ.get("OMPI_COMM_WORLD_RANK", "?")
         abort_job(f"hpctrain.run: rank {rank}: uncaught exception in {argv[0]}, aborting the job:\n"
                   + traceback.format_exc())
@@ -61,7 +61,7 @@ def _leave_if_elastic(message: str, code: int) -> None:
     from .world import is_initialized, world
 
     if is_initialized():
-        world().failure_policy.fail_alone(world().rank, message)
+        world().life.failure_policy.fail_alone(world().rank, message)
 
 
 if __name__ == "__main__":

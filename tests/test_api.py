@@ -106,11 +106,11 @@ def test_world_hooks_run_in_order_and_forget_a_dropped_owner():
     remove = comm.on_close(lambda: ran.append("removed"), "removed")
     comm.on_interrupt(lambda owner: "a note", owner=dropped)
     comm.on_interrupt(lambda: "the step saved")
-    assert len(comm.interrupt_notes()) == 2
+    assert len(comm.life.interrupt_notes()) == 2
     del dropped
     gc.collect()
     remove()
-    assert [note() for note in comm.interrupt_notes()] == ["the step saved"]
+    assert [note() for note in comm.life.interrupt_notes()] == ["the step saved"]
     hpctrain.shutdown()
     assert ran == [("kept", True), "first"]          # last added first; the dropped and removed ones never ran
 
@@ -147,6 +147,23 @@ def test_bucket_strategies_are_found_by_name_refuse_compression_in_one_line_and_
     assert calls == [0]
     torch.testing.assert_close(reduced, 2 * torch.arange(sync.buckets[0].numel + 2, dtype=torch.float32))
     hpctrain.shutdown()
+
+
+def test_both_communicator_kinds_state_the_feature_protocol_without_probes():
+    from hpctrain.comm.base import Communicator
+    from hpctrain.comm.protocol import CAPABILITIES, FeatureComm
+    from hpctrain.horovod.negotiated import NegotiatedComm
+
+    def stated(obj, name):          # (set on the object or declared on its class, not found by a __getattr__)
+        return name in getattr(obj, "__dict__", {}) or any(name in vars(k) for k in type(obj).__mro__)
+
+    hpctrain.shutdown()
+    comm = hpctrain.init("local")
+    assert isinstance(comm, FeatureComm) and isinstance(comm, Communicator)
+    hpctrain.shutdown()
+    assert not [name for name in CAPABILITIES if not stated(comm, name)]
+    missing = [name for name in CAPABILITIES if not any(name in vars(k) for k in NegotiatedComm.__mro__)]
+    assert not missing, f"NegotiatedComm does not state {missing}"
 
 
 def test_segment_bounds_match_array_split():

@@ -100,3 +100,19 @@ def test_no_code_outside_comm_touches_a_communicators_private_attributes():
                     and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
                 reaches.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
     assert not reaches, "reach-ins into comm/'s private names:\n" + "\n".join(reaches)
+
+
+def test_features_ask_the_communicator_instead_of_probing_it_with_getattr():
+    """``getattr(comm, "name", default)`` on a communicator outside ``comm/`` is a probe the protocol
+    (``comm/protocol.py``) makes unneeded: a capability is stated on both communicator kinds."""
+    probes = []
+    for name, path, tree in modules():
+        if part(name) == "comm" or name == "hpctrain.horovod.negotiated":
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+                target = ast.unparse(node.args[0])
+                if re.search(r"(^|[._])(comm|world)(\(\))?$", target):
+                    probes.append(f"{path.relative_to(REPO)}:{node.lineno}: getattr({target}, {node.args[1].value!r})")
+    assert not probes, "probes of a communicator:\n" + "\n".join(probes)

@@ -135,9 +135,7 @@ class CheckpointManager(CommitSteps):
         self._pending: Optional[_Pending] = None
         self._staging: Dict[str, Dict[str, np.ndarray]] = {"replicated": {}, "sharded": {}}   # host copies, reused
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint")
-        topology = getattr(comm, "topology", None)
-        self.copy_threads = (copy_threads if copy_threads is not None
-                             else default_copy_threads(topology.local_size if topology else 1))
+        self.copy_threads = copy_threads if copy_threads is not None else default_copy_threads(comm.topology.local_size)
         self._copier = HostCopier(self.copy_threads)
         self._last_save_time = time.monotonic()
         self._last_step: Optional[int] = None
@@ -158,17 +156,15 @@ class CheckpointManager(CommitSteps):
         if err:
             raise CheckpointError(err)
         self._register_with(comm)
-        if follow and comm.failure_policy.reforms:      # (held weakly: a dropped manager stops following)
+        if follow and comm.life.failure_policy.reforms:      # (held weakly: a dropped manager stops following)
             from ..world import on_reform
 
             on_reform(CheckpointManager._move_to, owner=self)
 
     def _register_with(self, comm) -> None:
         """Have ``comm``'s close wait for the save in flight, and its interruption say what is saved."""
-        on_close = getattr(comm, "on_close", None)
-        if on_close is not None:
-            on_close(CheckpointManager.wait, f"the checkpoint manager of {self.directory}", owner=self)
-            comm.on_interrupt(CheckpointManager.saved, owner=self)
+        comm.on_close(CheckpointManager.wait, f"the checkpoint manager of {self.directory}", owner=self)
+        comm.on_interrupt(CheckpointManager.saved, owner=self)
 
     def _move_to(self, world) -> None:
         """Go on over a re-formed ``world`` (elastic mode; no collective).

@@ -28,9 +28,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..collectives import registry
+from ..collectives.adasum import adasum_allreduce
 from .call_path import CallPath
 from .data_movement import Exchanges
-from .failure_policy import FailurePolicy, Tolerate
 from .repeated_calls import NOT_LEAN
 from .handle import Handle, Riding, Topology, done_handle, same as _same
 from .point_to_point import PointToPoint
@@ -38,6 +38,7 @@ from .primitives import Primitives
 from .reductions import Reductions
 from .runtime import Runtime
 from .signature import Call
+from .world_life import WorldLife
 
 __all__ = ["Communicator", "Handle", "Riding", "Topology", "done_handle"]
 
@@ -55,10 +56,12 @@ class Communicator(CallPath, PointToPoint, Primitives):
     """
 
     bucket_strategy = "allreduce"       # how a gradient bucket is reduced over it (hpctrain.bucket_strategies)
+    gather_bytes = None                 # a backend's own all-gather of named byte blobs (Horovod's), if it has one
 
     def __init__(self, runtime: Runtime, rank: int, size: int, name: str,
                  world_ranks: Sequence[int], topology: Topology):
         self._rt = runtime
+        self.life = WorldLife(runtime)      # the world's life as features see it: world_life.py
         self._rank = rank
         self._size = size
         self.name = name
@@ -258,7 +261,7 @@ class Communicator(CallPath, PointToPoint, Primitives):
         dropped (:class:`~hpctrain.hooks.Hooks`).
         Returns a function that takes the callback back.
         """
-        return self._rt.on_close(callback, what, owner)
+        return self.life.on_close(callback, what, owner)
 
     def on_rank_failure(self, handler: Callable[[List[int]], None]) -> Callable[[], None]:
         """Let the job go on when ranks fail: ``handler(failed world ranks)`` instead of the abort (or, in
@@ -272,65 +275,7 @@ class Communicator(CallPath, PointToPoint, Primitives):
         (``hpctrain launch --elastic``); without it a failed rank ends the job.
         At shutdown the failed ranks are not waited for.
         """
-        rt = self._rt
-        tolerate = rt.policy = Tolerate(rt, handler, rt.policy)
-
-        def remove() -> None:
-            if rt.policy is tolerate:
-                rt.policy = tolerate.previous
-        return remove
-
-    def allgather_object_unchecked(self, obj: Any) -> List[Any]:
-        """Every rank's ``obj`` through the backend's own all-gather, outside the call check (for the check of
-        the settings that decide the call check itself)."""
-        return self._allgather_object(obj)
-
-    @property
-    def failure_policy(self) -> FailurePolicy:
-        """What failed ranks do to this world (:mod:`hpctrain.comm.failure_policy`): ask it, not the settings."""
-        return self._rt.policy
-
-    @property
-    def failure_detector(self):
-        """The backend's detector of failed ranks (``failed()``, ``settled()``, ``describe()``), or None."""
-        return self._rt.failures
-
-    def failure_message(self) -> str:
-        """Say which world ranks failed and on which nodes ("" if none is known)."""
-        return self._rt.failure_message()
-
-    def exit_after_failure(self, message: str, code: int = 1) -> None:
-        """End this process after ranks failed, telling the others it leaves (never returns)."""
-        self._rt.exit_after_failure(message, code)
-
-    def reserve_collectives(self, thread) -> None:
-        """Let only ``thread`` issue collectives from now on (None: any thread again; hpctrain.horovod's
-        negotiation thread)."""
-        self._rt.owner = thread
-
-    def discard(self) -> None:
-        """Stop this world's runtime on this rank without leaving (elastic mode: the world re-forms)."""
-        self._rt.discard()
-
-    def departed(self, among: Sequence[int]) -> str:
-        """Say which of the world ranks ``among`` have left the job (returned, exited, shut down), as the
-        watchdog would name them; "" if none has."""
-        board = self._rt.departures
-        if board is None:
-            return ""
-        among = set(among)
-        left = [r for r in board.update() if r in among]
-        return board.describe(left) if left else ""
-
-    def left_while_waiting(self, among: Sequence[int], since: float, now: float) -> str:
-        """Say which of the world ranks ``among`` left the job since ``since`` (``time.monotonic()``) while this
-        rank waited for them (as the watchdog names them); "" if none did."""
-        board = self._rt.departures
-        if board is None:
-            return ""
-        board.update()
-        gone = board.blocking(among, since, now)
-        return board.describe(gone) if gone else ""
+        return self.life.tolerate(handler)
 
     def on_interrupt(self, describe: Callable[..., str], owner: Optional[object] = None) -> Callable[[], None]:
         """Have rank 0 print ``describe()`` when a KeyboardInterrupt (Ctrl-C) ends the job; return a remover.
@@ -339,11 +284,12 @@ class Communicator(CallPath, PointToPoint, Primitives):
         step is committed.  With an ``owner``, held weakly, it is
         ``describe(owner)`` (:class:`~hpctrain.hooks.Hooks`).
         """
-        return self._rt.interrupt_hooks.add(describe, owner)
+        return self.life.on_interrupt(describe, owner)
 
-    def interrupt_notes(self) -> List[Callable[[], str]]:
-        """The ``on_interrupt`` callbacks registered now (rank 0 calls them once the interruption is handled)."""
-        return [describe for _, describe in self._rt.interrupt_hooks.entries()]
+    def allgather_object_unchecked(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj`` through the backend's own all-gather, outside the call check (for the check of
+        the settings that decide the call check itself)."""
+        return self._allgather_object(obj)
 
     def close(self, exit_status: int = 0) -> None:
         """Finish the queued calls, leave (see :mod:`hpctrain.comm.departures`), free the node's shared memory.
@@ -359,6 +305,11 @@ class Communicator(CallPath, PointToPoint, Primitives):
         """Release the backend resources of this communicator (not of the world)."""
         self._reductions.forget()       # (its lean paths hold the backend's shared memory)
         self._free()
+
+    def adasum_allreduce(self, x: np.ndarray, segments: Sequence[int]) -> np.ndarray:
+        """The Adasum of every rank's ``x`` (tensors of ``segments`` lengths combined each on its own; see
+        :func:`hpctrain.collectives.adasum.adasum_allreduce`)."""
+        return adasum_allreduce(self, x, segments)
 
     # -- algorithms ---------------------------------------------------------
     def allreduce_algorithms(self) -> Tuple[str, ...]:

@@ -37,8 +37,8 @@ from .base import Compressor, Policy
 
 def _on_timeline(comm, name: str, started: float, **args) -> None:
     """Put a span from ``started`` until now on the communicator's timeline, when it records."""
-    tl = getattr(comm, "timeline", None)      # (hpctrain.horovod's negotiated communicator has none)
-    if tl is not None and tl.on:
+    tl = comm.timeline
+    if tl.on:
         tl.add(name, "compression", started, time.perf_counter(), args)
 
 __all__ = ["CompressedReducer", "Pending", "pack_payloads", "unpack_payloads"]

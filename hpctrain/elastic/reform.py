@@ -67,13 +67,13 @@ def reform():
     from ..world.lifecycle import _replace_world, world
 
     old = world()
-    policy = old.failure_policy
+    policy = old.life.failure_policy
     if not policy.reforms or old.backend != "mpi":
         raise HpctrainError("hpctrain.elastic.reform() needs elastic mode on the MPI backend "
                             "(start the job with `hpctrain launch --elastic ...`)")
     from mpi4py import MPI
 
-    detector = old.failure_detector
+    detector = old.life.failure_detector
     lost = detector.settled(first_within=FIRST_NEWS_S) if detector is not None else []
     lost_text = detector.describe(lost) if detector is not None and lost else "no rank known"
     policy.world_failed(lost)           # (revokes the old communicators if this rank had not heard yet)
@@ -119,7 +119,7 @@ def _discard(old) -> None:
     ends; the cost is the old world's shared memory (its mailbox, and the
     arena and shared buckets where they were made) per re-forming.
     """
-    old.discard()
+    old.life.discard()
     _DISCARDED.append(old)
 
 

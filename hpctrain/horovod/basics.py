@@ -124,7 +124,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         if _state["controller"] is not None:
             return
         world = _hpctrain_init()
-        if world.failure_policy.reforms:        # (what horovodrun's elastic workers read: the rank they started as)
+        if world.life.failure_policy.reforms:        # (what horovodrun's elastic workers read: the rank they started as)
             os.environ.setdefault("HOROVOD_RANK", str(world.rank))
             from ..launcher_protocol import rank_host
 

@@ -100,7 +100,7 @@ class Controller(ReadyRequests):
         self.error: Optional[BaseException] = None
         self._exchange = CycleExchange(world)
         self._thread = threading.Thread(target=self._loop, name="hpctrain-horovod", daemon=True)
-        world.reserve_collectives(self._thread)      # from now on only this thread may issue collectives
+        world.life.reserve_collectives(self._thread)      # from now on only this thread may issue collectives
         self._thread.start()
 
     # -- what the API calls ---------------------------------------------------
@@ -208,12 +208,12 @@ class Controller(ReadyRequests):
             _KEPT.append(self._exchange)    # (freeing a failed world's requests and communicator can hang)
         else:
             self._exchange.free()
-        self.world.reserve_collectives(None)
+        self.world.life.reserve_collectives(None)
 
     def _world_failure(self, exc: BaseException) -> Optional[BaseException]:
         """In elastic mode, the error for ranks that failed under the negotiation (its own doorbell exchange
         included: the whole world is revoked then); None when ``exc`` is not that."""
-        exc = self.world.failure_policy.world_error(exc)
+        exc = self.world.life.failure_policy.world_error(exc)
         return None if exc is None else WorldFailedInHorovod(str(exc), exc.failed)
 
     def _has_news(self) -> bool:

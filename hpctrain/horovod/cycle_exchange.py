@@ -68,7 +68,7 @@ class CycleExchange:
 
     def __init__(self, world):
         self.world = world
-        base = getattr(world, "_base", None) if world.backend == "mpi" else None
+        base = world.mpi_comm if world.backend == "mpi" else None
         self.comm = base.Dup() if base is not None else None
         if self.comm is not None:
             from mpi4py import MPI
@@ -79,7 +79,7 @@ class CycleExchange:
             self._bell_req = self.comm.Irecv(self._bell, source=MPI.ANY_SOURCE, tag=_DOORBELL_TAG)
             self._rings: List[Any] = []            # sends not known to be complete (with their buffers)
             # (elastic mode: a failed rank revokes it with the world's own)
-            self._forget_revoke = world.failure_policy.on_revoke(self.comm.Revoke)
+            self._forget_revoke = world.life.failure_policy.on_revoke(self.comm.Revoke)
 
     @property
     def has_doorbells(self) -> bool:
@@ -119,7 +119,7 @@ class CycleExchange:
         costs each rank a few microseconds of its core instead of the polls'.
         """
         if self.comm is None:
-            gather = getattr(self.world, "gather_bytes", None)     # (where Horovod carries the job: one op)
+            gather = self.world.gather_bytes     # (where Horovod carries the job: one op; else None)
             if gather is None:
                 return self.world.allgather_object(obj)
             blobs = gather(np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8),
@@ -156,7 +156,7 @@ class CycleExchange:
                 self._check_departures(start, now)
 
     def _check_departures(self, since: float, now: float) -> None:
-        gone = self.world.left_while_waiting(range(self.world.size), since, now)
+        gone = self.world.life.left_while_waiting(range(self.world.size), since, now)
         if gone:
             from .pending import HorovodInternalError
             raise HorovodInternalError(f"{gone} while this rank ({self.world.rank}) negotiates Horovod collectives "

@@ -96,7 +96,7 @@ def _reset() -> None:
     while True:
         basics.shutdown()
         try:
-            if world().failure_policy.failed:
+            if world().life.failure_policy.failed:
                 reform()
             basics.init()
             basics.reset_hooks.run()

@@ -110,6 +110,25 @@ class NegotiatedComm:
         call.__name__ = attr
         return call
 
+    @property
+    def timeline(self):
+        """The world's timeline (what the features record, beside the negotiated calls' rows)."""
+        return self._comm.timeline
+
+    @property
+    def topology(self):
+        """The node layout of the process set's communicator."""
+        return self._comm.topology
+
+    @property
+    def life(self):
+        """The world's life (:class:`~hpctrain.comm.world_life.WorldLife`)."""
+        return self._comm.life
+
+    def on_close(self, callback, what: str, owner=None):
+        """Run ``callback`` when the world closes (:meth:`Communicator.on_close`)."""
+        return self._comm.on_close(callback, what, owner)
+
     def reduce_bucket_async(self, flat: Any, op: str, index: int, tensors: Sequence[str]):
         """All-reduce gradient bucket ``index`` (``flat``, in place) holding ``tensors``; ``wait()`` returns it.
 

@@ -125,9 +125,7 @@ class StepMetrics:
 
     def _close_with(self, comm) -> Callable[[], None]:
         """Be closed (flushed) when ``comm`` closes at hpctrain.shutdown() unless closed before."""
-        on_close = getattr(comm, "on_close", None)
-        return (on_close(self.close, f"the step metrics ({self._log_dir or 'in memory'})")
-                if on_close is not None else lambda: None)
+        return comm.on_close(self.close, f"the step metrics ({self._log_dir or 'in memory'})")
 
     def _follow(self, world) -> None:
         """Go on over ``world``, the re-formed world of elastic mode (collective over it: every survivor).

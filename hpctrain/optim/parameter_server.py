@@ -273,13 +273,13 @@ class ShardServer:
 
     def _check_left(self) -> None:
         """End the job when a worker still counted has left it without finishing (it will never push again)."""
-        left = self.comm.departed([self.comm.world_ranks[w] for w in self.live - self.done])
+        left = self.comm.life.departed([self.comm.world_ranks[w] for w in self.live - self.done])
         if left:
             self.comm.abort(f"hpctrain: parameter server rank {self.comm.rank}: {left}, without finishing "
                             f"(ParameterServer.finish()) while this server serves it; ending the job")
 
     def _forget_lost(self) -> None:
-        failed = self.comm.failure_policy.left_behind
+        failed = self.comm.life.failure_policy.left_behind
         if failed:
             self.drop(failed)
         if self.lost & self.live:

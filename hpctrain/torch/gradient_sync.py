@@ -99,8 +99,8 @@ class GradientSync:
 
     def _end_backward(self) -> None:
         self.in_backward = False
-        timeline = getattr(self.comm, "timeline", None)
-        if timeline is not None and timeline.on:   # from the first gradient hook of the pass to its end
+        timeline = self.comm.timeline
+        if timeline.on:   # from the first gradient hook of the pass to its end
             timeline.add("backward", "torch", self.backward_started, time.perf_counter(), {"pass": self.passes})
         if self._final_pass():
             self._launch_upto(len(self.buckets))

@@ -200,8 +200,8 @@ class _DistributedMixin:
 
     def step(self, closure=None):
         """Wait for the averaged gradients (unless already synchronized or skipped), then step."""
-        timeline = getattr(self._hpctrain.comm, "timeline", None)
-        if timeline is None or not timeline.on:
+        timeline = self._hpctrain.comm.timeline
+        if not timeline.on:
             self._before_step()
             return super().step(closure)
         with timeline.span("synchronize gradients", "torch"):

@@ -161,7 +161,7 @@ class ParameterServer:
                 if self.checkpoint_dir else "no checkpoint_dir was given, so a new run starts over")
         # (not MPI_Abort: after a failure under ULFM it can leave Open MPI's launcher deadlocked once every rank has
         # gone; this rank's own exit ends it, and every other survivor learns of the same server and exits too)
-        self.comm.exit_after_failure(f"hpctrain: rank {self.comm.rank}: parameter server {format_ranks(lost)} "
+        self.comm.life.exit_after_failure(f"hpctrain: rank {self.comm.rank}: parameter server {format_ranks(lost)} "
                                          f"(shard {', '.join(map(str, shards))} of {len(self.roles.servers)}) failed "
                                          f"(the process died or its node was lost); the parameters it held are gone, "
                                          f"ending the job: {then}")

@@ -283,8 +283,8 @@ class _ShardedMixin:
             with torch.enable_grad():
                 loss = closure()
         zero = self._hpctrain_zero
-        timeline = getattr(zero.comm, "timeline", None)
-        span = timeline.span if timeline is not None and timeline.on else (lambda *a: contextlib.nullcontext())
+        timeline = zero.comm.timeline
+        span = timeline.span if timeline.on else (lambda *a: contextlib.nullcontext())
         with span("synchronize gradients", "torch"):
             if not zero.sync.skip:
                 zero.sync.synchronize()

@@ -203,7 +203,7 @@ def _shutdown_at_exit() -> None:
             except (OSError, ValueError):       # (a closed or broken stream: nothing more to say there)
                 pass
         os._exit(code or 1)
-    policy = last.failure_policy if last is not None else None
+    policy = last.life.failure_policy if last is not None else None
     if code == 0 and policy is not None and last.rank == 0 and policy.reforms and not _restarting[0]:
         behind = len(policy.left_behind)        # (failed ranks the job went on without: on_rank_failure)
         sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size - behind} ranks after {generation()} re-forming"
@@ -271,7 +271,7 @@ def _install_excepthook(comm: Communicator, previous=None) -> None:
             return previous(kind, value, tb)
         text = "".join(traceback.format_exception(kind, value, tb))
         status = getattr(value, "exit_status", 1)       # (a rank that exited with status N: the job's too)
-        comm.failure_policy.end_after(comm.rank, text, "", value, status if isinstance(status, int) and status > 0
+        comm.life.failure_policy.end_after(comm.rank, text, "", value, status if isinstance(status, int) and status > 0
                                       else 1)
 
     sys.excepthook = hook
@@ -279,7 +279,7 @@ def _install_excepthook(comm: Communicator, previous=None) -> None:
 
 def _say_what_survives(comm: Communicator) -> None:
     """Rank 0: print the ``on_interrupt`` notes (a world of one shuts down first, committing what it can)."""
-    notes = comm.interrupt_notes()
+    notes = comm.life.interrupt_notes()
     if comm.backend == "local":
         try:
             shutdown()

@@ -46,7 +46,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     opt = _native(optimizer, named_parameters=named, compression=settings.compressor,
                   op=settings.op, backward_passes_per_step=backward_passes_per_step,
                   bucket_mb=bucket_mb, comm=settings.comm, sparse_as_dense=sparse_as_dense)
-    if settings.op != "adasum" and process_set is global_process_set and basics.controller().world.failure_policy.reforms:
+    if settings.op != "adasum" and process_set is global_process_set and basics.controller().world.life.failure_policy.reforms:
         _follow_resets(opt, (settings.op, settings.compressor, None, sparse_as_dense), backward_passes_per_step,
                        int(bucket_mb * 2 ** 20))
     opt._parameter_names = {p: n for n, p in named} if named else {
