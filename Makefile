@@ -24,7 +24,7 @@ FAST_FILES := test_api test_compression test_data test_hostcopy test_pipeline_sc
 	test_slurm_hosts test_launch test_settings test_layering test_multirank
 test-fast: setup
 	$(PY) -m pytest $(FAST_FILES:%=tests/%.py) --durations=10 \
-	    -k "not test_multirank or test_ranks and (test_collectives.py-2 or test_torch_training.py-2)"
+	    -k "not test_multirank or test_ranks and (test_collectives.py-2 or test_one_node_paths.py-2 or test_torch_training.py-2)"
 
 bench: setup
 	$(PY) benchmarks/allreduce.py --ranks 2 4 --out results/allreduce

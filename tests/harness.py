@@ -10,6 +10,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RANK_COUNTS = (1, 2, 3, 4)
+# The collectives' files under tests/ranks, by axis (launched together wherever the collectives are run)
+COLLECTIVE_FILES = ["test_collectives.py", "test_point_to_point.py", "test_one_node_paths.py", "test_repeated_calls.py"]
 
 
 def mpirun_cmd(n: int, *extra: str) -> list:

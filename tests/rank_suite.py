@@ -253,6 +253,16 @@ class RankSuite:
         assert ids, f"{where}: no test was collected" + (f" for -k {self.select!r}" if self.select else "")
         assert not problems, f"{where}: {len(problems)} of {len(ids)} tests failed\n" + "\n\n".join(problems)
 
+    def check_files(self, files: Sequence[str]) -> None:
+        """:meth:`check_file` for each of ``files``, all checked before the first failure is raised."""
+        failed = []
+        for file in files:
+            try:
+                self.check_file(file)
+            except AssertionError as exc:
+                failed.append(str(exc))
+        assert not failed, "\n\n".join(failed)
+
     def slowest(self, k: int = 10) -> List[tuple]:
         """Return the ``k`` slowest inner tests as (seconds, id), the slowest rank's time."""
         times = [(max(ev["duration"] for ev in per.values()), tid) for tid, per in self.results.items()]

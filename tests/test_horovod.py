@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness import BIN
+from harness import BIN, COLLECTIVE_FILES
 
 
 def test_horovod_is_installed_with_mpi_and_gloo():
@@ -30,9 +30,9 @@ SMALL = "not 1000003 and not 64mib and not copying_between"
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("n", [2, 4])
 def test_collectives_on_horovod_under_mpirun(n, rank_suites):
-    rank_suites.get("horovod-mpirun", n, ["test_collectives.py"], select="" if n <= 2 else SMALL,
+    rank_suites.get("horovod-mpirun", n, COLLECTIVE_FILES, select="" if n <= 2 else SMALL,
                     HPCTRAIN_BACKEND="horovod",
-                    HPCTRAIN_TEST_EXPECT_BACKEND="horovod").check_file("test_collectives.py")
+                    HPCTRAIN_TEST_EXPECT_BACKEND="horovod").check_files(COLLECTIVE_FILES)
 
 
 def horovodrun_gloo(n):
@@ -47,9 +47,9 @@ def horovodrun_gloo(n):
 @pytest.mark.parametrize("n", [1, 3])
 def test_collectives_under_horovodrun_gloo_pick_horovod(n, rank_suites):
     # No MPI launcher variables exist here, so backend "auto" must choose Horovod.
-    rank_suites.get("horovodrun-gloo", n, ["test_collectives.py"], launcher=horovodrun_gloo,
+    rank_suites.get("horovodrun-gloo", n, COLLECTIVE_FILES, launcher=horovodrun_gloo,
                     select="" if n <= 2 else SMALL,
-                    HPCTRAIN_TEST_EXPECT_BACKEND="horovod").check_file("test_collectives.py")
+                    HPCTRAIN_TEST_EXPECT_BACKEND="horovod").check_files(COLLECTIVE_FILES)
 
 
 @pytest.mark.timeout(1800)

@@ -24,19 +24,20 @@ import time
 import numpy as np
 import pytest
 
-from harness import BIN, REPO, assert_bit_identical, base_env, kill_tree, run, saved_arrays
+from harness import BIN, COLLECTIVE_FILES, REPO, assert_bit_identical, base_env, kill_tree, run, saved_arrays
 
 # (2 x 1 was left out for CI time: 2 x 2 loses a node's every rank, 3 x 2 one node of three)
 LAYOUTS = [(2, 2), (3, 2)]
 COLLECTIVES = ("(world_shape or own_shared_memory or test_allreduce or allgather or broadcast or reduce_scatter "
                "or alltoall or bit_identical or shm_refused or grouped_allreduce_equals or narrow_integer) and not 64mib")
+ACROSS = [f for f in COLLECTIVE_FILES if f != "test_point_to_point.py"]    # (the files COLLECTIVES selects from)
 TRAINING = ["test_torch_training.py", "test_tf_training.py", "test_checkpoint.py"]
 # The rank files run on two layouts that between them have more than one rank a node and more than two
 # nodes (6 ranks on 3x2 took three minutes on the 2-core machine; the node-loss test keeps all four).
 # Keras training across nodes runs on 2x2 only (CI time: TF adds about 25 s to a launch; one rank a node
 # changes nothing in how Keras's gradients reach hpctrain).
-FILE_LAYOUTS = {(2, 2): ["test_collectives.py"] + TRAINING,
-                (3, 1): ["test_collectives.py", "test_torch_training.py", "test_checkpoint.py"]}
+FILE_LAYOUTS = {(2, 2): ACROSS + TRAINING,
+                (3, 1): ACROSS + ["test_torch_training.py", "test_checkpoint.py"]}
 # The collectives' million-value sizes (8 MB a call over 1 Gbit/s links, each dtype and op) run on 2 x 2; 3 x 1 runs
 # the other sizes (0, 1, n - 1: its ring and hierarchical forms over three nodes).
 SMALL_ON = {(2, 2): "", (3, 1): " and not 1000003"}
@@ -53,7 +54,8 @@ def test_across_nodes(nodes, per_node, test_file, cluster, rank_suites):
     files = FILE_LAYOUTS[(nodes, per_node)]
     rank_suites.get(f"nodes-{nodes}x{per_node}", nodes * per_node, files,
                     launcher=lambda n: cluster.mpirun(nodes, per_node), logs_in=str(cluster.shared),
-                    select=f"({COLLECTIVES}{SMALL_ON[(nodes, per_node)]}) or " + " or ".join(f[:-3] for f in files[1:]),
+                    select=f"({COLLECTIVES}{SMALL_ON[(nodes, per_node)]}) or " + " or ".join(f[:-3] for f in files
+                                                                                         if f not in ACROSS),
                     HPCTRAIN_TEST_RANKS_PER_NODE=str(per_node), TMPDIR=str(tmp), **cluster.env,
                     ).check_file(test_file)
 

@@ -6,12 +6,12 @@ that failed.
 """
 import pytest
 
-from harness import RANK_COUNTS, mpirun_cmd
+from harness import COLLECTIVE_FILES, RANK_COUNTS, mpirun_cmd
 
 # The variants below change how ranks reach each other (fake nodes, no shared windows, no cross-memory
 # copies, no C kernel); a world of one reaches nobody, so none of them runs at 1 rank (the default one does).
 
-FILES = ["test_collectives.py", "test_safety.py", "test_frameworks.py", "test_torch_training.py",
+FILES = COLLECTIVE_FILES + ["test_safety.py", "test_frameworks.py", "test_torch_training.py",
          "test_tf_training.py", "test_checkpoint.py", "test_compression.py", "test_compression_training.py",
          "test_pipeline.py", "test_tensor_parallel.py", "test_tf_pipeline.py", "test_algorithm_registry.py",
          "test_observe.py", "test_zero.py", "test_tf_zero.py", "test_local_sgd.py", "test_tf_local_sgd.py",
@@ -33,8 +33,8 @@ def test_ranks(test_file, n, rank_suites):
 def test_collectives_on_fake_nodes(n, rank_suites):
     """The hierarchical (inter-node) path: nodes of 2 ranks, small fusion buffers and shared-memory arena
     (2 ranks would make one node)."""
-    rank_suites.get("fake-nodes", n, ["test_collectives.py"], HPCTRAIN_RANKS_PER_NODE=2,
-                    HPCTRAIN_FUSION_THRESHOLD=1 << 20, HPCTRAIN_SHM_ARENA_BYTES=1 << 20).check_file("test_collectives.py")
+    rank_suites.get("fake-nodes", n, COLLECTIVE_FILES, HPCTRAIN_RANKS_PER_NODE=2, HPCTRAIN_FUSION_THRESHOLD=1 << 20,
+                    HPCTRAIN_SHM_ARENA_BYTES=1 << 20).check_files(COLLECTIVE_FILES)
 
 
 def without_shm_windows(k):
@@ -56,17 +56,19 @@ def test_without_shared_memory_windows(n, rank_suites):
 @pytest.mark.parametrize("n", [2, 3])
 def test_large_sums_through_the_arena(n, rank_suites):
     """HPCTRAIN_CROSS_MEMORY=0: large one-node all-reduces stage through the shared-memory arena, same results and bits."""
-    rank_suites.get("no-cross-memory", n, ["test_collectives.py"], HPCTRAIN_CROSS_MEMORY=0,
+    files = ["test_collectives.py", "test_one_node_paths.py", "test_repeated_calls.py"]
+    rank_suites.get("no-cross-memory", n, files, HPCTRAIN_CROSS_MEMORY=0,
                     select="64mib or inplace or shared or copying_between or grouped or large_results",
-                    ).check_file("test_collectives.py")
+                    ).check_files(files)
 
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("n", [3, 4])
 def test_small_sums_without_the_c_kernel(n, rank_suites):
     """HPCTRAIN_NATIVE_KERNEL=0: the Python exchange does what the C kernel would, with the same results and bits."""
-    rank_suites.get("no-c-kernel", n, ["test_collectives.py"], select="repeated_small or rank_order or mismatch",
-                    HPCTRAIN_NATIVE_KERNEL=0).check_file("test_collectives.py")
+    files = ["test_one_node_paths.py", "test_repeated_calls.py"]
+    rank_suites.get("no-c-kernel", n, files, select="repeated_small or rank_order or mismatch",
+                    HPCTRAIN_NATIVE_KERNEL=0).check_files(files)
 
 
 HOROVOD_API = ["test_horovod_api.py", "test_horovod_tf_api.py"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hpctrain
-from test_collectives import data, reference, same_on_all_ranks
+from collective_inputs import data, reference, same_on_all_ranks
 from test_safety import raised_everywhere, still_works
 
 
