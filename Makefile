@@ -21,7 +21,7 @@ test:
 
 # The edit-test loop (a few minutes): single-process tests, the collectives at 2 ranks, one 2-rank training.
 FAST_FILES := test_api test_compression test_data test_hostcopy test_pipeline_schedule test_results \
-	test_slurm_hosts test_launch test_settings test_layering test_multirank
+	test_slurm_hosts test_launch test_settings test_layering test_storage test_multirank
 test-fast: setup
 	$(PY) -m pytest $(FAST_FILES:%=tests/%.py) --durations=10 \
 	    -k "not test_multirank or test_ranks and (test_collectives.py-2 or test_one_node_paths.py-2 or test_torch_training.py-2)"

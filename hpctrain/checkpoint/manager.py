@@ -34,8 +34,6 @@ file system on several nodes).
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,8 +48,9 @@ from ..errors import EXIT_PREEMPTED, CheckpointError
 from .background_commit import BackgroundCommit
 from .save_protocol import CommitSteps
 from .hostcopy import HostCopier, default_copy_threads
-from .layout import Sharded, describe_error, split_spread, write_files
-from .restore import committed_steps, restore_newest, step_path
+from .layout import Sharded, describe_error, split_spread
+from .restore import restore_newest
+from .storage import FileStorage
 from .state import encode
 
 __all__ = ["CheckpointManager", "Sharded", "CheckpointError", "EXIT_PREEMPTED"]
@@ -128,7 +127,8 @@ class CheckpointManager(CommitSteps):
             from .. import world
             comm = world()
         self.comm = comm
-        self.directory = os.path.abspath(directory)
+        self.storage = FileStorage(directory)       # where the bytes go (storage.py); the steps below decide what
+        self.directory = self.storage.directory
         self.keep, self.async_save = keep, async_save
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.verify_replicas = verify_replicas
@@ -146,10 +146,7 @@ class CheckpointManager(CommitSteps):
         err = None
         if comm.rank == 0:
             try:
-                os.makedirs(self.directory, exist_ok=True)
-                for name in os.listdir(self.directory):   # left by a crash in the middle of a save
-                    if name.startswith("step-") and name.endswith(".partial"):
-                        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                self.storage.prepare()
             except OSError as exc:
                 err = f"cannot use checkpoint directory {self.directory}: {describe_error(exc)}"
         err = comm.broadcast_object(err)
@@ -183,7 +180,7 @@ class CheckpointManager(CommitSteps):
             except Exception:  # noqa: BLE001
                 pass
             if world.rank == 0:
-                shutil.rmtree(pending.partial, ignore_errors=True)
+                self.storage.abort(pending.step)
         self.comm = world
         self._last_step = self.latest_step()
         self._register_with(world)
@@ -199,7 +196,7 @@ class CheckpointManager(CommitSteps):
 
     def all_steps(self) -> List[int]:
         """Return the steps of the committed checkpoints, oldest first (not verified)."""
-        return committed_steps(self.directory)
+        return self.storage.list()
 
     def latest_step(self) -> Optional[int]:
         """Return the step of the newest committed checkpoint, or None (its files are checked by ``restore``)."""
@@ -218,7 +215,7 @@ class CheckpointManager(CommitSteps):
 
     def step_dir(self, step: int) -> str:
         """Return the directory of the checkpoint of ``step``."""
-        return step_path(self.directory, step)
+        return self.storage.location(step)
 
     def save(self, step: int, state: Mapping[str, Any], force: bool = False) -> bool:
         """Save ``state`` as the checkpoint of ``step`` if one is due; return whether a save started.
@@ -308,16 +305,13 @@ class CheckpointManager(CommitSteps):
         if spread:
             shard_ids.add(comm.rank)
         my_shard = min(shard_ids) if shard_ids else None
-        partial = self.step_dir(step) + ".partial"
+        partial = self.storage.partial(step)
         err = None
         if len(shard_ids) > 1:
             err = f"all Sharded entries of one rank must use the same shard id, got {sorted(shard_ids)}"
         elif comm.rank == 0:
             try:
-                shutil.rmtree(partial, ignore_errors=True)
-                if os.path.exists(self.step_dir(step)):
-                    raise FileExistsError(f"{self.step_dir(step)} exists already")
-                os.makedirs(partial)
+                self.storage.begin(step)
             except OSError as exc:
                 err = f"cannot create {partial}: {describe_error(exc)}"
         plan = comm.allgather_object((my_shard, err))
@@ -349,7 +343,7 @@ class CheckpointManager(CommitSteps):
         if self.async_save:
             writers = {shard_of_rank.index(s) for s in set(shard_of_rank) if s is not None} | {0}
             awaited = [r for r in range(1, comm.size) if verify or r in writers]
-            future = self._pool.submit(self._write, partial, jobs, meta, comm.rank in awaited)
+            future = self._pool.submit(self._write, step, jobs, meta, comm.rank in awaited)
             committer = None
             if comm.rank == 0:
                 committer = BackgroundCommit(partial, future, awaited, comm.size,
@@ -359,7 +353,7 @@ class CheckpointManager(CommitSteps):
         else:
             fut: Future = Future()
             try:
-                fut.set_result(write_files(partial, jobs, meta))
+                fut.set_result(self.storage.write_part(step, jobs, meta))
             except BaseException as exc:  # noqa: BLE001 - delivered at commit
                 fut.set_exception(exc)
             self._pending = _Pending(step, partial, fut)

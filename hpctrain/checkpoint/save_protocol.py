@@ -1,8 +1,8 @@
 """How a save ends: every rank's write result gathered, rank 0 commits (or removes) it, errors raised everywhere.
 
 A mixin of :class:`hpctrain.checkpoint.manager.CheckpointManager` (uses its
-``comm``, ``keep``, ``verify_replicas``, ``_pending``, ``step_dir`` and
-``all_steps``).  The protocol, in named steps: ``_write`` (each rank's
+``comm``, ``keep``, ``verify_replicas``, ``_pending`` and ``storage``, whose
+named steps put the bytes in place: :mod:`hpctrain.checkpoint.storage`).  The protocol, in named steps: ``_write`` (each rank's
 files, on its writer thread; with markers, rank 0 hears of it at once),
 ``_commit`` (an allgather of the write results; rank 0 claims the commit
 unless its background committer did), ``_finalize`` (replicas compared,
@@ -13,12 +13,11 @@ pruned), and ``_raise_any`` (one rank's error is every rank's
 from __future__ import annotations
 
 import logging
-import shutil
 from typing import List, Optional
 
 from ..errors import CheckpointError
 from .background_commit import post_written, remove_markers
-from .layout import compare_replicas, describe_error, failed_on, write_files, write_manifest
+from .layout import compare_replicas, describe_error, failed_on
 
 __all__ = ["CommitSteps"]
 
@@ -29,17 +28,18 @@ class CommitSteps:
     """The write and commit steps of one manager's saves (see the module docstring)."""
 
     def _raise_any(self, step: int, partial: str, errors: List[Optional[str]]) -> None:
-        """Raise CheckpointError on every rank if any rank reported an error (rank 0 removes ``partial``)."""
+        """Raise CheckpointError on every rank if any rank reported an error (rank 0 aborts the step)."""
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if bad:
             if self.comm.rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)
+                self.storage.abort(step)
             raise CheckpointError(failed_on(f"checkpoint of step {step} failed; nothing was committed", bad))
 
-    def _write(self, partial: str, jobs, meta: dict, marker: bool) -> dict:
+    def _write(self, step: int, jobs, meta: dict, marker: bool) -> dict:
         """The write step of an asynchronous save (writer thread); with ``marker``, then tell rank 0 it is done."""
+        partial = self.storage.partial(step)
         try:
-            result = write_files(partial, jobs, meta)
+            result = self.storage.write_part(step, jobs, meta)
         except Exception as exc:
             if marker:
                 post_written(partial, self.comm.rank, None, describe_error(exc))
@@ -81,20 +81,15 @@ class CommitSteps:
             errors[0] = errors[0] or replica_msg
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if bad:
-            shutil.rmtree(partial, ignore_errors=True)
+            self.storage.abort(step)
             return failed_on(f"checkpoint of step {step} in {self.directory} failed; nothing was committed", bad)
         if replica_msg:
             log.warning("hpctrain: checkpoint of step %d: %s", step, replica_msg)
         try:
             remove_markers(partial, range(self.comm.size))
-            write_manifest(partial, self.step_dir(step), step, self.comm.size,
-                           [res for res in results if res.get("meta") is not None])
-            self._prune()
+            self.storage.commit(step, self.comm.size, [res for res in results if res.get("meta") is not None])
+            self.storage.prune(self.keep)
         except Exception as exc:  # noqa: BLE001 - reported on every rank
-            shutil.rmtree(partial, ignore_errors=True)
+            self.storage.abort(step)
             return f"committing the checkpoint of step {step} failed: {describe_error(exc)}"
         return None
-
-    def _prune(self) -> None:
-        for old in self.all_steps()[:-self.keep]:
-            shutil.rmtree(self.step_dir(old), ignore_errors=True)

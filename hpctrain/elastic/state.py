@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import deque
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..checkpoint import Sharded
+from ..checkpoint.storage import MemoryStorage
 from ..errors import HpctrainError
 
 __all__ = ["State", "ObjectState"]
@@ -37,7 +37,7 @@ class State:
     """
 
     def __init__(self):
-        self._commits: deque = deque(maxlen=KEPT_COMMITS)      # (number, copy), oldest first
+        self._commits = MemoryStorage(KEPT_COMMITS)      # numbered copies, the last KEPT_COMMITS (checkpoint/storage.py)
         self._number = 0                                        # commits so far (the number of the newest)
         self.commit_s = 0.0                                     # time of the last commit
         self._reset_callbacks: List[Callable[[], object]] = []
@@ -63,7 +63,7 @@ class State:
         """Keep a copy of the state (in this process's memory) that :meth:`restore` and a re-forming go back to."""
         start = time.perf_counter()
         self._number += 1
-        self._commits.append((self._number, self._capture()))
+        self._commits.save(self._number, self._capture())
         self.commit_s = time.perf_counter() - start
 
     def commit(self) -> None:
@@ -87,16 +87,16 @@ class State:
 
     def restore(self, number: Optional[int] = None) -> None:
         """Go back to commit ``number`` (default: the newest).  Raises HpctrainError when it is not kept."""
-        if not self._commits:
+        kept = self._commits.list()
+        if not kept:
             raise HpctrainError("nothing to restore: commit() the state first")
-        for n, saved in reversed(self._commits):
-            if number is None or n == number:
-                self._apply(saved)
-                self._number = n
-                while self._commits and self._commits[-1][0] > n:
-                    self._commits.pop()
-                return
-        raise HpctrainError(f"commit {number} is not kept here (kept: {[n for n, _ in self._commits]})")
+        n = kept[-1] if number is None else number
+        if n not in kept:
+            raise HpctrainError(f"commit {number} is not kept here (kept: {kept})")
+        self._apply(self._commits.read(n))
+        self._number = n
+        for later in kept[kept.index(n) + 1:]:
+            self._commits.remove(later)
 
     def sync(self, comm=None) -> None:
         """Make every rank's state rank 0's (collective), then commit it."""
@@ -114,7 +114,7 @@ class State:
         from ..world import comm_or_world
 
         comm = comm_or_world(comm)
-        kept = comm.allgather_object([n for n, _ in self._commits])
+        kept = comm.allgather_object(self._commits.list())
         common = set(kept[0]).intersection(*map(set, kept[1:]))
         if not common:
             raise HpctrainError(f"the ranks kept no common commit to go back to (rank: commits kept): "
@@ -230,7 +230,7 @@ class ObjectState(State):
     def _recover_spread(self, comm) -> None:
         """Give each spread value (committed as parts) the chunks of the new world from the old world's parts:
         each old rank's own copy where it survived, else its buddy's (:func:`hpctrain.elastic.peer_copy.recover`)."""
-        saved = self._commits[-1][1]
+        saved = self._commits.read(self._commits.list()[-1])
         spread = [(name, value) for name, value in saved.items() if isinstance(value, _Spread)]
         for name, value in spread:
             value.load_all(getattr(self, name), comm)
