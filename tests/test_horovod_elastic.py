@@ -86,3 +86,17 @@ def test_horovod_style_tensorflow_elastic_script_survives_a_killed_rank(tmp_path
     assert [(r["size"], r["start_rank"], r["entered"]) for r in lines[:-1]] == [(3, 0, 1), (2, 0, 2), (2, 0, 2)]
     assert all(r["lr"] == pytest.approx(0.01 * r["size"]) for r in lines[:-1]), lines
     assert lines[-1] == {"identical": True, "ranks": 2, "iterations": 18}, lines
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_killed_inside_a_negotiated_collective_makes_the_others_reset_instead_of_waiting(tmp_path):
+    """The collective of a request the negotiation had agreed was running when its rank died: the survivors'
+    handles fail (HorovodInternalError), hvd.elastic.run resets on 2 ranks and finishes every step (before, the
+    request had left the negotiation's table and its handle was never finished: the survivors waited for ever)."""
+    log = tmp_path / "log.jsonl"
+    program = REPO / "tests" / "programs" / "hvd_elastic_kill_in_collective.py"
+    res = run([str(BIN / "hpctrain"), "launch", "--elastic", "-n", "3", str(program), "--log", str(log)],
+              base_env(HPCTRAIN_STALL_TIMEOUT_S=60), 60)          # (about 7 s on 2 cores; the hang never ended)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert json.loads(log.read_text()) == {"size": 2, "steps": 6, "entered": 2}
+    assert "the elastic job finished with 2 ranks after 1 re-forming\n" in res.stdout

@@ -65,6 +65,10 @@ class ReadyRequests:
             error = None
         except (ValueError, TypeError, ArithmeticError) as exc:   # a bad argument the signature did not show
             results, error = [None] * len(mine), exc
+        except BaseException:       # (the world failed under it: the loop's end fails what is open, these too)
+            with self._cv:
+                self._mine.update((req.name, req) for req in mine if req is not None)
+            raise
         if self.timeline is not None:
             self.timeline.ran(group, mine, started, time.time(), self.world.backend)
         for req, value in zip(mine, results):
