@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -137,6 +138,9 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
         killed_at = recovered_at = caught_up_at = None
         before = resumed = None
         log = []
+        # (a job that hangs silently writes nothing more: end it at the limit, so the loop below ends too)
+        limit = threading.Timer(args.timeout, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
+        limit.start()
         seen = {}         # (node loss, hpctrain: when the launcher said so, restarted, loaded the checkpoint)
         try:
             for line in proc.stdout:
@@ -174,6 +178,7 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
                         caught_up_at = now
             proc.wait(timeout=args.timeout)
         finally:
+            limit.cancel()
             for p in (proc, *helpers):
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
@@ -187,7 +192,8 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
             print(f"{peer}: the run failed before the kill (exit status {proc.returncode}); retrying", flush=True)
             return one_run(peer, args, attempt + 1)
         if "finished:" not in text or recovered_at is None:
-            raise RuntimeError(f"{peer}: exit status {proc.returncode}, no recovery seen:\n{text[-3000:]}")
+            raise RuntimeError(f"{peer}: exit status {proc.returncode}, no recovery seen (within --timeout "
+                               f"{args.timeout:g} s):\n{text[-3000:]}")
         row = {"peer": peer, "recovered_s": recovered_at - killed_at, "caught_up_s": caught_up_at - killed_at,
                "before": before}
         if peer == "hpctrain" and node:
