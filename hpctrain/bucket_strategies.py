@@ -98,11 +98,12 @@ class Compressed:
     takes_compression = False
 
     def __init__(self, inner, reducer):
-        if not inner.takes_compression:
-            raise ValueError(f"the {inner.name!r} bucket strategy reduces buckets its own way: it does not take "
-                             "compression")
+        name = getattr(inner, "name", getattr(inner, "__name__", repr(inner)))    # (a program's own: a function)
+        if not getattr(inner, "takes_compression", False):
+            raise ValueError(f"the {name!r} bucket strategy reduces buckets its own way: it does not take "
+                             "compression (a strategy of your own says it does with takes_compression = True)")
         self.inner, self.reducer = inner, reducer
-        self.name = f"compressed({inner.name})"
+        self.name = f"compressed({name})"
 
     def __call__(self, comm, flat: Any, bucket: Bucket, names: Sequence[str], shapes: Sequence[tuple], op: str):
         entries = [(names[i], flat[off:off + n].reshape(shapes[i]))

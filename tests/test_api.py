@@ -136,7 +136,8 @@ def test_bucket_strategies_are_found_by_name_refuse_compression_in_one_line_and_
         calls.append(bucket.index)
         flat.mul_(2)
         return done_handle(flat)
-    doubling.takes_compression = False
+    with pytest.raises(ValueError, match="'doubling' bucket strategy reduces buckets its own way"):
+        GradientAverager(comm, "avg", "fp16", bucket_strategy=doubling)
     model = torch.nn.Linear(3, 2)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
                                bucket_strategy=doubling)
