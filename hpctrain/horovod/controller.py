@@ -88,6 +88,7 @@ class Controller(ReadyRequests):
         self._join_sent = False
         self._stop: tuple = ()                       # (why, exit status) once this rank stops
         self._stopped_by = ("", 1)                   # why the ranks stopped and the status to end with
+        self._ended = False                          # the thread failed what was open: nothing more is taken
         self._next_set = max(sets) + 1
         self._cycle = 0
         self._pause = 0.0
@@ -180,7 +181,7 @@ class Controller(ReadyRequests):
     def _raise_if_stopped(self) -> None:
         if isinstance(self.error, WorldFailedError):
             raise WorldFailedInHorovod(str(self.error), self.error.failed)
-        if self.error is not None or not self._thread.is_alive():
+        if self.error is not None or self._ended or not self._thread.is_alive():
             raise HorovodInternalError(f"Horovod has been shut down on rank {self.rank}"
                                        + (f": {self.error}" if self.error is not None else ""))
 
@@ -198,6 +199,7 @@ class Controller(ReadyRequests):
             reason = HorovodInternalError(f"Horovod has been shut down: {self._stopped_by[0]}")
             reason.exit_status = self._stopped_by[1]
         with self._cv:
+            self._ended = True      # (a request started from now on would wait for ever: submit() refuses it)
             for req in list(self._mine.values()) + self._new:
                 req.handle._finish(error=reason)
             self._mine.clear()
