@@ -111,6 +111,16 @@ def test_world_hooks_run_in_order_and_forget_a_dropped_owner():
     gc.collect()
     remove()
     assert [note() for note in comm.life.interrupt_notes()] == ["the step saved"]
+    before, server = comm.life.failure_policy, Owner()
+    told = []
+    comm.on_rank_failure(lambda owner, failed: told.append((owner is server, failed)), owner=server)
+    tolerating = comm.life.failure_policy
+    assert tolerating is not before and not tolerating.reforms
+    tolerating.handler([3])          # (what the watchdog does when rank 3 is known to have failed)
+    assert told == [(True, [3])]
+    del server
+    gc.collect()
+    assert comm.life.failure_policy is before          # (the owner dropped: the policy before is back)
     hpctrain.shutdown()
     assert ran == [("kept", True), "first"]          # last added first; the dropped and removed ones never ran
 

@@ -263,7 +263,7 @@ class Communicator(CallPath, PointToPoint, Primitives):
         """
         return self.life.on_close(callback, what, owner)
 
-    def on_rank_failure(self, handler: Callable[[List[int]], None]) -> Callable[[], None]:
+    def on_rank_failure(self, handler: Callable[..., None], owner: Optional[object] = None) -> Callable[[], None]:
         """Let the job go on when ranks fail: ``handler(failed world ranks)`` instead of the abort (or, in
         elastic mode, the re-forming); return a function that restores those.
 
@@ -273,9 +273,11 @@ class Communicator(CallPath, PointToPoint, Primitives):
         complete: what goes on talks point to point (:meth:`recv_any`), as a
         parameter server does.  Needs MPI's fault-tolerance extension
         (``hpctrain launch --elastic``); without it a failed rank ends the job.
-        At shutdown the failed ranks are not waited for.
+        At shutdown the failed ranks are not waited for.  With an ``owner``,
+        held weakly, it is ``handler(owner, failed)`` and ends when the owner
+        is dropped (the shape of every callback on the world's life).
         """
-        return self.life.tolerate(handler)
+        return self.life.tolerate(handler, owner)
 
     def on_interrupt(self, describe: Callable[..., str], owner: Optional[object] = None) -> Callable[[], None]:
         """Have rank 0 print ``describe()`` when a KeyboardInterrupt (Ctrl-C) ends the job; return a remover.

@@ -12,8 +12,10 @@ Cost: none per collective; each method is one call into the runtime.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, List, Optional, Sequence
 
+from ..hooks import Hooks
 from .failure_policy import FailurePolicy, Tolerate
 
 __all__ = ["WorldLife"]
@@ -43,15 +45,20 @@ class WorldLife:
         """End this process after ranks failed, telling the others it leaves (never returns)."""
         self._rt.exit_after_failure(message, code)
 
-    def tolerate(self, handler: Callable[[List[int]], None]) -> Callable[[], None]:
+    def tolerate(self, handler: Callable[..., None], owner: Optional[object] = None) -> Callable[[], None]:
         """Put the :class:`~hpctrain.comm.failure_policy.Tolerate` policy with ``handler`` in place of the
-        current one (:meth:`Communicator.on_rank_failure`); return a function that restores it."""
-        rt = self._rt
-        tolerate = rt.policy = Tolerate(rt, handler, rt.policy)
+        current one (:meth:`Communicator.on_rank_failure`); return a function that restores it.  With an
+        ``owner``, held weakly, it is ``handler(owner, failed)``, and the policy before comes back once the
+        owner is dropped (:class:`~hpctrain.hooks.Hooks`' shape)."""
+        rt, hooks = self._rt, Hooks("rank failure")
+        hooks.add(handler, owner)
+        tolerate = rt.policy = Tolerate(rt, hooks.run, rt.policy)
 
         def remove() -> None:
             if rt.policy is tolerate:
                 rt.policy = tolerate.previous
+        if owner is not None:
+            weakref.finalize(owner, remove)
         return remove
 
     def reserve_collectives(self, thread) -> None:

@@ -124,11 +124,12 @@ def init(backend: str = "auto") -> Communicator:
                 raise settings.SettingError(f"HPCTRAIN_TIMELINE={config.timeline!r}: {why}")
             write_trace_at_close(w, config.timeline, on_reform)      # (over each re-formed world too)
         _world = w
-        if config.elastic and w.rank == 0:       # (hpctrain launch --elastic looks for it: see run_elastic)
+        reforms = w.life.failure_policy.reforms      # (elastic mode, as the policy chosen with the runtime says)
+        if reforms and w.rank == 0:       # (hpctrain launch --elastic looks for it: see run_elastic)
             sys.stdout.write(f"{ELASTIC_STARTED} {w.size} ranks; a failed rank leaves the others going on down to "
                              f"{settings.get('HPCTRAIN_ELASTIC_MIN_NP')}\n")
             sys.stdout.flush()
-        if config.elastic:
+        if reforms:
             write_world(w)
         _install_excepthook(w)
         _install_atexit()       # (a world of one too: its timeline and on_close callbacks run at exit)
