@@ -102,7 +102,7 @@ class Compressed:
         if not getattr(inner, "takes_compression", False):
             raise ValueError(f"the {name!r} bucket strategy reduces buckets its own way: it does not take "
                              "compression (a strategy of your own says it does with takes_compression = True)")
-        self.inner, self.reducer = inner, reducer
+        self.reducer = reducer      # (the inner strategy only vouches for compression: its transport is not used)
         self.name = f"compressed({name})"
 
     def __call__(self, comm, flat: Any, bucket: Bucket, names: Sequence[str], shapes: Sequence[tuple], op: str):
