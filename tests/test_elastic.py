@@ -292,19 +292,19 @@ def test_a_lost_part_and_its_copy_fall_back_to_the_disk_checkpoint_bit_identical
 
 
 def test_peer_copies_go_to_another_node_and_a_damaged_one_is_refused():
-    from hpctrain.elastic import peer_copy
+    from hpctrain.checkpoint import peer_storage
 
-    assert peer_copy.buddies([0, 0, 1, 1]) == [2, 2, 0, 0]
-    assert peer_copy.buddies([0, 1, 0, 1]) == [1, 2, 3, 0]
-    assert peer_copy.buddies([0, 0, 0]) == [1, 2, 0]
+    assert peer_storage.buddies([0, 0, 1, 1]) == [2, 2, 0, 0]
+    assert peer_storage.buddies([0, 1, 0, 1]) == [1, 2, 3, 0]
+    assert peer_storage.buddies([0, 0, 0]) == [1, 2, 0]
     part = {"b0": {"exp_avg": np.arange(5, dtype=np.float32)}, "b1": {}}
-    raw, crc = peer_copy.pack(part)
-    back = peer_copy.unpack(raw, crc)
+    raw, crc = peer_storage.pack(part)
+    back = peer_storage.unpack(raw, crc)
     assert sorted(back) == ["b0", "b1"] and np.array_equal(back["b0"]["exp_avg"], part["b0"]["exp_avg"])
     damaged = raw.copy()
     damaged[len(damaged) // 2] ^= 1
     with pytest.raises(ValueError, match="checksum"):
-        peer_copy.unpack(damaged, crc)
+        peer_storage.unpack(damaged, crc)
 
 
 @pytest.mark.timeout(120)

@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 from .. import settings
 from ..errors import WorldFailedError
 from .hosts import record_resets, resets_done, resume
-from .peer_copy import PartLost
+from ..checkpoint.peer_storage import PartLost
 from .reform import WorldTooSmallError, reform
 
 __all__ = ["run", "retry", "Recovery", "reset_limit_reached", "count_resets", "end_job"]

@@ -12,7 +12,7 @@ optimizer's tensors), no communication.  A value spread over the ranks (a
 :class:`~hpctrain.torch.ShardedOptimizer`) is committed as this rank's part
 plus a copy on a buddy rank of another node (one all-to-all of ``1/N`` of it),
 and rebuilt after a re-forming from the survivors' parts and copies
-(:mod:`hpctrain.elastic.peer_copy`).
+(:mod:`hpctrain.checkpoint.peer_storage`).
 """
 from __future__ import annotations
 
@@ -142,8 +142,8 @@ class State:
     def from_disk(self) -> object:
         """Run the disk fallback (:meth:`register_disk_fallback`) and commit what it loaded; return its result.
 
-        Raises the :class:`~hpctrain.elastic.peer_copy.PartLost` it was called for when none is registered."""
-        from .peer_copy import PartLost
+        Raises the :class:`~hpctrain.checkpoint.peer_storage.PartLost` it was called for when none is registered."""
+        from ..checkpoint.peer_storage import PartLost
 
         if self._from_disk is None:
             raise PartLost("no disk fallback is registered (state.register_disk_fallback)")
@@ -229,7 +229,7 @@ class ObjectState(State):
 
     def _recover_spread(self, comm) -> None:
         """Give each spread value (committed as parts) the chunks of the new world from the old world's parts:
-        each old rank's own copy where it survived, else its buddy's (:func:`hpctrain.elastic.peer_copy.recover`)."""
+        each old rank's own copy where it survived, else its buddy's (:func:`hpctrain.elastic.peer_storage.recover`)."""
         saved = self._commits.read(self._commits.list()[-1])
         spread = [(name, value) for name, value in saved.items() if isinstance(value, _Spread)]
         for name, value in spread:
@@ -261,7 +261,7 @@ def _is_spread(value: Any) -> bool:
 
 class _Spread:
     """The commit of a value spread over the ranks: the common part, this rank's part (bytes + CRC) and the parts
-    of the ranks whose buddy this rank is (:mod:`hpctrain.elastic.peer_copy`).  Sharded over the world."""
+    of the ranks whose buddy this rank is (:mod:`hpctrain.checkpoint.peer_storage`).  Sharded over the world."""
 
     def __init__(self, common, own, wards, rank: int, size: int):
         self.common, self.own, self.wards, self.rank, self.size = common, own, wards, rank, size
@@ -269,25 +269,25 @@ class _Spread:
     @classmethod
     def capture(cls, value) -> "_Spread":
         from ..world import world
-        from . import peer_copy
+        from ..checkpoint import peer_storage
 
         comm = world()
         if getattr(value, "shard_comm", comm) is not comm:
             raise HpctrainError("an elastic state commits a ShardedOptimizer as parts of the world's ranks: shard "
                                 "it over the world (comm=None), not over a group")
         common, own = value.shard_state_dict()
-        raw, crc = peer_copy.pack(own)
-        return cls(copy.deepcopy(common), (raw, crc), peer_copy.exchange(comm, raw, crc), comm.rank, comm.size)
+        raw, crc = peer_storage.pack(own)
+        return cls(copy.deepcopy(common), (raw, crc), peer_storage.exchange(comm, raw, crc), comm.rank, comm.size)
 
     def load_own(self, value, strict: bool = True) -> None:
         """Put this rank's part back (the world of the commit); in another world only a recovery can
         (:meth:`load_all`): HpctrainError when ``strict``, else left to it."""
         from ..world import world
-        from . import peer_copy
+        from ..checkpoint import peer_storage
 
         w = world()
         if (w.rank, w.size) == (self.rank, self.size):
-            part = peer_copy.unpack(*self.own)
+            part = peer_storage.unpack(*self.own)
             value.load_shard_state_dict(self.common, lambda r: part)
         elif strict:
             raise HpctrainError(f"this commit holds rank {self.rank}'s part of a state sharded over {self.size} "
@@ -295,9 +295,9 @@ class _Spread:
                                 "can bring it back here")
 
     def load_all(self, value, comm) -> None:
-        from . import peer_copy
+        from ..checkpoint import peer_storage
 
-        parts = peer_copy.recover(comm, self.rank, self.own, self.wards, self.size)
+        parts = peer_storage.recover(comm, self.rank, self.own, self.wards, self.size)
         value.load_shard_state_dict(self.common, parts.__getitem__)
 
 

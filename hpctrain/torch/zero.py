@@ -123,7 +123,7 @@ def _reshard_on(optimizer, world, base: type, passes: int, cap_bytes: int) -> No
     """Shard ``optimizer`` anew over ``world`` (a re-formed world, elastic mode); its chunks start without state.
 
     The state comes back from the elastic commit being restored: every old
-    rank's part, from its own copy or its buddy's (:mod:`hpctrain.elastic.peer_copy`),
+    rank's part, from its own copy or its buddy's (:mod:`hpctrain.checkpoint.peer_storage`),
     resharded by ``load_shard_state_dict``.
     """
     shards = optimizer._hpctrain_zero
