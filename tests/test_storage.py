@@ -62,3 +62,84 @@ def test_memory_storage_keeps_the_newest_commits_and_refuses_a_second_commit_of_
     assert storage.list() == [2, 3]
     storage.remove(3)
     assert storage.list() == [2]
+
+
+@pytest.fixture
+def world_of_one():
+    import hpctrain
+
+    hpctrain.shutdown()
+    yield hpctrain.init("local")
+    hpctrain.shutdown()
+
+
+def test_peer_storage_keeps_the_newest_parts_checked_and_gives_them_back_in_their_dtypes(world_of_one):
+    """The buddy copies' storage (checkpoint/peer_storage.py) encodes as the checkpoint does: bfloat16 tensors,
+    numpy arrays, scalars and nested containers come back equal and of their types; a damaged copy is refused."""
+    import torch
+
+    from hpctrain.checkpoint.peer_storage import PartLost, PeerStorage
+    from hpctrain.checkpoint.tensorfile import CorruptFileError
+
+    def part(step):
+        g = torch.Generator().manual_seed(step)
+        return {"b0": {"exp_avg": torch.randn(7, generator=g).to(torch.bfloat16),
+                       "step": torch.tensor(float(step))},
+                "b1": {"count": np.arange(step, step + 3, dtype=np.int64), "lr": 0.5 * step, "ids": (1, [2, 3])}}
+
+    storage = PeerStorage(world_of_one, kept=2)
+    for step in (1, 2, 3):
+        storage.save(step, part(step))
+    assert storage.list() == [2, 3]
+    with pytest.raises(FileExistsError, match="commit 3 exists already"):
+        storage.begin(3)
+    for got in (storage.read(3), storage.recover(3, world_of_one)[0]):
+        want = part(3)
+        assert got["b0"]["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(got["b0"]["exp_avg"], want["b0"]["exp_avg"])
+        assert torch.equal(got["b0"]["step"], want["b0"]["step"])
+        np.testing.assert_array_equal(got["b1"]["count"], want["b1"]["count"])
+        assert got["b1"]["lr"] == 1.5 and got["b1"]["ids"] == (1, [2, 3])
+    got = storage.read(2)
+    got["b0"]["exp_avg"].zero_()                # (what is read is a copy: the stored part stays as it was)
+    assert torch.equal(storage.read(2)["b0"]["exp_avg"], part(2)["b0"]["exp_avg"])
+    raw, _ = storage._steps[3][0]
+    raw[len(raw) // 2] ^= 1
+    with pytest.raises(CorruptFileError, match="does not match its checksum"):
+        storage.read(3)
+    with pytest.raises(PartLost, match=r"old rank\(s\) \[0\]"):
+        storage.recover(3, world_of_one)
+
+
+def test_a_bfloat16_sharded_optimizer_in_an_elastic_state_goes_back_to_its_commit(world_of_one):
+    """ZeRO's state is committed through the peer storage: a bfloat16 model's moments come back bit for bit."""
+    import torch
+
+    import hpctrain.torch as ht
+    from hpctrain.elastic import ObjectState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3).to(torch.bfloat16)
+    opt = ht.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), stage=2,
+                              named_parameters=model.named_parameters())
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(4, 6, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+
+    step()
+    state = ObjectState(optimizer=opt)
+
+    def moments():
+        return [v.clone() for _, st in sorted(opt.shard_state_dict()[1].items()) for _, v in sorted(st.items())]
+
+    before = moments()
+    step()
+    step()
+    moments_after_steps = moments()[0]
+    state.restore()
+    again = moments()
+    assert len(again) == len(before) > 0 and not torch.equal(again[0], moments_after_steps)
+    for a, b in zip(again, before):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)

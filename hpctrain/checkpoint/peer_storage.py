@@ -2,14 +2,17 @@
 
 A state spread over the ranks (a :class:`~hpctrain.torch.ShardedOptimizer`:
 each rank holds its own chunks) is committed without gathering it: each rank
-keeps its part (:func:`pack`: a safetensors byte string with its CRC-32, no
-pickle) and sends a copy to its *buddy*, the next rank (cyclically) on
+keeps its part (:func:`pack`: the checkpoint's encoding, a safetensors byte
+string from :func:`~hpctrain.checkpoint.tensorfile.encode_tensors` with its
+CRC-32 and the tree in its metadata, no pickle) and sends a copy to its *buddy*, the next rank (cyclically) on
 another node, or the next rank on a one-node world (:func:`buddies`,
 :func:`exchange`: one all-to-all).  After a failure :func:`recover` gives
 every survivor every old rank's part: the rank's own copy where it
 survived, else its buddy's; a part whose copy fails its checksum counts as
 lost.  When both copies of a part are gone every rank raises the same
-:class:`PartLost`, naming the ranks.
+:class:`PartLost`, naming the ranks.  :class:`PeerStorage` is the storage
+(:mod:`hpctrain.checkpoint.storage`) of these parts: one value's part of
+each of the last commits, over the world it was committed in.
 
 Cost of a commit: one copy of this rank's part and one all-to-all of its
 bytes (``1/N`` of the spread state per rank).  Memory: two parts per rank
@@ -18,50 +21,47 @@ bytes (``1/N`` of the spread state per rank).  Memory: two parts per rank
 """
 from __future__ import annotations
 
-import zlib
-from typing import Dict, List, Sequence, Tuple
+import json
+from collections import OrderedDict
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import HpctrainError
+from .state import Encoder, decode
+from .storage import Storage
+from .tensorfile import CorruptFileError, decode_tensors, encode_tensors
 
-__all__ = ["PartLost", "pack", "unpack", "buddies", "exchange", "recover"]
+__all__ = ["PartLost", "PeerStorage", "pack", "unpack", "buddies", "exchange", "recover"]
+
+_TREE = "hpctrain.part"
 
 
 class PartLost(HpctrainError):
     """A rank's part of a committed state and its copy on the buddy rank both died with their ranks."""
 
 
-def pack(tree: Dict[str, Dict[str, object]]) -> Tuple[np.ndarray, int]:
-    """A part (``{group: {name: array or tensor}}``) as bytes and their CRC-32."""
-    from safetensors.numpy import save
+def pack(tree: Dict[str, Any]) -> Tuple[np.ndarray, int]:
+    """A part (a tree of dicts, lists, numbers and arrays or tensors, any dtype) as bytes and their CRC-32.
 
-    flat = {f"{group}/{name}": _numpy(value) for group, values in tree.items() for name, value in values.items()}
-    flat["__groups__"] = np.frombuffer(",".join(sorted(tree)).encode() or b" ", dtype=np.uint8)
-    raw = np.frombuffer(save(flat), dtype=np.uint8)
-    return raw, zlib.crc32(raw)
-
-
-def unpack(raw: np.ndarray, crc: int) -> Dict[str, Dict[str, np.ndarray]]:
-    """The part :func:`pack` made; ValueError when the bytes do not match their CRC-32."""
-    from safetensors.numpy import load
-
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if zlib.crc32(raw) != crc:
-        raise ValueError("a committed part does not match its checksum")
-    flat = load(raw.tobytes())
-    groups = flat.pop("__groups__").tobytes().decode().strip()
-    tree: Dict[str, Dict[str, np.ndarray]] = {g: {} for g in groups.split(",") if g}
-    for key, value in flat.items():
-        group, name = key.split("/", 1)
-        tree.setdefault(group, {})[name] = value
-    return tree
+    The checkpoint's encoding (:func:`~hpctrain.checkpoint.state.encode`'s
+    tree in the metadata, the tensors in safetensors layout): torch tensors
+    come back as torch tensors of their dtype, bfloat16 included.
+    """
+    enc = Encoder(copy=False)
+    shape = enc.tree(dict(tree), "part")
+    return encode_tensors(enc.tensors, {_TREE: json.dumps(shape, separators=(",", ":"))})
 
 
-def _numpy(value) -> np.ndarray:
-    if hasattr(value, "detach"):        # (a torch tensor)
-        return value.detach().cpu().numpy().copy()
-    return np.array(value, copy=True)
+def unpack(raw: np.ndarray, crc: int) -> Dict[str, Any]:
+    """The part :func:`pack` made, in memory of its own; :class:`~hpctrain.checkpoint.tensorfile.CorruptFileError`
+    (a ValueError) when the bytes do not match their CRC-32 or their layout."""
+    tensors, metadata = decode_tensors(np.array(raw, dtype=np.uint8, copy=True), crc)
+    try:
+        shape = json.loads(metadata[_TREE])
+    except (KeyError, ValueError):
+        raise CorruptFileError("a committed part has no readable tree in its metadata") from None
+    return decode(shape, tensors)
 
 
 def buddies(nodes: Sequence[int]) -> List[int]:
@@ -94,7 +94,7 @@ def exchange(comm, raw: np.ndarray, crc: int) -> Dict[int, Tuple[np.ndarray, int
 
 
 def recover(comm, old_rank: int, own: Tuple[np.ndarray, int], wards: Dict[int, Tuple[np.ndarray, int]],
-            old_size: int) -> Dict[int, Dict[str, Dict[str, np.ndarray]]]:
+            old_size: int) -> Dict[int, Dict[str, Any]]:
     """Every old rank's part, on every rank of the re-formed ``comm``: ``{old rank: part}``.
 
     Each survivor offers its own part and those of its wards whose rank did
@@ -107,14 +107,14 @@ def recover(comm, old_rank: int, own: Tuple[np.ndarray, int], wards: Dict[int, T
     mine = {old_rank: own}
     mine.update({r: part for r, part in wards.items() if r not in alive})
     gathered = comm.allgather_object({r: (raw.tobytes(), crc) for r, (raw, crc) in mine.items()})
-    parts: Dict[int, Dict[str, Dict[str, np.ndarray]]] = {}
+    parts: Dict[int, Dict[str, Any]] = {}
     for offer in gathered:
         for r, (raw, crc) in offer.items():
             if r in parts:
                 continue
             try:
                 parts[r] = unpack(np.frombuffer(raw, dtype=np.uint8), crc)
-            except ValueError:
+            except CorruptFileError:
                 continue
     lost = [r for r in range(old_size) if r not in parts]
     if lost:
@@ -122,3 +122,61 @@ def recover(comm, old_rank: int, own: Tuple[np.ndarray, int], wards: Dict[int, T
                        f"lost (or fail their checksum); the in-memory commit cannot be rebuilt: restart from the "
                        f"newest disk checkpoint (CheckpointManager)")
     return parts
+
+
+Copies = Tuple[Tuple[np.ndarray, int], Dict[int, Tuple[np.ndarray, int]]]
+
+
+class PeerStorage(Storage):
+    """One value's part of each of the last ``kept`` commits: this rank's own and its wards' copies, over ``comm``.
+
+    ``write_part(step, tree)`` packs this rank's part and exchanges it with
+    the buddies (collective over ``comm``); ``commit(step)`` keeps it (the
+    oldest beyond ``kept`` go).  :meth:`read` gives this rank's own part back
+    (checked); :meth:`recover` every old rank's part on a re-formed world.
+    """
+
+    def __init__(self, comm, kept: int):
+        self.comm, self.kept = comm, kept
+        self.rank, self.size = comm.rank, comm.size
+        self._steps: "OrderedDict[int, Copies]" = OrderedDict()
+        self._open: Dict[int, Copies] = {}
+
+    def begin(self, step: int) -> None:
+        if step in self._steps:
+            raise FileExistsError(f"commit {step} exists already")
+        self._open.pop(step, None)
+
+    def write_part(self, step: int, part: Dict[str, Any], meta: Any = None) -> int:
+        """Pack ``part``, keep it and send its copy to the buddy (collective); return its CRC-32."""
+        raw, crc = pack(part)
+        self._open[step] = ((raw, crc), exchange(self.comm, raw, crc))
+        return crc
+
+    def commit(self, step: int, world_size: int = 0, receipts: Any = None) -> None:
+        self._steps[step] = self._open.pop(step)
+        self.prune(self.kept)
+
+    def abort(self, step: int) -> None:
+        self._open.pop(step, None)
+
+    def list(self) -> List[int]:
+        return list(self._steps)
+
+    def remove(self, step: int) -> None:
+        self._steps.pop(step, None)
+
+    def save(self, step: int, part: Dict[str, Any]) -> None:
+        """``begin``, ``write_part`` and ``commit`` at once (collective)."""
+        self.begin(step)
+        self.write_part(step, part)
+        self.commit(step)
+
+    def read(self, step: int) -> Dict[str, Any]:
+        """This rank's own part of ``step``, checked against its CRC-32."""
+        return unpack(*self._steps[step][0])
+
+    def recover(self, step: int, comm) -> Dict[int, Dict[str, Any]]:
+        """Every old rank's part of ``step`` on every rank of the re-formed ``comm`` (:func:`recover`)."""
+        own, wards = self._steps[step]
+        return recover(comm, self.rank, own, wards, self.size)

@@ -12,7 +12,11 @@ the state), computes the CRC-32 of the file as it goes and fsyncs before it
 returns.  Reading takes one read of the whole file, checks its size and CRC
 against what the manifest recorded, validates the header (offsets in bounds,
 contiguous, sizes matching dtype x shape) and returns numpy views of that one
-buffer.  Cost: one pass over the bytes each way; CRC-32 runs at several GB/s.
+buffer.  :func:`encode_tensors`/:func:`decode_tensors` are the same layout and
+checks on bytes in memory (the in-memory and peer copies of elastic commits,
+:mod:`hpctrain.checkpoint.peer_storage`), so every store of committed state
+has one encoding.  Cost: one pass over the bytes each way; CRC-32 runs at
+several GB/s.
 """
 from __future__ import annotations
 
@@ -21,11 +25,11 @@ import os
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["write_tensors", "read_tensors", "CorruptFileError", "DTYPES"]
+__all__ = ["write_tensors", "read_tensors", "encode_tensors", "decode_tensors", "CorruptFileError", "DTYPES"]
 
 # safetensors dtype name -> numpy dtype; BF16 travels as uint16 bit patterns.
 DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
@@ -48,13 +52,8 @@ def dtype_name(arr: np.ndarray) -> str:
         raise TypeError(f"numpy dtype {arr.dtype} cannot be stored in a checkpoint") from None
 
 
-def write_tensors(path: str, tensors: Mapping[str, Tuple[np.ndarray, str]],
-                  metadata: Optional[Mapping[str, str]] = None) -> Tuple[int, int]:
-    """Write ``{name: (array, dtype name)}`` to ``path`` and fsync it; return (size in bytes, CRC-32).
-
-    Arrays are written in C order, little-endian; non-contiguous arrays are
-    copied chunk by chunk.
-    """
+def _header(tensors: Mapping[str, Tuple[np.ndarray, str]], metadata: Optional[Mapping[str, str]]) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors layout of ``tensors`` (padded to 8 bytes)."""
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -66,17 +65,31 @@ def write_tensors(path: str, tensors: Mapping[str, Tuple[np.ndarray, str]],
         offset += arr.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    size, running = 0, _Checksum()
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def _bodies(tensors: Mapping[str, Tuple[np.ndarray, str]]) -> Iterator[memoryview]:
+    """Each tensor's bytes, C order, little-endian, as one flat byte view (a copy only where it must be)."""
+    for arr, _ in tensors.values():
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        if flat.dtype.byteorder == ">":
+            flat = flat.astype(flat.dtype.newbyteorder("<"))
+        yield memoryview(flat.view(np.uint8))
+
+
+def write_tensors(path: str, tensors: Mapping[str, Tuple[np.ndarray, str]],
+                  metadata: Optional[Mapping[str, str]] = None) -> Tuple[int, int]:
+    """Write ``{name: (array, dtype name)}`` to ``path`` and fsync it; return (size in bytes, CRC-32).
+
+    Arrays are written in C order, little-endian; non-contiguous arrays are
+    copied chunk by chunk.
+    """
+    head = _header(tensors, metadata)
+    size, running = len(head), _Checksum()
     with open(path, "wb") as f:
-        for piece in (struct.pack("<Q", len(blob)), blob):
-            f.write(piece)
-            running.add(piece)
-            size += len(piece)
-        for arr, _ in tensors.values():
-            flat = np.ascontiguousarray(arr).reshape(-1)
-            if flat.dtype.byteorder == ">":
-                flat = flat.astype(flat.dtype.newbyteorder("<"))
-            raw = memoryview(flat.view(np.uint8))
+        f.write(head)
+        running.add(head)
+        for raw in _bodies(tensors):
             for start in range(0, len(raw), _CHUNK):
                 piece = raw[start:start + _CHUNK]
                 f.write(piece)
@@ -86,6 +99,20 @@ def write_tensors(path: str, tensors: Mapping[str, Tuple[np.ndarray, str]],
         crc = running.value()
         os.fsync(f.fileno())
     return size, crc
+
+
+def encode_tensors(tensors: Mapping[str, Tuple[np.ndarray, str]],
+                   metadata: Optional[Mapping[str, str]] = None) -> Tuple[np.ndarray, int]:
+    """The bytes :func:`write_tensors` would write, as one uint8 array, and their CRC-32 (one copy, one pass)."""
+    head = _header(tensors, metadata)
+    bodies = list(_bodies(tensors))
+    out = np.empty(len(head) + sum(len(b) for b in bodies), dtype=np.uint8)
+    out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+    pos = len(head)
+    for raw in bodies:
+        out[pos:pos + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        pos += len(raw)
+    return out, zlib.crc32(out)
 
 
 class _Checksum:
@@ -152,7 +179,25 @@ def read_tensors(path: str, size: Optional[int] = None, crc: Optional[int] = Non
             got += n
     if crc is not None and running.value() != crc:
         raise CorruptFileError(f"{path}: CRC-32 {running.value():08x} does not match the manifest's {crc:08x}")
-    data = memoryview(data)
+    return _parse(memoryview(data), path)
+
+
+def decode_tensors(raw: np.ndarray, crc: int, where: str = "a committed part"
+                   ) -> Tuple[Dict[str, Tuple[np.ndarray, str]], Dict[str, str]]:
+    """Read the bytes :func:`encode_tensors` made; the arrays are views of ``raw``.
+
+    Raises :class:`CorruptFileError` (naming ``where``) when the bytes do not
+    match ``crc`` or are not a valid safetensors layout.
+    """
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if zlib.crc32(raw) != crc:
+        raise CorruptFileError(f"{where} does not match its checksum (CRC-32 {zlib.crc32(raw):08x}, "
+                               f"recorded {crc:08x})")
+    return _parse(memoryview(raw), where)
+
+
+def _parse(data: memoryview, path: str) -> Tuple[Dict[str, Tuple[np.ndarray, str]], Dict[str, str]]:
+    """Validate the header of a safetensors layout in ``data`` and return views of its tensors, and its metadata."""
     if len(data) < 8:
         raise CorruptFileError(f"{path}: too short for a safetensors header")
     (hlen,) = struct.unpack_from("<Q", data)

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..checkpoint import Sharded
+from ..checkpoint.peer_storage import PeerStorage
 from ..checkpoint.storage import MemoryStorage
 from ..errors import HpctrainError
 
@@ -38,6 +39,7 @@ class State:
 
     def __init__(self):
         self._commits = MemoryStorage(KEPT_COMMITS)      # numbered copies, the last KEPT_COMMITS (checkpoint/storage.py)
+        self._peers: Dict[str, PeerStorage] = {}             # a spread value's parts of the same commits, by name
         self._number = 0                                        # commits so far (the number of the newest)
         self.commit_s = 0.0                                     # time of the last commit
         self._reset_callbacks: List[Callable[[], object]] = []
@@ -97,6 +99,9 @@ class State:
         self._number = n
         for later in kept[kept.index(n) + 1:]:
             self._commits.remove(later)
+        for peers in self._peers.values():      # (also the parts of a commit whose capture failed half-way)
+            for later in [step for step in peers.list() if step > n]:
+                peers.remove(later)
 
     def sync(self, comm=None) -> None:
         """Make every rank's state rank 0's (collective), then commit it."""
@@ -131,6 +136,17 @@ class State:
 
     def _recover_spread(self, comm) -> None:
         """Bring back the state spread over the old world's ranks (collective; nothing to do here)."""
+
+    def _peer_storage(self, name: str) -> PeerStorage:
+        """Where spread value ``name``'s parts go: over the world of now (a new storage after a re-forming; the old
+        one stays with the commits that name it)."""
+        from ..world import world
+
+        comm = world()
+        peers = self._peers.get(name)
+        if peers is None or peers.comm is not comm:
+            peers = self._peers[name] = PeerStorage(comm, KEPT_COMMITS)
+        return peers
 
     def register_disk_fallback(self, load: Callable[[], object]) -> None:
         """Call ``load()`` on every rank of the re-formed world when the in-memory commit cannot be rebuilt (a
@@ -192,7 +208,7 @@ class ObjectState(State):
         for name in self._names if names is None else names:
             value = getattr(self, name)
             if _is_spread(value):           # (a ShardedOptimizer: its own chunks here, a copy on the buddy rank)
-                out[name] = _Spread.capture(value)
+                out[name] = _Spread.capture(value, self._peer_storage(name), self._number)
                 continue
             out[name] = copy.deepcopy(value.state_dict() if _has_state_dict(value) else value)
         return out
@@ -260,44 +276,37 @@ def _is_spread(value: Any) -> bool:
 
 
 class _Spread:
-    """The commit of a value spread over the ranks: the common part, this rank's part (bytes + CRC) and the parts
-    of the ranks whose buddy this rank is (:mod:`hpctrain.checkpoint.peer_storage`).  Sharded over the world."""
+    """The commit of a value spread over the ranks: the common part, and the step of its parts in a
+    :class:`~hpctrain.checkpoint.peer_storage.PeerStorage` (this rank's own, a copy on the buddy rank)."""
 
-    def __init__(self, common, own, wards, rank: int, size: int):
-        self.common, self.own, self.wards, self.rank, self.size = common, own, wards, rank, size
+    def __init__(self, common, peers: PeerStorage, step: int):
+        self.common, self.peers, self.step = common, peers, step
 
     @classmethod
-    def capture(cls, value) -> "_Spread":
-        from ..world import world
-        from ..checkpoint import peer_storage
-
-        comm = world()
-        if getattr(value, "shard_comm", comm) is not comm:
+    def capture(cls, value, peers: PeerStorage, step: int) -> "_Spread":
+        if getattr(value, "shard_comm", peers.comm) is not peers.comm:
             raise HpctrainError("an elastic state commits a ShardedOptimizer as parts of the world's ranks: shard "
                                 "it over the world (comm=None), not over a group")
         common, own = value.shard_state_dict()
-        raw, crc = peer_storage.pack(own)
-        return cls(copy.deepcopy(common), (raw, crc), peer_storage.exchange(comm, raw, crc), comm.rank, comm.size)
+        peers.save(step, own)
+        return cls(copy.deepcopy(common), peers, step)
 
     def load_own(self, value, strict: bool = True) -> None:
         """Put this rank's part back (the world of the commit); in another world only a recovery can
         (:meth:`load_all`): HpctrainError when ``strict``, else left to it."""
         from ..world import world
-        from ..checkpoint import peer_storage
 
         w = world()
-        if (w.rank, w.size) == (self.rank, self.size):
-            part = peer_storage.unpack(*self.own)
+        if (w.rank, w.size) == (self.peers.rank, self.peers.size):
+            part = self.peers.read(self.step)
             value.load_shard_state_dict(self.common, lambda r: part)
         elif strict:
-            raise HpctrainError(f"this commit holds rank {self.rank}'s part of a state sharded over {self.size} "
-                                f"ranks; this is rank {w.rank} of {w.size}: only a recovery (hpctrain.elastic.run) "
-                                "can bring it back here")
+            raise HpctrainError(f"this commit holds rank {self.peers.rank}'s part of a state sharded over "
+                                f"{self.peers.size} ranks; this is rank {w.rank} of {w.size}: only a recovery "
+                                "(hpctrain.elastic.run) can bring it back here")
 
     def load_all(self, value, comm) -> None:
-        from ..checkpoint import peer_storage
-
-        parts = peer_storage.recover(comm, self.rank, self.own, self.wards, self.size)
+        parts = self.peers.recover(self.step, comm)
         value.load_shard_state_dict(self.common, parts.__getitem__)
 
 
