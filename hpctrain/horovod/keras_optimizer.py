@@ -35,47 +35,13 @@ import tensorflow as tf
 from ..adasum_updates import AdasumUpdates
 from ..gradients import GradientAverager
 from ..tensorflow.adasum_apply import apply_with_adasum
+from ..tensorflow.aggregation import Aggregation
 from ..tensorflow.tape import var_key
 from .gradient_args import GradientSettings
 from .requests import set_size
 from .local_gradients import reduce_partial
 
 __all__ = ["wrap_optimizer", "distributed_class", "HorovodKerasOptimizer"]
-
-
-class _Aggregation:
-    """Local accumulation over ``k`` backward passes (``counter`` counts the passes of the current round)."""
-
-    def __init__(self, k: int, average: bool):
-        self.k, self.average = k, average
-        self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="hpctrain_agg_counter")
-        self._sums: dict = {}
-
-    def add(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
-        """Add this pass's gradients to the sums (created zero on first use, outside any graph)."""
-        for g, v in zip(grads, variables):
-            key = var_key(v)
-            if key not in self._sums:
-                with tf.init_scope():
-                    self._sums[key] = tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                                  name="hpctrain_agg_sum")
-            if g is not None:
-                self._sums[key].assign_add(tf.convert_to_tensor(g))
-        self.counter.assign_add(1)
-
-    def totals(self, variables: Sequence[Any]) -> List[tf.Tensor]:
-        """The sums (divided by k when averaging) of ``variables``' gradients."""
-        out = []
-        for v in variables:
-            s = self._sums[var_key(v)].read_value()
-            out.append(s / tf.cast(self.k, s.dtype) if self.average else s)
-        return out
-
-    def reset(self) -> None:
-        """Start a new round: sums and counter back to zero."""
-        for s in self._sums.values():
-            s.assign(tf.zeros_like(s))
-        self.counter.assign(0)
 
 
 class HorovodKerasOptimizer:
@@ -92,12 +58,12 @@ class HorovodKerasOptimizer:
             averager = AdasumUpdates(settings.comm, settings.compressor) if settings.op == "adasum" else \
                 GradientAverager(settings.comm, settings.op, settings.compressor, sparse_as_dense=c["sparse_as_dense"])
             state = {"averager": averager,
-                     "agg": _Aggregation(k, c["average_aggregated_gradients"]) if k > 1 else None, "local": set()}
+                     "agg": Aggregation(k, c["average_aggregated_gradients"]) if k > 1 else None, "local": set()}
             self.__dict__["_hpctrain_runtime"] = state
         return state
 
     @property
-    def _agg_helper(self) -> Optional[_Aggregation]:
+    def _agg_helper(self) -> Optional[Aggregation]:
         """The local aggregation (None unless ``backward_passes_per_step > 1``)."""
         return self._hpctrain_state()["agg"]
 
