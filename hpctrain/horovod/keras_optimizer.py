@@ -95,17 +95,8 @@ class HorovodKerasOptimizer:
         if agg is None:
             return self._reduce_and_apply(grads, variables, apply_fn)
         self._build_for(variables)
-        agg.add(grads, variables)
-
-        def reduce_and_apply():
-            self._reduce_and_apply(agg.totals(variables), variables, apply_fn)
-            agg.reset()
-            return tf.constant(True)
-
-        def count_only():
-            self.iterations.assign_add(1)
-            return tf.constant(False)
-        return tf.cond(agg.counter >= agg.k, reduce_and_apply, count_only)
+        return agg.step(grads, variables, lambda totals: self._reduce_and_apply(totals, variables, apply_fn),
+                        lambda: self.iterations.assign_add(1))
 
     def _build_for(self, variables) -> None:
         """Create the optimizer's own variables now: a ``tf.cond`` branch may not create them."""

@@ -23,10 +23,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from .. import settings
 from ..adasum_updates import AdasumUpdates
 from ..checkpoint.spread import RANK_STATES_FORMAT
 from ..gradients import GradientAverager
 from .adasum_apply import apply_with_adasum
+from .aggregation import Aggregation
 from .keras_callbacks import BroadcastMixin, LearningRateScheduleMixin, LearningRateWarmupMixin, MetricAverageMixin
 from .ops import CurrentAverager, average_gradients, follow_the_world, host_call, swap_class
 from .tape import _name
@@ -41,18 +43,20 @@ class _DistributedMixin:
     """Reduces the gradients over ranks in ``apply`` (which ``apply_gradients`` and ``model.fit`` call)."""
 
     _hpctrain_marks = None     # a TimelineCallback's _StepMarks while one is in use
+    _hpctrain_agg = None       # the Aggregation of backward_passes_per_step > 1
     hpctrain_state_format = RANK_STATES_FORMAT
 
     @property
     def hpctrain_state_spans_ranks(self) -> bool:
-        """With op='adasum' each rank's optimizer variables are its own (checkpoints write every rank's)."""
-        return isinstance(self._hpctrain, AdasumUpdates)
+        """With op='adasum', or ``backward_passes_per_step > 1`` (its partial sums), each rank's optimizer
+        variables are its own (checkpoints write every rank's)."""
+        return isinstance(self._hpctrain, AdasumUpdates) or self._hpctrain_agg is not None
 
     def consolidate_state_dict(self, to=0) -> None:
         """Nothing to gather (the torch adapter's API): with op='adasum' a checkpoint takes each rank's part."""
 
     def shard_state_dict(self) -> tuple:
-        """``(common, own)`` with op='adasum': this rank's own optimizer variables."""
+        """``(common, own)`` with op='adasum' or aggregation: this rank's own optimizer variables."""
         return ({"format": RANK_STATES_FORMAT, "world": self._hpctrain.comm.size},
                 {"variables": [np.asarray(v.numpy()) for v in self.variables]})
 
@@ -65,6 +69,11 @@ class _DistributedMixin:
                                 if not self.variables else ""))
         for v, value in zip(self.variables, own):
             v.assign(np.asarray(value))
+        agg = self._hpctrain_agg
+        if agg is not None and int(common["world"]) != self._hpctrain.comm.size and int(agg.counter.numpy()):
+            raise ValueError(f"this checkpoint was written {int(agg.counter.numpy())} pass(es) into a round of "
+                             f"backward_passes_per_step={agg.k} at {common['world']} ranks: its partial sums resume "
+                             f"only at {common['world']} ranks, not {self._hpctrain.comm.size} (save after an update)")
 
     def scale_loss(self, loss):
         """The optimizer's ``scale_loss`` (``fit`` calls it once the loss exists), marking the end of forward."""
@@ -73,8 +82,33 @@ class _DistributedMixin:
             return loss
         return _after(self._mark("forward"), [loss])[0]
 
+    @property
+    def hpctrain_rank_local_variables(self) -> list:
+        """Optimizer variables that are each rank's own: the partial sums of ``backward_passes_per_step``."""
+        return [] if self._hpctrain_agg is None else self._hpctrain_agg.variables
+
+    def build(self, variables):
+        """The wrapped optimizer's variables, then the aggregation's sums and counter (optimizer variables too, so
+        that checkpoints and elastic commits hold a round of ``backward_passes_per_step`` half-way through)."""
+        super().build(variables)
+        if self._hpctrain_agg is not None:
+            self._hpctrain_agg.build(variables)
+
     def apply(self, grads, trainable_variables=None):
-        grads = list(grads)
+        agg = self._hpctrain_agg
+        if agg is None:
+            return self._reduce_and_apply(list(grads), trainable_variables)
+        variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
+        if not self.built:                      # (a tf.cond branch may not create the optimizer's variables)
+            with tf.init_scope():
+                self.build(variables)
+            self.built = True
+        return agg.step(list(grads), variables, lambda totals: self._reduce_and_apply(totals, variables),
+                        lambda: None)           # (iterations counts updates, as Keras's own accumulation's does)
+
+    def _reduce_and_apply(self, grads, trainable_variables=None):
+        """The wrapped optimizer's ``apply`` of ``grads`` reduced over the ranks (with Adasum, of this rank's
+        ``grads``, then the variables' changes combined)."""
         averager = CurrentAverager(self)    # (looked up when the traced op runs: a re-formed world replaces it)
         if isinstance(self._hpctrain, AdasumUpdates):
             variables = trainable_variables if trainable_variables is not None else self._trainable_variables
@@ -120,8 +154,8 @@ def _after(op, tensors):
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None, op: str = "avg",
-                         sparse_as_dense: bool = False, comm=None,
-                         compression_policy=None) -> keras.optimizers.Optimizer:
+                         sparse_as_dense: bool = False, comm=None, compression_policy=None,
+                         backward_passes_per_step: int = 1) -> keras.optimizers.Optimizer:
     """Make a Keras 3 optimizer average its gradients over ranks before every update.
 
     The optimizer object itself is returned with its class changed to a
@@ -132,8 +166,13 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
     after backward (Keras computes all gradients before ``apply``).
 
     Formula: ``g = (1/N) sum_r g_r`` (``op="avg"``) or the plain sum.  With
-    ``gradient_accumulation_steps=k`` the all-reduce runs on every
-    micro-batch (correct, k times the traffic).
+    ``backward_passes_per_step=k`` each rank sums its gradients locally over
+    ``k`` passes and the average ``(1/(kN)) sum_r sum_p g_rp`` is reduced and
+    applied on every ``k``-th pass (one reduction per ``k`` passes;
+    :mod:`hpctrain.tensorflow.aggregation`); ``iterations`` counts updates.
+    Keras's own ``gradient_accumulation_steps=k`` gives the same updates (its
+    ``iterations`` counts updates too, but its learning-rate schedule steps
+    per pass) and all-reduces on every micro-batch (``k`` times the traffic).
 
     Args:
         optimizer: any ``keras.optimizers.Optimizer``.
@@ -148,17 +187,37 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression=None
         comm: the communicator (default: the world).
         compression_policy: which gradients are compressed (default
             :class:`hpctrain.compression.Policy`).
+        backward_passes_per_step: passes accumulated locally (averaged)
+            before one reduction and one update; not with the optimizer's own
+            ``gradient_accumulation_steps``.
     """
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
+    if backward_passes_per_step > 1:
+        settings.refuse_under_elastic(
+            "backward_passes_per_step > 1 (Keras)", "each rank's partial sums of a round are its own, and a "
+            "re-formed world takes rank 0's variables", "use the optimizer's own gradient_accumulation_steps (it "
+            "all-reduces every pass, so its sums agree), or launch without --elastic")
+    if backward_passes_per_step > 1 and optimizer.gradient_accumulation_steps:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} and the optimizer's "
+                         f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} both accumulate: "
+                         "choose one (backward_passes_per_step reduces once per round)")
     if op == "adasum":
         averager = AdasumUpdates(comm, compression)
     else:
         averager = GradientAverager(comm, op, compression, compression_policy, sparse_as_dense)
     swap_class(optimizer, _DistributedMixin, "Distributed")
     optimizer._hpctrain = averager
+    if backward_passes_per_step > 1:
+        optimizer._hpctrain_agg = Aggregation(
+            backward_passes_per_step, True, lambda shape, dtype, name: optimizer.add_variable(
+                shape, initializer="zeros", dtype=dtype, name=name))
+        if optimizer.built:
+            optimizer._hpctrain_agg.build(optimizer._trainable_variables)
     if comm is None:
         follow_the_world(optimizer, op, compression, compression_policy, sparse_as_dense)
     return optimizer

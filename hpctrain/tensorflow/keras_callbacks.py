@@ -43,7 +43,9 @@ class BroadcastMixin:
     Optimizer variables follow once the optimizer is built (before training
     starts, or after the first step); so do the model's when it has no input
     shape before its first step (Keras 2 builds such models then), as with
-    Horovod's callback.  ``local_variables`` (keys of
+    Horovod's callback.  An optimizer's ``hpctrain_rank_local_variables``
+    (the partial sums of ``backward_passes_per_step``) are not broadcast.
+    ``local_variables`` (keys of
     :func:`hpctrain.tensorflow.tape.var_key`) keep each rank's own values.  Cost: one broadcast per dtype of all
     variables, once.  ``broadcast(variables, root)`` is the framework's.
     """
@@ -64,7 +66,8 @@ class BroadcastMixin:
             variables = variables()
         built = getattr(opt, "built", None)
         if opt is not None and variables and built is not False:
-            self.broadcast(list(variables), self.root)
+            own = {id(v) for v in getattr(opt, "hpctrain_rank_local_variables", ())}   # (each rank's partial sums)
+            self.broadcast([v for v in variables if id(v) not in own], self.root)
             self._optimizer_done = True
 
     def on_train_begin(self, logs=None):

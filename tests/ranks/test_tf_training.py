@@ -117,6 +117,83 @@ def test_keras_fit_matches_single_process_with_n_times_the_batch(comm, name):
     assert_close(model.trainable_variables, ref.trainable_variables, n)
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_keras_fit_with_backward_passes_per_step_matches_keras_own_accumulation_of_the_whole_batch(comm, name):
+    """k passes summed locally, one reduction: the same updates as one process with Keras's own
+    gradient_accumulation_steps=k on the ranks' batches concatenated (the reference reduces nothing)."""
+    n, r, k = comm.size, comm.rank, 2
+    model, ref = make_model(seed=r), make_model()
+    opt = hk.DistributedOptimizer(OPTIMIZERS[name](), backward_passes_per_step=k)
+    model.compile(optimizer=opt, loss=LOSS)
+    reference_opt = OPTIMIZERS[name]()
+    reference_opt.gradient_accumulation_steps = k
+    ref.compile(optimizer=reference_opt, loss=LOSS)
+    passes = STEPS // 2 * k + 1                     # (the last round is left half-way)
+    parts = [global_batch(s, n) for s in range(passes)]
+    mine = (np.concatenate([x[r * B:(r + 1) * B] for x, _ in parts]),
+            np.concatenate([y[r * B:(r + 1) * B] for _, y in parts]))
+    everything = (np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts]))
+    check = _Identical(comm)
+    model.fit(tf.data.Dataset.from_tensor_slices(mine).batch(B), epochs=1, verbose=0,
+              callbacks=[hk.BroadcastGlobalVariablesCallback(0), check])
+    ref.fit(tf.data.Dataset.from_tensor_slices(everything).batch(n * B), epochs=1, verbose=0)
+    assert check.steps == passes
+    assert int(opt.iterations.numpy()) == int(reference_opt.iterations.numpy()) == passes // k     # (updates)
+    assert_close(model.trainable_variables, ref.trainable_variables, n)
+    sums = [v for v in opt.variables if "hpctrain_agg_sum" in v.path]     # (the half-way round, checkpointed)
+    assert len(sums) == len(model.trainable_variables) and any(np.any(v.numpy() != 0) for v in sums)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 both accumulate"):
+        hk.DistributedOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), backward_passes_per_step=2)
+
+
+def test_a_checkpoint_half_way_through_backward_passes_per_step_resumes_bit_for_bit(comm, ckdir):
+    """Each rank's partial sums are its own optimizer variables: saved after 3 passes (k=2, half-way) and restored
+    into a fresh model and optimizer, the run ends bit for bit where the unbroken one does; into a plain optimizer,
+    or half-way at another size, it is refused in one line."""
+    from hpctrain.checkpoint import CheckpointError, CheckpointManager
+
+    n, r = comm.size, comm.rank
+
+    def make():
+        model = make_model()
+        model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2),
+                      loss=LOSS)
+        return model
+
+    def run(model, passes):
+        for s in passes:
+            x, y = global_batch(s, n)
+            model.train_on_batch(x[r * B:(r + 1) * B], y[r * B:(r + 1) * B])
+
+    straight = make()
+    run(straight, range(6))
+    model = make()
+    run(model, range(3))
+    with CheckpointManager(ckdir, comm=comm, verify_replicas="error") as manager:
+        manager.save(3, {"model": model, "optimizer": model.optimizer})
+    fresh = make()
+    fresh.set_weights([w + 1 for w in fresh.get_weights()])
+    fresh.optimizer.build(fresh.trainable_variables)
+    assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": fresh.optimizer}) == 3
+    run(fresh, range(3, 6))
+    for got, want in zip(fresh.get_weights(), straight.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    plain = make_model()            # into an optimizer without the sums: refused in one line
+    plain.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss=LOSS)
+    plain.optimizer.build(plain.trainable_variables)
+    with pytest.raises(CheckpointError, match=r"ValueError: the checkpoint has \d+ optimizer variables"):
+        CheckpointManager(ckdir, comm=comm).restore({"model": plain, "optimizer": plain.optimizer})
+    alone = comm.split(0 if comm.rank == 0 else None)
+    if n > 1 and alone is not None:     # (half-way through a round at another size: refused in one line)
+        other = make_model()
+        other.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2,
+                                                        comm=alone), loss=LOSS)
+        other.optimizer.build(other.trainable_variables)
+        with pytest.raises(CheckpointError, match=rf"1 pass\(es\) into a round of backward_passes_per_step=2 at "
+                                                  rf"{n} ranks: its partial sums resume only at {n} ranks, not 1"):
+            CheckpointManager(ckdir, comm=alone).restore({"model": other, "optimizer": other.optimizer})
+
+
 def test_broadcast_makes_replicas_and_optimizer_state_identical(comm):
     r = comm.rank
     model = make_model(seed=r)
