@@ -4,13 +4,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
 from .signature import Call
 
-__all__ = ["Handle", "Plan", "Riding", "Topology", "done_handle", "same"]
+__all__ = ["Handle", "Waitable", "Plan", "Riding", "Topology", "done_handle", "same", "wait_until"]
 
 # A planned call: (its description for the call check, the work (None if the call is invalid), the restore step)
 Plan = Tuple[Call, Optional[Callable[[], Any]], Callable[[Any], Any]]
@@ -38,6 +38,40 @@ class Riding:
         self.payload, self.dtype, self.finish, self.announce = payload, dtype, finish, announce
 
 
+@runtime_checkable
+class Waitable(Protocol):
+    """What every handle on a call in flight offers (whatever the backend: MPI, Horovod, negotiated).
+
+    ``wait(timeout)`` returns the result or raises the call's error; with a
+    ``timeout`` (seconds) that passes first it raises :class:`TimeoutError` and
+    the call stays in flight (wait again).  ``test()`` says whether ``wait``
+    would return at once.
+    """
+
+    def wait(self, timeout: Optional[float] = None) -> Any: ...
+
+    def test(self) -> bool: ...
+
+
+def wait_until(test: Callable[[], bool], timeout: Optional[float], what: str = "the call") -> None:
+    """Return once ``test()`` is true; :class:`TimeoutError` when ``timeout`` seconds pass first (None: return).
+
+    For handles whose backend blocks without a deadline: polls ``test()``, the
+    pause growing from 50 microseconds to 10 ms (a wait this long costs at
+    most 10 ms more than the call).
+    """
+    if timeout is None:
+        return
+    deadline = time.monotonic() + timeout
+    pause = 5e-5
+    while not test():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what} did not finish within {timeout} s (it is still in flight: wait again)")
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.01)
+
+
 def done_handle(value: Any = None) -> "Handle":
     """Return a handle that has already finished with ``value``."""
     fut: Future = Future()
@@ -46,7 +80,7 @@ def done_handle(value: Any = None) -> "Handle":
 
 
 class Handle:
-    """A call in flight.  ``wait()`` returns its result (or raises its error); ``test()`` polls.
+    """A call in flight (a :class:`Waitable`).  ``wait()`` returns its result (or raises its error); ``test()`` polls.
 
     ``log``: a :class:`~hpctrain.comm.comm_log.CommLog` that is told how long ``wait()`` blocked.
     """

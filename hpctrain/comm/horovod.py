@@ -24,6 +24,7 @@ from ..errors import BackendUnavailableError, HpctrainError
 from .abort import abort_job
 from ..collectives.ops import finish
 from .base import Communicator, Topology
+from .handle import wait_until
 from .runtime import Config, Runtime
 from .signature import DESC_BYTES, Call, judge
 
@@ -231,8 +232,10 @@ class NamedReduction:
         return self._done or bool(self._comm._hvd.poll(self._handle))
 
     def wait(self, timeout=None) -> np.ndarray:
-        """Return the reduced buffer (``arr``, averaged for ``avg`` as hpctrain's reductions do)."""
+        """Return the reduced buffer (``arr``, averaged for ``avg`` as hpctrain's reductions do); TimeoutError
+        after ``timeout`` s."""
         if not self._done:
+            wait_until(self.test, timeout, "Horovod's reduction")
             self._comm._wait(self._handle, self._abandon)
             self._done = True
             finish(self._arr, self._op, self._comm.size, self._arr.dtype)

@@ -5,12 +5,16 @@ backend) and hpctrain.horovod's ``NegotiatedComm``, whose collectives are
 negotiated by name and which states the optional capabilities explicitly
 (``timeline``, ``life``, ``on_close``, ``bucket_strategy``,
 ``adasum_allreduce``) instead of features probing for them with ``getattr``.
+Every ``*_async`` call of either returns a :class:`~hpctrain.comm.handle.Waitable`
+(``wait(timeout=None)``, ``test()``).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
-__all__ = ["FeatureComm", "CAPABILITIES"]
+from .handle import Waitable
+
+__all__ = ["FeatureComm", "Waitable", "CAPABILITIES"]
 
 CAPABILITIES = ("timeline", "life", "on_close", "bucket_strategy", "adasum_allreduce", "topology")
 

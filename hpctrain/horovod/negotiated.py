@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..comm.handle import wait_until
 from . import basics
 
 __all__ = ["NegotiatedComm"]
@@ -44,26 +45,27 @@ _IDS = itertools.count()          # NegotiatedComms in creation order: the same 
 
 
 class _Handle:
-    """A Handle look-alike over a negotiated request: ``wait()`` returns the call's result."""
+    """A :class:`~hpctrain.comm.handle.Waitable` over a negotiated request: ``wait()`` returns the call's result."""
 
     def __init__(self, op):
         self._op = op
 
     def wait(self, timeout=None) -> Any:
-        return self._op.wait()
+        return self._op.wait(timeout)
 
     def test(self) -> bool:
         return self._op.done()
 
 
 class _Direct:
-    """A Handle look-alike over a bucket Horovod reduces by name: ``wait()`` returns the bucket."""
+    """A :class:`~hpctrain.comm.handle.Waitable` over a bucket Horovod reduces by name: ``wait()`` returns it."""
 
     def __init__(self, reduction, out, rows, started: float):
         self._reduction, self._out, self._rows, self._started = reduction, out, rows, started
 
     def wait(self, timeout=None) -> Any:
         if self._rows is not None:
+            wait_until(self.test, timeout, "the bucket's reduction")
             self._reduction.wait()
             ctl = basics.controller()
             if ctl.timeline is not None:

@@ -36,16 +36,20 @@ class OpHandle:
         """Return whether the request has finished (successfully or not)."""
         return self._event.is_set()
 
-    def wait(self) -> Any:
-        """Block until the request finishes; return its result or raise its error."""
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until the request finishes; return its result or raise its error (TimeoutError after
+        ``timeout`` s, the request still pending)."""
         if self.owner is not None and not self._event.is_set():
             self.owner.blocked(1)
             try:
-                self._event.wait()
+                finished = self._event.wait(timeout)
             finally:
                 self.owner.blocked(-1)
         else:
-            self._event.wait()
+            finished = self._event.wait(timeout)
+        if not finished:
+            raise TimeoutError(f"request {self.name} did not finish within {timeout} s (it is still pending: "
+                               "wait again)")
         if self._error is not None:
             raise self._error
         return self._value

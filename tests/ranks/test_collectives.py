@@ -265,6 +265,24 @@ def test_async_handles(comm):
     assert comm.alltoall_async(np.arange(n)).wait().tolist() == [comm.rank] * n
 
 
+def test_a_wait_with_a_timeout_raises_timeout_error_and_the_call_finishes_on_a_later_wait(comm):
+    """Every backend's handle honours ``wait(timeout)`` (the Waitable protocol): while the last rank has not joined,
+    the others' wait times out and the call stays in flight; waited again it gives the right result."""
+    from hpctrain.comm.handle import Waitable
+
+    n = comm.size
+    if comm.rank == n - 1:
+        time.sleep(0.5)
+    handles = [comm.allreduce_async(np.full(4, comm.rank + 1.0)),
+               comm.allgather_async(np.array([comm.rank])), comm.barrier_async()]
+    assert all(isinstance(h, Waitable) for h in handles), [type(h) for h in handles]
+    if n > 1 and comm.rank < n - 1:
+        with pytest.raises(TimeoutError):
+            handles[0].wait(timeout=0.05)
+    np.testing.assert_array_equal(handles[0].wait(timeout=60), np.full(4, n * (n + 1) / 2))
+    assert handles[1].wait().tolist() == list(range(n)) and handles[2].wait() is None
+
+
 def test_facade_functions(comm):
     n = comm.size
     assert hpctrain.allreduce(np.ones(3), op="avg").tolist() == [1.0] * 3

@@ -141,6 +141,26 @@ def test_a_request_completes_when_its_last_rank_starts_it_not_a_pause_later():
     hvd.barrier()
 
 
+def test_a_negotiated_handle_honours_wait_timeout_and_finishes_on_a_later_wait():
+    """hpctrain.horovod's communicator hands out Waitables too: the others' wait(timeout) raises TimeoutError while
+    the last rank has not started the request, and a later wait gives the result."""
+    import time
+    from hpctrain.comm.handle import Waitable
+    from hpctrain.horovod.negotiated import NegotiatedComm
+    comm = NegotiatedComm()
+    r, n = hvd.rank(), hvd.size()
+    hvd.barrier()
+    if r == n - 1:
+        time.sleep(0.5)
+    handle = comm.allreduce_async(np.full(4, r + 1.0))
+    assert isinstance(handle, Waitable), type(handle)
+    if n > 1 and r < n - 1:
+        with pytest.raises(TimeoutError, match="still pending"):
+            handle.wait(timeout=0.05)
+    np.testing.assert_array_equal(handle.wait(timeout=60), np.full(4, n * (n + 1) / 2))
+    hvd.barrier()
+
+
 def test_in_place_and_grouped_forms(inputs):
     xs = inputs((6,), np.float64, seed=2)
     x = t(xs[hvd.rank()])

@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..handle import Handle
+from ..handle import Handle, wait_until
 
 __all__ = ["Waits", "RingTransport", "RequestHandle", "TAG_RING"]
 
@@ -122,7 +122,8 @@ class RequestHandle(Handle):
         self._reqs, self._buffers, self._waits = reqs, buffers, waits
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until the send has completed (its buffer may be reused)."""
+        """Block until the send has completed (its buffer may be reused); TimeoutError after ``timeout`` s."""
+        wait_until(self.test, timeout, "the send")
         self._waits.all(self._reqs)
         self._buffers = None
 
