@@ -132,7 +132,7 @@ class PeerStorage(Storage):
 
     ``write_part(step, tree)`` packs this rank's part and exchanges it with
     the buddies (collective over ``comm``); ``commit(step)`` keeps it (the
-    oldest beyond ``kept`` go).  :meth:`read` gives this rank's own part back
+    oldest beyond ``kept`` go); ``save`` is the three at once.  :meth:`read` gives this rank's own part back
     (checked); :meth:`recover` every old rank's part on a re-formed world.
     """
 
@@ -165,12 +165,6 @@ class PeerStorage(Storage):
 
     def remove(self, step: int) -> None:
         self._steps.pop(step, None)
-
-    def save(self, step: int, part: Dict[str, Any]) -> None:
-        """``begin``, ``write_part`` and ``commit`` at once (collective)."""
-        self.begin(step)
-        self.write_part(step, part)
-        self.commit(step)
 
     def read(self, step: int) -> Dict[str, Any]:
         """This rank's own part of ``step``, checked against its CRC-32."""

@@ -74,6 +74,17 @@ class Storage:
         """Remove committed ``step``."""
         raise NotImplementedError
 
+    def save(self, step: int, part: Any, meta: Any = None) -> None:
+        """``begin``, ``write_part`` and ``commit`` of a step of one part at once (a process's own commit); what
+        was written is aborted when a step fails."""
+        self.begin(step)
+        try:
+            receipt = self.write_part(step, part, meta)
+        except BaseException:
+            self.abort(step)
+            raise
+        self.commit(step, 1, [receipt])
+
 
 class FileStorage(Storage):
     """The checkpoint directory ``directory``: ``step-<N>.partial/`` while written, ``step-<N>/`` with its
@@ -154,8 +165,3 @@ class MemoryStorage(Storage):
     def remove(self, step: int) -> None:
         self._parts.pop(step, None)
 
-    def save(self, step: int, part: Any) -> None:
-        """``begin``, ``write_part`` and ``commit`` of a one-part step at once (a process's own commit)."""
-        self.begin(step)
-        self.write_part(step, part)
-        self.commit(step)

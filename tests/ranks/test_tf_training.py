@@ -59,6 +59,40 @@ def assert_close(got, want, n):
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def resumes_bit_for_bit(comm, ckdir, optimizer, **wrapper):
+    """Train 6 steps straight; train 3, checkpoint, restore into a fresh model (weights moved) and optimizer, train
+    3 more: the weights must be bit for bit the straight run's.  ``optimizer()`` makes the Keras optimizer that
+    ``hk.DistributedOptimizer(..., **wrapper)`` wraps."""
+    from hpctrain.checkpoint import CheckpointManager
+
+    n, r = comm.size, comm.rank
+
+    def make():
+        model = make_model()
+        model.compile(optimizer=hk.DistributedOptimizer(optimizer(), **wrapper), loss=LOSS)
+        return model
+
+    def run(model, steps):
+        for s in steps:
+            x, y = global_batch(s, n)
+            model.train_on_batch(x[r * B:(r + 1) * B], y[r * B:(r + 1) * B])
+
+    straight = make()
+    run(straight, range(6))
+    model = make()
+    run(model, range(3))
+    with CheckpointManager(ckdir, comm=comm, verify_replicas="error") as manager:
+        manager.save(3, {"model": model, "optimizer": model.optimizer})
+    fresh = make()
+    fresh.set_weights([w + 1 for w in fresh.get_weights()])
+    fresh.optimizer.build(fresh.trainable_variables)
+    assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": fresh.optimizer}) == 3
+    run(fresh, range(3, 6))
+    for got, want in zip(fresh.get_weights(), straight.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_gradient_tape_loop_matches_single_process_with_n_times_the_batch(comm, name, graph):
@@ -152,32 +186,8 @@ def test_a_checkpoint_half_way_through_backward_passes_per_step_resumes_bit_for_
     or half-way at another size, it is refused in one line."""
     from hpctrain.checkpoint import CheckpointError, CheckpointManager
 
-    n, r = comm.size, comm.rank
-
-    def make():
-        model = make_model()
-        model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2),
-                      loss=LOSS)
-        return model
-
-    def run(model, passes):
-        for s in passes:
-            x, y = global_batch(s, n)
-            model.train_on_batch(x[r * B:(r + 1) * B], y[r * B:(r + 1) * B])
-
-    straight = make()
-    run(straight, range(6))
-    model = make()
-    run(model, range(3))
-    with CheckpointManager(ckdir, comm=comm, verify_replicas="error") as manager:
-        manager.save(3, {"model": model, "optimizer": model.optimizer})
-    fresh = make()
-    fresh.set_weights([w + 1 for w in fresh.get_weights()])
-    fresh.optimizer.build(fresh.trainable_variables)
-    assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": fresh.optimizer}) == 3
-    run(fresh, range(3, 6))
-    for got, want in zip(fresh.get_weights(), straight.get_weights()):
-        np.testing.assert_array_equal(got, want)
+    n = comm.size
+    resumes_bit_for_bit(comm, ckdir, lambda: keras.optimizers.Adam(0.01), backward_passes_per_step=2)
     plain = make_model()            # into an optimizer without the sums: refused in one line
     plain.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss=LOSS)
     plain.optimizer.build(plain.trainable_variables)
@@ -359,31 +369,4 @@ def test_keras_fit_with_adasum_combines_the_ranks_updates(comm):
 def test_keras_adasum_keeps_each_ranks_momentum_through_a_checkpoint(comm, ckdir):
     """op='adasum': each rank's momentum is its own; saved after 3 steps and restored into a fresh model and
     optimizer, the run ends bit for bit where the unbroken one does."""
-    from hpctrain.checkpoint import CheckpointManager
-
-    n, r = comm.size, comm.rank
-
-    def make():
-        model = make_model()
-        model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), op="adasum"),
-                      loss=LOSS)
-        return model
-
-    def run(model, steps):
-        for s in steps:
-            x, y = global_batch(s, n)
-            model.train_on_batch(x[r * B:(r + 1) * B], y[r * B:(r + 1) * B])
-
-    straight = make()
-    run(straight, range(6))
-    model = make()
-    run(model, range(3))
-    with CheckpointManager(ckdir, comm=comm, verify_replicas="error") as manager:
-        manager.save(3, {"model": model, "optimizer": model.optimizer})
-    fresh = make()
-    fresh.set_weights([w + 1 for w in fresh.get_weights()])
-    fresh.optimizer.build(fresh.trainable_variables)
-    assert CheckpointManager(ckdir, comm=comm).restore({"model": fresh, "optimizer": fresh.optimizer}) == 3
-    run(fresh, range(3, 6))
-    for got, want in zip(fresh.get_weights(), straight.get_weights()):
-        np.testing.assert_array_equal(got, want)
+    resumes_bit_for_bit(comm, ckdir, lambda: keras.optimizers.SGD(0.1, momentum=0.9), op="adasum")
