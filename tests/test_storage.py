@@ -103,7 +103,7 @@ def test_peer_storage_keeps_the_newest_parts_checked_and_gives_them_back_in_thei
     got = storage.read(2)
     got["b0"]["exp_avg"].zero_()                # (what is read is a copy: the stored part stays as it was)
     assert torch.equal(storage.read(2)["b0"]["exp_avg"], part(2)["b0"]["exp_avg"])
-    raw, _ = storage._steps[3][0]
+    raw, _ = storage._parts[3][0]
     raw[len(raw) // 2] ^= 1
     with pytest.raises(CorruptFileError, match="does not match its checksum"):
         storage.read(3)

@@ -22,14 +22,13 @@ bytes (``1/N`` of the spread state per rank).  Memory: two parts per rank
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import HpctrainError
 from .state import Encoder, decode
-from .storage import Storage
+from .storage import MemoryStorage
 from .tensorfile import CorruptFileError, decode_tensors, encode_tensors
 
 __all__ = ["PartLost", "PeerStorage", "pack", "unpack", "buddies", "exchange", "recover"]
@@ -124,28 +123,20 @@ def recover(comm, old_rank: int, own: Tuple[np.ndarray, int], wards: Dict[int, T
     return parts
 
 
-Copies = Tuple[Tuple[np.ndarray, int], Dict[int, Tuple[np.ndarray, int]]]
 
-
-class PeerStorage(Storage):
+class PeerStorage(MemoryStorage):
     """One value's part of each of the last ``kept`` commits: this rank's own and its wards' copies, over ``comm``.
 
     ``write_part(step, tree)`` packs this rank's part and exchanges it with
     the buddies (collective over ``comm``); ``commit(step)`` keeps it (the
-    oldest beyond ``kept`` go); ``save`` is the three at once.  :meth:`read` gives this rank's own part back
-    (checked); :meth:`recover` every old rank's part on a re-formed world.
+    oldest beyond ``kept`` go); ``save`` is the three at once.
+    :meth:`read` gives this rank's own part back (checked); :meth:`recover`
+    every old rank's part on a re-formed world.
     """
 
     def __init__(self, comm, kept: int):
-        self.comm, self.kept = comm, kept
-        self.rank, self.size = comm.rank, comm.size
-        self._steps: "OrderedDict[int, Copies]" = OrderedDict()
-        self._open: Dict[int, Copies] = {}
-
-    def begin(self, step: int) -> None:
-        if step in self._steps:
-            raise FileExistsError(f"commit {step} exists already")
-        self._open.pop(step, None)
+        super().__init__(kept)
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
 
     def write_part(self, step: int, part: Dict[str, Any], meta: Any = None) -> int:
         """Pack ``part``, keep it and send its copy to the buddy (collective); return its CRC-32."""
@@ -153,24 +144,11 @@ class PeerStorage(Storage):
         self._open[step] = ((raw, crc), exchange(self.comm, raw, crc))
         return crc
 
-    def commit(self, step: int, world_size: int = 0, receipts: Any = None) -> None:
-        self._steps[step] = self._open.pop(step)
-        self.prune(self.kept)
-
-    def abort(self, step: int) -> None:
-        self._open.pop(step, None)
-
-    def list(self) -> List[int]:
-        return list(self._steps)
-
-    def remove(self, step: int) -> None:
-        self._steps.pop(step, None)
-
     def read(self, step: int) -> Dict[str, Any]:
         """This rank's own part of ``step``, checked against its CRC-32."""
-        return unpack(*self._steps[step][0])
+        return unpack(*self._parts[step][0])
 
     def recover(self, step: int, comm) -> Dict[int, Dict[str, Any]]:
         """Every old rank's part of ``step`` on every rank of the re-formed ``comm`` (:func:`recover`)."""
-        own, wards = self._steps[step]
+        own, wards = self._parts[step]
         return recover(comm, self.rank, own, wards, self.size)

@@ -132,13 +132,11 @@ class _Identical(keras.callbacks.Callback):
         self.steps += 1
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_keras_fit_matches_single_process_with_n_times_the_batch(comm, name):
+def fit_both(comm, model, ref, steps):
+    """``model.fit`` on this rank's B rows of ``steps`` global batches (rank 0's variables broadcast first, replicas
+    checked identical after every batch), ``ref.fit`` on the N*B rows at once; returns the batches checked."""
     n, r = comm.size, comm.rank
-    model, ref = make_model(seed=r), make_model()
-    model.compile(optimizer=hk.DistributedOptimizer(OPTIMIZERS[name]()), loss=LOSS)
-    ref.compile(optimizer=OPTIMIZERS[name](), loss=LOSS)
-    parts = [global_batch(s, n) for s in range(STEPS)]
+    parts = [global_batch(s, n) for s in range(steps)]
     mine = (np.concatenate([x[r * B:(r + 1) * B] for x, _ in parts]),
             np.concatenate([y[r * B:(r + 1) * B] for _, y in parts]))
     everything = (np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts]))
@@ -146,7 +144,16 @@ def test_keras_fit_matches_single_process_with_n_times_the_batch(comm, name):
     model.fit(tf.data.Dataset.from_tensor_slices(mine).batch(B), epochs=1, verbose=0,
               callbacks=[hk.BroadcastGlobalVariablesCallback(0), check])
     ref.fit(tf.data.Dataset.from_tensor_slices(everything).batch(n * B), epochs=1, verbose=0)
-    assert check.steps == STEPS
+    return check.steps
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_keras_fit_matches_single_process_with_n_times_the_batch(comm, name):
+    n, r = comm.size, comm.rank
+    model, ref = make_model(seed=r), make_model()
+    model.compile(optimizer=hk.DistributedOptimizer(OPTIMIZERS[name]()), loss=LOSS)
+    ref.compile(optimizer=OPTIMIZERS[name](), loss=LOSS)
+    assert fit_both(comm, model, ref, STEPS) == STEPS
     assert type(model.optimizer).__name__.startswith("Distributed")
     assert_close(model.trainable_variables, ref.trainable_variables, n)
 
@@ -163,15 +170,7 @@ def test_keras_fit_with_backward_passes_per_step_matches_keras_own_accumulation_
     reference_opt.gradient_accumulation_steps = k
     ref.compile(optimizer=reference_opt, loss=LOSS)
     passes = STEPS // 2 * k + 1                     # (the last round is left half-way)
-    parts = [global_batch(s, n) for s in range(passes)]
-    mine = (np.concatenate([x[r * B:(r + 1) * B] for x, _ in parts]),
-            np.concatenate([y[r * B:(r + 1) * B] for _, y in parts]))
-    everything = (np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts]))
-    check = _Identical(comm)
-    model.fit(tf.data.Dataset.from_tensor_slices(mine).batch(B), epochs=1, verbose=0,
-              callbacks=[hk.BroadcastGlobalVariablesCallback(0), check])
-    ref.fit(tf.data.Dataset.from_tensor_slices(everything).batch(n * B), epochs=1, verbose=0)
-    assert check.steps == passes
+    assert fit_both(comm, model, ref, passes) == passes
     assert int(opt.iterations.numpy()) == int(reference_opt.iterations.numpy()) == passes // k     # (updates)
     assert_close(model.trainable_variables, ref.trainable_variables, n)
     sums = [v for v in opt.variables if "hpctrain_agg_sum" in v.path]     # (the half-way round, checkpointed)
