@@ -112,7 +112,8 @@ def test_peer_storage_keeps_the_newest_parts_checked_and_gives_them_back_in_thei
 
 
 def test_a_bfloat16_sharded_optimizer_in_an_elastic_state_goes_back_to_its_commit(world_of_one):
-    """ZeRO's state is committed through the peer storage: a bfloat16 model's moments come back bit for bit."""
+    """ZeRO's state is committed through the peer storage: a bfloat16 model's moments come back bit for bit, and a
+    sync leaves each rank's part as it is."""
     import torch
 
     import hpctrain.torch as ht
@@ -139,6 +140,8 @@ def test_a_bfloat16_sharded_optimizer_in_an_elastic_state_goes_back_to_its_commi
     step()
     moments_after_steps = moments()[0]
     state.restore()
+    state.sync()            # (each rank keeps its own part: nothing of it is broadcast, and it is committed anew)
+    assert state.commit_number == 2
     again = moments()
     assert len(again) == len(before) > 0 and not torch.equal(again[0], moments_after_steps)
     for a, b in zip(again, before):

@@ -245,7 +245,7 @@ class ObjectState(State):
 
     def _recover_spread(self, comm) -> None:
         """Give each spread value (committed as parts) the chunks of the new world from the old world's parts:
-        each old rank's own copy where it survived, else its buddy's (:func:`hpctrain.elastic.peer_storage.recover`)."""
+        each old rank's own copy where it survived, else its buddy's (:func:`hpctrain.checkpoint.peer_storage.recover`)."""
         saved = self._commits.read(self._commits.list()[-1])
         spread = [(name, value) for name, value in saved.items() if isinstance(value, _Spread)]
         for name, value in spread:
@@ -254,8 +254,9 @@ class ObjectState(State):
             self.save()
 
     def _sync_values(self, comm, skip: Sequence[str]) -> None:
-        """Give every rank rank 0's values, but for the local ones and ``skip`` (one pickled broadcast)."""
-        names = [n for n in self._names if n not in self._local and n not in skip]
+        """Give every rank rank 0's values, but for the local ones, ``skip`` and the spread ones (each rank holds its
+        own part of those: a recovery rebuilds them from the parts) (one pickled broadcast)."""
+        names = [n for n in self._names if n not in self._local and n not in skip and not _is_spread(getattr(self, n))]
         if names:
             self._apply(self.broadcast_value(comm, self._capture(names)))
 
