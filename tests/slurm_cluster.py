@@ -92,7 +92,7 @@ class LocalSlurm:
             res = _run([*where, f"/usr/sbin/{daemon}", "-f", str(self.conf)], env=self.env)
             if res.returncode != 0:
                 self.stop()
-                raise SlurmUnavailable(f"{daemon} did not start: {res.stdout}{res.stderr}\n{self._logs()}")
+                raise SlurmUnavailable(f"{daemon} did not start: {res.stdout}{res.stderr}\n{self.daemon_logs()}")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             state = self.node_state()
@@ -100,7 +100,7 @@ class LocalSlurm:
                 return self
             time.sleep(0.5)
         self.stop()
-        raise SlurmUnavailable(f"the nodes never became idle (sinfo says {state!r})\n{self._logs()}")
+        raise SlurmUnavailable(f"the nodes never became idle (sinfo says {state!r})\n{self.daemon_logs()}")
 
     def _daemons(self):
         """(command prefix, daemon) for each daemon to start, in order: here, the controller and one node."""
@@ -150,8 +150,9 @@ class LocalSlurm:
         """slurm.conf: the settings every local cluster shares, then :meth:`_conf_nodes`."""
         d = self.dir
         return [
-            "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "AuthInfo=cred_expire=10",
-            "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "AuthInfo=cred_expire=10",
+            # A step's credential lives cred_expire seconds (also the requeue delay, which
+            # release_after_requeue shortens): 10 s failed a step launch on a loaded 2-core machine.
+            "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "AuthInfo=cred_expire=30",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
             "SlurmdParameters=config_overrides",
@@ -175,7 +176,8 @@ class LocalSlurm:
             f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
         ]
 
-    def _logs(self) -> str:
+    def daemon_logs(self) -> str:
+        """The last 2,000 characters of each daemon's log (for a failure's message)."""
         out = []
         for log in sorted((self.dir / "log").glob("*.log")):
             out.append(f"--- {log.name} ---\n" + log.read_text(errors="replace")[-2000:])
@@ -205,7 +207,7 @@ class LocalSlurm:
                 return info
             time.sleep(0.5)
         self.scancel(job_id)
-        raise AssertionError(f"job {job_id} did not finish in {timeout} s: {info}\n{self._logs()}")
+        raise AssertionError(f"job {job_id} did not finish in {timeout} s: {info}\n{self.daemon_logs()}")
 
     @staticmethod
     def wait_for_line(path: Path, pattern: str, timeout: float) -> None:

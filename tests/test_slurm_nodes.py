@@ -91,7 +91,7 @@ def test_preemptible_sbatch_on_two_nodes_is_requeued_and_resumes_bit_identical(s
     assert res.returncode == 0, res.stderr
     slurm.release_after_requeue(job)
     info, text = finished(slurm, job, log, 240)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-5000:]}\n{slurm._logs()}"
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-5000:]}\n{slurm.daemon_logs()}"
     starts = [int(s) for s in re.findall(r"^starting at step (\d+)$", text, re.M)]
     assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 4, text[-5000:]
     if interrupt == "usr2":       # every rank saved the step of the signal; rank 0 asked for the requeue
