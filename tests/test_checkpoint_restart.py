@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import RANK_COUNTS, REPO, assert_bit_identical, base_env, mpirun_cmd, run, saved_arrays
+from harness import REPO, assert_bit_identical, base_env, mpirun_cmd, run, saved_arrays
 
 PROGRAM = str(REPO / "tests" / "programs" / "ckpt_train.py")
 EXIT_PREEMPTED = 75
@@ -42,8 +42,10 @@ def reference(n, tmp_path_factory, *args):
     return _references[key]
 
 
+# The three ways a job is broken share the rank counts (CONTRIBUTING, "The budget"): SIGKILL at 2 and 4, a kill
+# while writing at 1 and 3, SIGUSR2 at 1 and 4.
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n", RANK_COUNTS)
+@pytest.mark.parametrize("n", [2, 4])
 def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes_bit_identical(n, tmp_path, tmp_path_factory):
     ref = reference(n, tmp_path_factory)
     killed = launch(n, tmp_path / "ckpt", tmp_path / "out.npz", "--kill", f"{n - 1}:8")
@@ -55,7 +57,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes_bit_identical
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n", RANK_COUNTS)
+@pytest.mark.parametrize("n", [1, 3])
 def test_a_kill_while_writing_a_checkpoint_falls_back_to_the_previous_one(n, tmp_path, tmp_path_factory):
     ref = reference(n, tmp_path_factory)
     # Rank 0 writes two files per checkpoint (replicated state, its RNG shard): the third is step 6's.
@@ -71,7 +73,7 @@ def test_a_kill_while_writing_a_checkpoint_falls_back_to_the_previous_one(n, tmp
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n", RANK_COUNTS)
+@pytest.mark.parametrize("n", [1, 4])
 def test_sigusr2_on_one_rank_checkpoints_every_rank_at_one_step_and_exits(n, tmp_path, tmp_path_factory):
     ref = reference(n, tmp_path_factory)
     stopped = launch(n, tmp_path / "ckpt", tmp_path / "out.npz", "--signal", f"{n - 1}:5")

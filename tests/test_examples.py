@@ -20,8 +20,9 @@ EXAMPLES = {"torch_digits.py": "resumed from the checkpoint of step {steps}",
             "tf_digits.py": "resumed from the checkpoint of epoch {epochs}"}
 
 
-@pytest.mark.parametrize("example, n", [("torch_digits.py", 2), ("torch_digits.py", 4), ("tf_digits.py", 1),
-                                        ("tf_digits.py", 3)])
+# torch_digits.py at 4, tf_digits.py at 3; torch_digits.py trains at 1-3 ranks under Slurm too (test_slurm.py: srun
+# at 1 and 3, hpctrain launch at 2) and Keras's world of one is the default rank suite's (2 and 1 cost 93 s of CI).
+@pytest.mark.parametrize("example, n", [("torch_digits.py", 4), ("tf_digits.py", 3)])
 def test_digits_example_reaches_97_percent_and_resumes(example, n, tmp_path):
     out = tmp_path / "summary.json"
     cmd = mpirun_cmd(n) + [str(BIN / "python"), "-m", "hpctrain.run", str(REPO / "examples" / example),

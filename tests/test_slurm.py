@@ -61,7 +61,8 @@ def test_train_sbatch_trains_the_digits_example(slurm, tmp_path, n):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("how, n", [("mpirun", 1), ("hpctrain launch", 2), ("mpirun", 3), ("hpctrain launch", 4)])
+# (the digits example: srun at 1 and 3 above, these two at 2 and 3, plain mpirun at 4 in test_examples.py)
+@pytest.mark.parametrize("how, n", [("hpctrain launch", 2), ("mpirun", 3)])
 def test_the_other_launch_paths_inside_an_allocation(slurm, tmp_path, n, how):
     out = tmp_path / "summary.json"
     if how == "mpirun":
@@ -104,7 +105,9 @@ def reference(n, tmp_path_factory):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("interrupt, n", [("usr2", 1), ("scontrol requeue", 2), ("usr2", 3), ("scontrol requeue", 4)])
+# One count each (the USR2 path across two nodes in test_slurm_nodes.py; SIGUSR2 at 1 and 4 ranks without Slurm in
+# test_checkpoint_restart.py): 1 and 2 cost 90 s of CI on a slow 2-core machine.
+@pytest.mark.parametrize("interrupt, n", [("usr2", 3), ("scontrol requeue", 4)])
 def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(slurm, tmp_path, n,
                                                                                      interrupt, tmp_path_factory):
     ref = reference(n, tmp_path_factory)
