@@ -26,14 +26,15 @@ import pytest
 
 from harness import BIN, COLLECTIVE_FILES, REPO, assert_bit_identical, base_env, kill_tree, run, saved_arrays
 
-# (2 x 1 was left out for CI time: 2 x 2 loses a node's every rank, 3 x 2 one node of three)
-LAYOUTS = [(2, 2), (3, 2)]
+# (2 x 1 and 3 x 2 were left out for CI time: 2 x 2 loses a node's every rank; 3 x 2, one node of three, took 88 s
+# on a slow 2-core machine, and the namespace tests of issue 67's silent node deaths will be where such layouts go)
+LAYOUTS = [(2, 2)]
 COLLECTIVES = ("(world_shape or own_shared_memory or test_allreduce or allgather or broadcast or reduce_scatter "
                "or alltoall or bit_identical or shm_refused or grouped_allreduce_equals or narrow_integer) and not 64mib")
 ACROSS = [f for f in COLLECTIVE_FILES if f != "test_point_to_point.py"]    # (the files COLLECTIVES selects from)
 TRAINING = ["test_torch_training.py", "test_tf_training.py", "test_checkpoint.py"]
 # The rank files run on two layouts that between them have more than one rank a node and more than two
-# nodes (6 ranks on 3x2 took three minutes on the 2-core machine; the node-loss test keeps all four).
+# nodes (6 ranks on 3x2 took three minutes on the 2-core machine).
 # Keras training across nodes runs on 2x2 only (CI time: TF adds about 25 s to a launch; one rank a node
 # changes nothing in how Keras's gradients reach hpctrain).
 FILE_LAYOUTS = {(2, 2): ACROSS + TRAINING,
