@@ -1,9 +1,9 @@
 """Packaging for hpctrain."""
 from setuptools import Extension, find_packages, setup
 
-# The mailbox's small all-reduce in C (hpctrain/comm/mpi/_mailbox_kernel.c).  Optional: without a C
+# The mailbox's small all-reduce in C (hpctrain/comm/backends/mpi/_mailbox_kernel.c).  Optional: without a C
 # compiler the build skips it and hpctrain runs the same protocol in Python, a few µs slower a call.
-KERNEL = Extension("hpctrain.comm.mpi._mailbox_kernel", ["hpctrain/comm/mpi/_mailbox_kernel.c"], optional=True)
+KERNEL = Extension("hpctrain.comm.backends.mpi._mailbox_kernel", ["hpctrain/comm/backends/mpi/_mailbox_kernel.c"], optional=True)
 
 setup(
     name="hpctrain",

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Sequence
 
 from .collectives.buckets import Bucket
-from .comm.handle import done_handle
+from .comm.call.handle import done_handle
 from .compression.reducer import Pending
 
 __all__ = ["STRATEGIES", "strategy_for", "Compressed", "AllReduce", "Negotiated", "ReduceScatter", "LocalSGDBuckets"]

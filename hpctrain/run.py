@@ -14,7 +14,7 @@ import runpy
 import sys
 import traceback
 
-from .comm.abort import abort_job
+from .comm.life.abort import abort_job
 
 __all__ = ["main", "abort_job"]
 

@@ -104,10 +104,10 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_CHECK", "flag", True, "compare every collective call across ranks before running it "
             "(a mismatch is an error on every rank)"),
     Setting("HPCTRAIN_COMM_LOG", "flag", False, "log every collective's count, bytes, latency, algbw and busbw "
-            "per size bucket; rank 0 prints the table at shutdown (hpctrain.comm.comm_log)"),
+            "per size bucket; rank 0 prints the table at shutdown (hpctrain.comm.recording.comm_log)"),
     Setting("HPCTRAIN_TIMELINE", "text", "", "file of a Chrome-trace timeline of every rank (collectives and "
             "their phases, fusion, compression, forward/backward/step, checkpoint saves), written by rank 0 at "
-            "shutdown (hpctrain.comm.timeline); empty: off"),
+            "shutdown (hpctrain.comm.recording.timeline); empty: off"),
     Setting("HPCTRAIN_STALL_WARNING_S", "seconds", 60.0, "log the collective a rank waits in, and the ranks "
             "that have not joined, after this long", minimum=1e-3),
     Setting("HPCTRAIN_STALL_TIMEOUT_S", "seconds", 600.0, "abort the whole job when a collective waits this "
@@ -116,7 +116,7 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_SHM_MIN_BYTES", "bytes", 0, "from this size on, `auto` all-reduces, reduce-scatters and "
             "all-gathers through shared memory on one node, below it through the library (also set by `hpctrain "
             "tune`); 0: `auto` times both ways at the first call of each size class above "
-            "HPCTRAIN_SHM_SMALL_BYTES, up to 64 MiB, and keeps the faster (hpctrain.comm.measured_choice)", minimum=0),
+            "HPCTRAIN_SHM_SMALL_BYTES, up to 64 MiB, and keeps the faster (hpctrain.comm.call.measured_choice)", minimum=0),
     Setting("HPCTRAIN_HIERARCHICAL_MIN_BYTES", "bytes", 0, "from this size on, `auto` uses the hierarchical "
             "all-reduce across nodes (also set by `hpctrain tune`); 0: the cost model decides, from the three "
             "settings below", minimum=0),

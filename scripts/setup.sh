@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 STAMP="$VENV/.hpctrain-setup"
-WANT=$(cat requirements.txt setup.py hpctrain/comm/mpi/_mailbox_kernel.c scripts/setup.sh scripts/install_horovod.sh | sha256sum | cut -c1-16)-${HPCTRAIN_SITE_MPI:-0}
+WANT=$(cat requirements.txt setup.py hpctrain/comm/backends/mpi/_mailbox_kernel.c scripts/setup.sh scripts/install_horovod.sh | sha256sum | cut -c1-16)-${HPCTRAIN_SITE_MPI:-0}
 
 if [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
     exit 0

@@ -8,7 +8,7 @@ import pytest
 
 import hpctrain
 from hpctrain.collectives.ops import segment_bounds
-from hpctrain.comm.signature import Call, format_ranks, judge
+from hpctrain.comm.call.signature import Call, format_ranks, judge
 
 from harness import base_env
 
@@ -129,7 +129,7 @@ def test_bucket_strategies_are_found_by_name_refuse_compression_in_one_line_and_
     import torch
 
     from hpctrain.bucket_strategies import strategy_for
-    from hpctrain.comm.handle import done_handle
+    from hpctrain.comm.call.handle import done_handle
     from hpctrain.gradients import GradientAverager
     from hpctrain.torch import DistributedOptimizer
     from hpctrain.torch.optimizer import rebuild_on
@@ -199,7 +199,7 @@ def test_cross_memory_copies_spans_end_to_end_and_names_the_process_it_cannot_re
     """process_vm_readv/writev through CrossMemory (on this process itself): spans in order, clear errors."""
     import os
 
-    from hpctrain.comm.mpi.cross_memory import CrossMemory
+    from hpctrain.comm.backends.mpi.cross_memory import CrossMemory
     from hpctrain.collectives.flat import Flat
 
     xm = CrossMemory()
@@ -224,7 +224,7 @@ def test_cross_memory_copies_spans_end_to_end_and_names_the_process_it_cannot_re
 
 def test_the_c_kernel_was_built_and_refuses_bad_buffers():
     """The set-up builds the mailbox's C kernel (setup.py); a build that silently failed would cost ~3 µs a call."""
-    from hpctrain.comm.mpi import _mailbox_kernel
+    from hpctrain.comm.backends.mpi import _mailbox_kernel
 
     slots = np.zeros((2, 2, 256), np.uint8)          # (slot, rank, bytes): header 64 + payload 192 here
     addrs = [slots[s, r].ctypes.data for s in range(2) for r in range(2)]

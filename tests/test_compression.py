@@ -136,8 +136,8 @@ def test_signsgd_majority_vote_and_onebit_means():
 
 
 def test_powersgd_at_full_rank_reproduces_the_matrix_and_is_cheaper_at_low_rank():
-    from hpctrain.comm.local import init_world
-    from hpctrain.comm.runtime import Config
+    from hpctrain.comm.backends.local import init_world
+    from hpctrain.comm.life.runtime import Config
 
     comm = init_world(Config.from_env())      # a world of one: the reduction is the identity
     m = np.random.default_rng(4).standard_normal((12, 5)).astype(np.float32)
@@ -182,8 +182,8 @@ def test_pack_unpack_round_trip_with_every_wire_dtype():
 
 
 def test_casts_take_every_tensor_so_fp16_is_exactly_half():
-    from hpctrain.comm.local import init_world
-    from hpctrain.comm.runtime import Config
+    from hpctrain.comm.backends.local import init_world
+    from hpctrain.comm.life.runtime import Config
 
     reducer = C.CompressedReducer(C.get("fp16"), init_world(Config.from_env()))
     reducer.reduce([("fc.bias", np.ones(10, np.float32)), ("w", np.ones((3, 3), np.float32))])

@@ -15,7 +15,7 @@ import pytest
 
 from hpctrain.collectives import registry
 from hpctrain.collectives.cost_model import LinkModel, hierarchical_cost, predict, terms
-from hpctrain.comm.runtime import Config
+from hpctrain.comm.life.runtime import Config
 
 LAYOUTS = [(2, 1), (2, 2), (3, 2), (4, 4), (8, 2), (5, 3)]
 S = 3 * 2 ** 20
@@ -121,7 +121,7 @@ def test_a_measured_choice_probes_both_ways_then_keeps_the_one_the_slowest_rank_
     first probes hpctrain's way and the library's alternately on zeros, 2 * (TRIALS + 1) times (the first
     pair uncounted); the times are maxed over ranks, and the library is kept only where its median is under
     SWITCH_BELOW of hpctrain's; that call and every later one of the class run the winner only."""
-    from hpctrain.comm.measured_choice import (LIBRARY, MEASURED_MAX_BYTES, OWN, SWITCH_BELOW, TRIALS,
+    from hpctrain.comm.call.measured_choice import (LIBRARY, MEASURED_MAX_BYTES, OWN, SWITCH_BELOW, TRIALS,
                                                MeasuredChoice, size_class)
 
     assert [size_class(n) for n in (1, 4, 5, 16, 1 << 20, (1 << 20) + 1, 4 << 20)] == [0, 1, 2, 2, 10, 11, 11]

@@ -22,7 +22,7 @@ def modules():
 
 
 def part(module):
-    """The part a dotted module belongs to: ``hpctrain.comm.mpi.ulfm`` -> ``comm``; the package itself -> None."""
+    """The part a dotted module belongs to: ``hpctrain.comm.backends.mpi.ulfm`` -> ``comm``; the package itself -> None."""
     bits = module.split(".")
     return bits[1] if len(bits) > 1 else None
 

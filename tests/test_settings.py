@@ -7,7 +7,7 @@ import pytest
 
 from harness import REPO
 from hpctrain import settings
-from hpctrain.comm.runtime import Config
+from hpctrain.comm.life.runtime import Config
 from hpctrain.launcher.launch import build_command
 from hpctrain.settings import SettingError
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import settings
 from ..agreement import check_same
-from ..comm.timeline import span_of
+from ..comm.recording.timeline import span_of
 from ..errors import EXIT_PREEMPTED, CheckpointError
 from .background_commit import BackgroundCommit
 from .save_protocol import CommitSteps

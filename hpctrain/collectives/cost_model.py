@@ -54,7 +54,7 @@ class LinkModel:
 
     @classmethod
     def from_config(cls, config) -> "LinkModel":
-        """The constants of a :class:`~hpctrain.comm.runtime.Config`.
+        """The constants of a :class:`~hpctrain.comm.life.runtime.Config`.
 
         From HPCTRAIN_LINK_GBIT, HPCTRAIN_LINK_LATENCY_US and HPCTRAIN_MEMORY_GBPS.
         """

@@ -1,7 +1,7 @@
 """Intra-node collectives over shared memory, and the hierarchical all-reduce built on them.
 
 The ranks of one node share a memory arena (an MPI-3 shared window, see
-:mod:`hpctrain.comm.mpi.node`): each rank has an *input* area of ``N`` elements
+:mod:`hpctrain.comm.backends.mpi.node`): each rank has an *input* area of ``N`` elements
 and a *result* area of one segment.  With ``P`` reducing ranks and the buffer
 split into ``P`` segments (``segment_bounds``):
 
@@ -177,7 +177,7 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
 
     The form of :func:`shm_allreduce` for a node whose ranks can copy straight
     from and into each other's private memory (``xm``, a
-    :class:`hpctrain.comm.mpi.cross_memory.CrossMemory`): nothing is staged in
+    :class:`hpctrain.comm.backends.mpi.cross_memory.CrossMemory`): nothing is staged in
     the arena.  Reducing rank ``p`` takes segment ``p`` in blocks of
     ``block_bytes``: it reads the block of every peer's input into a scratch
     block (one kernel copy each), reduces them in rank order (its own input
@@ -239,7 +239,7 @@ def shm_allreduce_small(inputs: Sequence[np.ndarray], out: np.ndarray, op: str) 
     """Write ``inputs[0] (op) inputs[1] (op) ...`` (every local rank's buffer, in rank order) into ``out``.
 
     The all-reduce of small buffers on one node: the inputs arrived in shared
-    memory with the call check (:class:`hpctrain.comm.mpi.mailbox.Mailbox`), and
+    memory with the call check (:class:`hpctrain.comm.backends.mpi.mailbox.Mailbox`), and
     every rank reduces all of them itself instead of one segment each, which
     saves both fences and the copy of the results.  Same order, so the same
     bits as :func:`shm_allreduce`.  Cost per rank for ``N`` elements on ``L``
@@ -347,7 +347,7 @@ def shm_allgather(raw: np.ndarray, counts, sh, phase: Phase = no_phase) -> np.nd
 # Both run inside the MPI backend on its node windows (``run`` None).  Their cost estimates are the
 # crossovers ``hpctrain tune`` measures against the library call: on one node "shm" is cheaper for
 # small buffers (one exchange through the mailbox) and from HPCTRAIN_SHM_MIN_BYTES on (its default, 0:
-# chosen here, then measured against the library on the first calls, hpctrain.comm.measured_choice); across nodes
+# chosen here, then measured against the library on the first calls, hpctrain.comm.call.measured_choice); across nodes
 # "hierarchical" is cheaper from HPCTRAIN_HIERARCHICAL_MIN_BYTES on where that is set (measured), else
 # where the cost model says it is (cost_model.py, its constants from HPCTRAIN_LINK_GBIT,
 # HPCTRAIN_LINK_LATENCY_US and HPCTRAIN_MEMORY_GBPS).

@@ -2,12 +2,12 @@
 
 A communicator validates a call, converts its input to a numpy buffer
 (:mod:`hpctrain.tensors`), checks that all ranks make the same call
-(:mod:`hpctrain.comm.signature`), runs the algorithm on numpy buffers and
+(:mod:`hpctrain.comm.call.signature`), runs the algorithm on numpy buffers and
 converts the result back to the input's type.  The class is a facade: the
-reductions are planned in :mod:`hpctrain.comm.reductions` (algorithms chosen
+reductions are planned in :mod:`hpctrain.comm.ops.reductions` (algorithms chosen
 through :mod:`hpctrain.collectives.registry`), the data-moving collectives in
-:mod:`hpctrain.comm.data_movement`; backends (MPI, Horovod, local) implement only
-the buffer primitives of :mod:`hpctrain.comm.primitives`.
+:mod:`hpctrain.comm.ops.data_movement`; backends (MPI, Horovod, local) implement only
+the buffer primitives of :mod:`hpctrain.comm.backends.primitives`.
 
 Rules common to every collective:
 
@@ -15,7 +15,7 @@ Rules common to every collective:
   element-wise collectives, shape; the input is never modified;
 * each ``name(...)`` has a ``name_async(...)`` twin returning a :class:`Handle`;
   calls run one at a time in the order they were made (see
-  :mod:`hpctrain.comm.runtime`);
+  :mod:`hpctrain.comm.life.runtime`);
 * with ``HPCTRAIN_CHECK`` on (the default) ranks first compare their calls, so
   a mismatch in kind, dtype, shape, op, root or algorithm, or an invalid
   argument on any rank, raises :class:`~hpctrain.errors.CollectiveMismatchError`
@@ -29,16 +29,16 @@ import numpy as np
 
 from ..collectives import registry
 from ..collectives.adasum import adasum_allreduce
-from .call_path import CallPath
-from .data_movement import Exchanges
-from .repeated_calls import NOT_LEAN
-from .handle import Handle, Riding, Topology, done_handle, same as _same
-from .point_to_point import PointToPoint
-from .primitives import Primitives
-from .reductions import Reductions
-from .runtime import Runtime
-from .signature import Call
-from .world_life import WorldLife
+from .call.call_path import CallPath
+from .ops.data_movement import Exchanges
+from .call.repeated_calls import NOT_LEAN
+from .call.handle import Handle, Riding, Topology, done_handle, same as _same
+from .ops.point_to_point import PointToPoint
+from .backends.primitives import Primitives
+from .ops.reductions import Reductions
+from .life.runtime import Runtime
+from .call.signature import Call
+from .life.world_life import WorldLife
 
 __all__ = ["Communicator", "Handle", "Riding", "Topology", "done_handle"]
 
@@ -84,20 +84,20 @@ class Communicator(CallPath, PointToPoint, Primitives):
 
     @property
     def config(self):
-        """The settings this communicator runs with (a read-only :class:`~hpctrain.comm.runtime.Config`)."""
+        """The settings this communicator runs with (a read-only :class:`~hpctrain.comm.life.runtime.Config`)."""
         return self._rt.config
 
     @property
     def comm_log(self):
-        """This rank's log of collectives (a :class:`~hpctrain.comm.comm_log.CommLog`, shared by the world's
+        """This rank's log of collectives (a :class:`~hpctrain.comm.recording.comm_log.CommLog`, shared by the world's
         communicators): ``start()``, ``stop()``, ``rows()``, ``table()``; on from the start with HPCTRAIN_COMM_LOG=1."""
         return self._rt.comm_log
 
     @property
     def timeline(self):
-        """This rank's timeline recorder (a :class:`~hpctrain.comm.timeline.Timeline`, shared by the world's
+        """This rank's timeline recorder (a :class:`~hpctrain.comm.recording.timeline.Timeline`, shared by the world's
         communicators): ``start()``, ``stop()``, ``span()``; on from the start with HPCTRAIN_TIMELINE=path.
-        :func:`hpctrain.comm.timeline.write_trace` merges the ranks' into one file."""
+        :func:`hpctrain.comm.recording.timeline.write_trace` merges the ranks' into one file."""
         return self._rt.timeline
 
     def __repr__(self) -> str:
@@ -247,7 +247,7 @@ class Communicator(CallPath, PointToPoint, Primitives):
 
     def abort(self, message: str, code: int = 1) -> None:
         """Print ``message`` and end the whole job on every rank with status ``code`` (never returns; see
-        :mod:`hpctrain.comm.abort`)."""
+        :mod:`hpctrain.comm.life.abort`)."""
         self._rt.abort(message, code)
 
     def on_close(self, callback: Callable[..., object], what: str, owner: Optional[object] = None
@@ -294,7 +294,7 @@ class Communicator(CallPath, PointToPoint, Primitives):
         return self._allgather_object(obj)
 
     def close(self, exit_status: int = 0) -> None:
-        """Finish the queued calls, leave (see :mod:`hpctrain.comm.departures`), free the node's shared memory.
+        """Finish the queued calls, leave (see :mod:`hpctrain.comm.life.departures`), free the node's shared memory.
 
         ``exit_status``: the status this process is about to exit with, told to the other ranks as it leaves.
         """
@@ -321,7 +321,7 @@ class Communicator(CallPath, PointToPoint, Primitives):
     def allreduce_algorithm(self, nbytes: int) -> str:
         """Return the algorithm ``allreduce(algorithm="auto")`` runs here for a buffer of ``nbytes`` bytes.
 
-        Where ``auto`` measures (:mod:`hpctrain.comm.measured_choice`), this is
+        Where ``auto`` measures (:mod:`hpctrain.comm.call.measured_choice`), this is
         "shm" until the size class has been measured, then the faster way.
         """
         red, nbytes = self._reductions, int(nbytes)

@@ -5,14 +5,14 @@ backend) and hpctrain.horovod's ``NegotiatedComm``, whose collectives are
 negotiated by name and which states the optional capabilities explicitly
 (``timeline``, ``life``, ``on_close``, ``bucket_strategy``,
 ``adasum_allreduce``) instead of features probing for them with ``getattr``.
-Every ``*_async`` call of either returns a :class:`~hpctrain.comm.handle.Waitable`
+Every ``*_async`` call of either returns a :class:`~hpctrain.comm.call.handle.Waitable`
 (``wait(timeout=None)``, ``test()``).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
-from .handle import Waitable
+from .call.handle import Waitable
 
 __all__ = ["FeatureComm", "Waitable", "CAPABILITIES"]
 

@@ -63,7 +63,7 @@ def reform():
     this re-forming's :class:`Reformed`), as any collective of the new world
     would: :func:`hpctrain.elastic.run` re-forms again.
     """
-    from ..comm.mpi import ulfm, world_over
+    from ..comm.backends.mpi import ulfm, world_over
     from ..world.lifecycle import _replace_world, world
 
     old = world()

@@ -76,7 +76,7 @@ def count_resets(state, count: int, world) -> None:
 
 def end_job(message: str) -> None:
     """End this survivor with ``message`` (status 1); every other survivor ends the same way."""
-    from ..comm.abort import exit_after_failure
+    from ..comm.life.abort import exit_after_failure
 
     exit_after_failure(message, 1)
 

@@ -12,7 +12,7 @@ half of it) and for the first 10 ms, then up to 2 ms (a rank that waits long
 for the others, or only takes part, wakes rarely).  Each rank sends a fixed
 slot of ``SLOT`` bytes (8 of them the message length); a message that does
 not fit travels in a second ``Iallgatherv``.  While it waits longer than a
-second it reads the departures board (:mod:`hpctrain.comm.departures`) and
+second it reads the departures board (:mod:`hpctrain.comm.life.departures`) and
 raises, naming them, when ranks it waits for have left.  Where Horovod
 carries the job the cycle is one Horovod allgather of the pickled messages
 (``gather_bytes``: no call check of hpctrain's around it); other backends use
@@ -54,7 +54,7 @@ def _finished(req) -> bool:
     ``MPI_Request_get_status`` first, not a test: under Open MPI's
     fault-tolerance extension a test frees a send to a failed rank while its
     message may still sit in the network layer, and the process ends when
-    that message fails later (:mod:`hpctrain.comm.mpi.requests`); a send the
+    that message fails later (:mod:`hpctrain.comm.backends.mpi.requests`); a send the
     library completed is safe to free, with or without an error.
     """
     if not req.Get_status():

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ..adasum_updates import adasum_wire_dtype
-from ..comm.local import init_world as init_local_world
+from ..comm.backends.local import init_world as init_local_world
 from . import basics
 from .basics import Average
 from .compression import hpctrain_compression

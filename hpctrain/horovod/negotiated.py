@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..comm.handle import wait_until
+from ..comm.call.handle import wait_until
 from . import basics
 
 __all__ = ["NegotiatedComm"]
@@ -45,7 +45,7 @@ _IDS = itertools.count()          # NegotiatedComms in creation order: the same 
 
 
 class _Handle:
-    """A :class:`~hpctrain.comm.handle.Waitable` over a negotiated request: ``wait()`` returns the call's result."""
+    """A :class:`~hpctrain.comm.call.handle.Waitable` over a negotiated request: ``wait()`` returns the call's result."""
 
     def __init__(self, op):
         self._op = op
@@ -58,7 +58,7 @@ class _Handle:
 
 
 class _Direct:
-    """A :class:`~hpctrain.comm.handle.Waitable` over a bucket Horovod reduces by name: ``wait()`` returns it."""
+    """A :class:`~hpctrain.comm.call.handle.Waitable` over a bucket Horovod reduces by name: ``wait()`` returns it."""
 
     def __init__(self, reduction, out, rows, started: float):
         self._reduction, self._out, self._rows, self._started = reduction, out, rows, started
@@ -124,7 +124,7 @@ class NegotiatedComm:
 
     @property
     def life(self):
-        """The world's life (:class:`~hpctrain.comm.world_life.WorldLife`)."""
+        """The world's life (:class:`~hpctrain.comm.life.world_life.WorldLife`)."""
         return self._comm.life
 
     def on_close(self, callback, what: str, owner=None):

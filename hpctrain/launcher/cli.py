@@ -113,7 +113,7 @@ def _check_before_launch(argv) -> None:
     Unknown HPCTRAIN_* names are warnings (with the closest known name), as at init().
     """
     from .. import settings
-    from ..comm.runtime import Config
+    from ..comm.life.runtime import Config
 
     for line in settings.unknown_names():
         print(f"hpctrain launch: warning: {line}", file=sys.stderr)

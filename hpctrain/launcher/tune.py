@@ -6,7 +6,7 @@ meaningful).  For message sizes from 1 KiB to 16 MiB each rank times the
 library's all-reduce ("native") against "shm" (one node) or "hierarchical"
 (several nodes), alternating them, and takes medians.  The threshold is the
 smallest size from which hpctrain's algorithm is at least as fast at that
-size and every larger one.  The result goes to :func:`hpctrain.comm.runtime.tuning_path`
+size and every larger one.  The result goes to :func:`hpctrain.comm.life.runtime.tuning_path`
 (``~/.config/hpctrain/tune.json``, or HPCTRAIN_TUNE_FILE), which ``init()``
 reads; environment variables (HPCTRAIN_SHM_MIN_BYTES, ...) still win.
 """
@@ -77,7 +77,7 @@ def _worker(rounds: int) -> None:
 
 def run_tune(n: int, out: str = "", rounds: int = 3) -> dict:
     """Measure on ``n`` ranks, write the tuning file and return what was written."""
-    from ..comm.runtime import Config, tuning_path
+    from ..comm.life.runtime import Config, tuning_path
     from .launch import build_command
 
     if n < 2:

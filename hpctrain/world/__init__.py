@@ -9,7 +9,7 @@ are needed.  This package owns it:
   and the re-formed world put in place (elastic mode);
 * ``exit_hooks.py``: what an uncaught exception, a Ctrl-C and the interpreter's
   exit do to the job, as the world's failure policy says
-  (:mod:`hpctrain.comm.failure_policy`);
+  (:mod:`hpctrain.comm.life.failure_policy`);
 * ``generation.py``: how many times the world re-formed, and the callbacks
   that follow it (:func:`on_reform`).
 

@@ -16,9 +16,9 @@ from typing import Optional
 
 from .. import settings
 from ..agreement import check_writable, disagreeing_settings
-from ..comm.abort import fail_this_rank as _fail_this_rank
+from ..comm.life.abort import fail_this_rank as _fail_this_rank
 from ..comm.base import Communicator
-from ..comm.runtime import SHARED_SETTINGS, Config
+from ..comm.life.runtime import SHARED_SETTINGS, Config
 from ..env import detect_launcher
 from ..errors import NotInitializedError
 from ..launcher_protocol import ELASTIC_FINISHED, ELASTIC_STARTED, write_world
@@ -68,7 +68,7 @@ def init(backend: str = "auto") -> Communicator:
     aborts the whole job instead of leaving the others waiting, and a rank
     that leaves (returns, exits or calls :func:`shutdown`) while others still
     call collectives makes them fail within seconds, naming it (see
-    :mod:`hpctrain.comm.departures`; its ``sys.exit`` status becomes the
+    :mod:`hpctrain.comm.life.departures`; its ``sys.exit`` status becomes the
     job's).  It also sets glibc's allocator so that memory freed in one
     training step is reused by the next without page faults
     (:mod:`hpctrain.memory`; ``HPCTRAIN_KEEP_FREED_MEMORY=0`` leaves it).
@@ -95,11 +95,11 @@ def init(backend: str = "auto") -> Communicator:
             raise
         keep_freed_memory()
         if chosen == "mpi":
-            from ..comm import mpi as impl
+            from ..comm.backends import mpi as impl
         elif chosen == "horovod":
-            from ..comm import horovod as impl
+            from ..comm.backends import horovod as impl
         else:
-            from ..comm import local as impl
+            from ..comm.backends import local as impl
         w = impl.init_world(config)
         if w.size > 1:
             # settings that decide which algorithm runs and whether calls are checked: ranks that differ would
@@ -113,7 +113,7 @@ def init(backend: str = "auto") -> Communicator:
                 raise settings.SettingError(f"ranks of {w.name} disagree on settings every rank must share "
                                             f"(set them alike for all ranks; a tuning file counts): {differ}")
         if config.timeline:       # every rank's timeline, merged into one file by rank 0 at shutdown
-            from ..comm.timeline import write_trace_at_close
+            from ..comm.recording.timeline import write_trace_at_close
 
             w.timeline.on = False          # (the check's own collective stays off the timeline)
             why = check_writable(w, config.timeline)
@@ -221,7 +221,7 @@ def _mark_restarting() -> None:
 
 def fail_this_rank(message: str) -> None:
     """Elastic mode: print ``message`` and end this process as a failed rank (never returns; see
-    :func:`hpctrain.comm.abort.fail_this_rank`)."""
+    :func:`hpctrain.comm.life.abort.fail_this_rank`)."""
     _fail_this_rank(message, _world.rank if _world is not None else "?")
 
 

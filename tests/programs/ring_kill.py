@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 import hpctrain
-from hpctrain.comm.mpi import requests
+from hpctrain.comm.backends.mpi import requests
 from hpctrain.elastic import reform
 from hpctrain.errors import WorldFailedError
 

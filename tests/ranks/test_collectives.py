@@ -268,7 +268,7 @@ def test_async_handles(comm):
 def test_a_wait_with_a_timeout_raises_timeout_error_and_the_call_finishes_on_a_later_wait(comm):
     """Every backend's handle honours ``wait(timeout)`` (the Waitable protocol): while the last rank has not joined,
     the others' wait times out and the call stays in flight; waited again it gives the right result."""
-    from hpctrain.comm.handle import Waitable
+    from hpctrain.comm.call.handle import Waitable
 
     n = comm.size
     if comm.rank == n - 1:
@@ -379,10 +379,10 @@ def test_comm_log_counts_bytes_and_bandwidths_of_every_call(comm):
 
 def test_auto_measures_mid_size_calls_on_their_first_uses_and_every_rank_keeps_the_same_way(comm):
     """With the default HPCTRAIN_SHM_MIN_BYTES (0), the first call of a mid-size class probes hpctrain's
-    shared-memory way and the library's on scratch and all ranks keep the faster (hpctrain.comm.measured_choice):
+    shared-memory way and the library's on scratch and all ranks keep the faster (hpctrain.comm.call.measured_choice):
     every result equals numpy's, a repeated sum of real floats gives the same bits from the first call on,
     and every rank runs the same way for each collective."""
-    from hpctrain.comm.measured_choice import TRIALS
+    from hpctrain.comm.call.measured_choice import TRIALS
 
     sub = comm.split(color=0, key=comm.rank)          # a new communicator: nothing measured on it yet
     n, r = sub.size, sub.rank

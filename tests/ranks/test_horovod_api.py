@@ -145,7 +145,7 @@ def test_a_negotiated_handle_honours_wait_timeout_and_finishes_on_a_later_wait()
     """hpctrain.horovod's communicator hands out Waitables too: the others' wait(timeout) raises TimeoutError while
     the last rank has not started the request, and a later wait gives the result."""
     import time
-    from hpctrain.comm.handle import Waitable
+    from hpctrain.comm.call.handle import Waitable
     from hpctrain.horovod.negotiated import NegotiatedComm
     comm = NegotiatedComm()
     r, n = hvd.rank(), hvd.size()

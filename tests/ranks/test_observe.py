@@ -263,7 +263,7 @@ def test_timeline_has_every_ranks_collectives_with_their_phases_and_fusion_buffe
 
 @pytest.mark.timeout(60)
 def test_timeline_splits_the_shared_memory_allreduce_into_copies_fences_and_its_reduction(comm):
-    from hpctrain.comm.mpi.direct import DIRECT_MIN_BYTES_OVERSUBSCRIBED
+    from hpctrain.comm.backends.mpi.direct import DIRECT_MIN_BYTES_OVERSUBSCRIBED
 
     folder = shared_dir(comm)
     small = np.arange(1 << 18, dtype=np.float32) % 7 + comm.rank          # 1 MiB: through the arena

@@ -231,7 +231,7 @@ def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype)
     across fake nodes (the hierarchical form) the result is within
     ``n eps sum|x|`` and the same on every rank.
     """
-    from hpctrain.comm.mpi.direct import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most     # (both thresholds)
+    from hpctrain.comm.backends.mpi.direct import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most     # (both thresholds)
     n, itemsize = comm.size, np.dtype(dtype).itemsize
     count = 3 * most // (2 * itemsize) + 7
 
@@ -285,7 +285,7 @@ def test_large_allreduce_uses_the_arena_on_every_rank_when_one_rank_turns_direct
 
     if not direct_copies_expected(comm):
         pytest.skip("needs the MPI backend on one node, several ranks, with direct copies on")
-    from hpctrain.comm.mpi.direct import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most
+    from hpctrain.comm.backends.mpi.direct import DIRECT_MIN_BYTES_OVERSUBSCRIBED as most
     sub = comm.split(0)                      # a fresh communicator: not probed yet
     config = sub._rt.config
     try:

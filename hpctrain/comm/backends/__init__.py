@@ -1,0 +1,1 @@
+"""The backends: the buffer primitives one library implements (MPI, Horovod, a world of one)."""

@@ -1,0 +1,395 @@
+"""The MPI backend: collectives through mpi4py, and hpctrain's own algorithms over MPI messages.
+
+Each communicator duplicates its MPI communicator three times so that the
+call check, hpctrain's algorithms and the user's point-to-point messages can
+never match each other's messages.  On one node the call check is one
+exchange through shared memory (:mod:`hpctrain.comm.backends.mpi.mailbox`), which small
+inputs ride along with (:mod:`hpctrain.comm.backends.mpi.mailbox_collectives`).  Across nodes it is a gather to rank 0 and
+a reply (``2 (n-1)`` messages of at most 512 bytes), done with non-blocking
+receives so that rank 0 always knows which ranks have not joined yet.  Either
+way the watchdog shows the ranks not yet joined when a collective stalls.
+
+Large all-reduces on one node copy straight between the ranks' memory where
+the kernel allows it (:mod:`hpctrain.comm.backends.mpi.cross_memory`, probed once per
+communicator, all local ranks agreeing), else stage through the node's
+shared-memory arena (:mod:`hpctrain.collectives.shm`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ....env import detect_launcher
+from ....errors import BackendUnavailableError
+from ....tensors import dtype_from_name
+from ....collectives.flat import Flat
+from ....collectives.shm import shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
+from .direct import DIRECT_MIN_BYTES, DirectCopies
+from .requests import RequestHandle, RingTransport, Waits
+from ...life.abort import abort_job
+from ...base import Communicator, Handle, Riding, Topology
+from ...life.departures import Departures, MPINotices
+from ...life.failures import FailureDetector
+from .mailbox import Mailbox
+from .mailbox_collectives import RidingOnNode
+from . import ulfm
+from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
+from ...life.runtime import Config, Runtime
+from ...call.signature import DESC_BYTES, Call, encoded, format_ranks, judge
+
+__all__ = ["MPICommunicator", "init_world", "world_over"]
+
+VERDICT_BYTES = 1 << 16
+_TAG_CALL, _TAG_VERDICT = 1, 2
+
+
+class MPICommunicator(RidingOnNode, Communicator):
+    """A communicator over an mpi4py communicator (see module docstring)."""
+
+    backend = "mpi"
+
+    def __init__(self, runtime: Runtime, comm, name: str, world_ranks, owns: bool):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._base, self._owns = comm, owns
+        self._coll, self._p2p, self._ctrl = comm.Dup(), comm.Dup(), comm.Dup()
+        world_ranks = list(world_ranks)
+        self._nodes = NodeGroups(comm, world_ranks[comm.Get_rank()], MPI)
+        self._arena: Optional[SharedArena] = None
+        self._buffers: Dict[int, SharedBuffer] = {}     # data address -> buffer from shared_empty
+        self._waits = Waits(MPI, runtime if runtime.policy.reforms else None)
+        self._cross = RingTransport(self._nodes.cross, self._waits) if self._nodes.cross is not None else None
+        g = self._nodes
+        topology = Topology(g.local_rank, g.local_size, g.node_rank, g.num_nodes)
+        super().__init__(runtime, comm.Get_rank(), comm.Get_size(), name, world_ranks, topology)
+        self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+        self._descs = np.zeros((self._size if self._rank == 0 else 1, DESC_BYTES), dtype=np.uint8)
+        self._verdict = np.zeros(VERDICT_BYTES, dtype=np.uint8)
+        self._ring = RingTransport(self._coll, self._waits)
+        self._mailbox: Optional[Mailbox] = None
+        self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
+        self._direct = DirectCopies(self._nodes, MPI, runtime)
+        self._forget_revoke = runtime.policy.on_revoke(self._revoke)      # (elastic mode: failures revoke it)
+        if self._size > 1:
+            self._open_windows()
+
+    def _open_windows(self) -> None:
+        """Open the one-node mailbox (or, across nodes, try one shared window); all ranks agree whether it worked.
+
+        An MPI without MPI-3 shared windows (no ``osc/sm`` component, say)
+        fails the allocation on every rank; then the call check uses the
+        gather to rank 0, ``auto`` picks "native", ``shared_empty`` is
+        ``numpy.empty`` and "shm"/"hierarchical" are refused with the reason.
+        Cost: one allocation and one small all-reduce when the communicator is made.
+        """
+        MPI, g, why = self._MPI, self._nodes, ""
+        try:
+            if g.num_nodes == 1:
+                cfg = self._rt.config
+                self._mailbox = Mailbox(g.node, MPI, 2 * cfg.shm_small_bytes, self._p2p.Iprobe, cfg.native_kernel)
+            elif g.local_size > 1:
+                release_window(shared_window(g.node, MPI, 64)[0])
+        except MPI.Exception as exc:
+            why = f"MPI_Win_allocate_shared failed: {exc}"
+        if self._ctrl.allreduce(not why, op=MPI.LAND):
+            return
+        if self._mailbox is not None:
+            self._mailbox.free()
+            self._mailbox = None
+        self._no_windows = (f"this MPI cannot allocate MPI-3 shared-memory windows on the ranks of {self.name} "
+                            f"({why or 'on another rank'})")
+
+    # -- call check ---------------------------------------------------------
+    def _exchange_calls(self, call: Call, riding: Optional[Riding] = None) -> str:
+        if self._mailbox is not None:
+            return self._exchange_on_node(call, riding)
+        MPI, n, rt = self._MPI, self._size, self._rt
+        own = np.frombuffer(call.encode(), dtype=np.uint8)
+        self._descs[0, :] = 0
+        self._descs[0, :own.size] = own
+        if self._rank != 0:
+            status = MPI.Status()
+            rt.note_waiting(f"waiting for rank 0 of {self.name} (world rank {self.world_ranks[0]}) "
+                            f"to hear from every rank; rank 0 names the missing ones")
+            reqs = [self._ctrl.Isend(self._descs[0], 0, _TAG_CALL),
+                    self._ctrl.Irecv(self._verdict, 0, _TAG_VERDICT)]
+            self._waits.all(reqs, [MPI.Status(), status])
+            return bytes(self._verdict[:status.Get_count(MPI.BYTE)]).decode()
+        reqs = [self._ctrl.Irecv(self._descs[i], i, _TAG_CALL) for i in range(1, n)]
+        missing = set(range(1, n))
+        while missing:
+            rt.note_waiting(f"not yet joined by {format_ranks(sorted(missing))} of {self.name} "
+                            f"(world {format_ranks([self.world_ranks[i] for i in missing])})")
+            for i in self._waits.some(reqs):
+                missing.discard(i + 1)
+        verdict = judge(list(self._descs), self.name, call.seq,
+                        None if self.name == "world" else self.world_ranks)
+        payload = np.frombuffer(verdict.encode()[:VERDICT_BYTES], dtype=np.uint8)
+        self._waits.all([self._ctrl.Isend(payload, i, _TAG_VERDICT) for i in range(1, n)])
+        return verdict
+
+    def _exchange_on_node(self, call: Call, riding: Optional[Riding]) -> str:
+        key_hash, desc = encoded(call)
+        payload, dtype, announce = (None, None, 0) if riding is None else (riding.payload, riding.dtype,
+                                                                             riding.announce)
+        if self._mailbox.exchange(key_hash, desc, payload, dtype, self._note_missing, announce) and not call.error:
+            return ""
+        return self._mismatch(call.seq)
+
+    def _mismatch(self, seq: int) -> str:
+        """Return the error message for call ``seq`` from every rank's call in the mailbox."""
+        return judge(self._mailbox.calls(), self.name, seq, None if self.name == "world" else self.world_ranks)
+
+    def _note_missing(self, missing: List[int]) -> None:
+        self._rt.note_waiting(f"not yet joined by {format_ranks(missing)} of {self.name} "
+                              f"(world {format_ranks([self.world_ranks[i] for i in missing])})")
+
+    # -- buffer primitives -----------------------------------------------------
+    def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
+        self._coll.Allreduce(self._MPI.IN_PLACE, acc, op=self._ops[op])
+        return acc
+
+    def _transport(self):
+        return self._ring
+
+    def _no_shared_memory(self) -> str:
+        return self._no_windows
+
+    def _shared(self) -> SharedArena:
+        if self._arena is None:
+            self._arena = SharedArena(self._nodes.node, self._MPI, self._rt.config.shm_arena_bytes)
+        return self._arena
+
+    def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str, divisor: int = 1) -> None:
+        itemsize = out.arrays[0].itemsize if out.arrays else 1
+        nbytes = x.size * itemsize
+        if self._nodes.num_nodes == 1 and nbytes >= DIRECT_MIN_BYTES and x.arrays[0].dtype == out.arrays[0].dtype:
+            least = self._direct.min_bytes()
+            if least is not None and nbytes >= least:
+                self._direct.allreduce(x, out, op, f"rank {self._rank} of {self.name}", divisor)
+                return
+        shm_allreduce(x, out, op, self._shared(), parts=self._nodes.parts, cross=self._cross,
+                      chunk_elems=self._chunk_elems(itemsize), divisor=divisor, phase=self._rt.timeline.phase)
+
+    def _reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
+        return shm_reduce_scatter(x, bounds, acc_dtype, op, self._shared(), phase=self._rt.timeline.phase)
+
+    def _allgather_shared(self, raw: np.ndarray, counts: List[int]) -> Optional[np.ndarray]:
+        if self._nodes.num_nodes > 1 or self._no_windows:
+            return None
+        return shm_allgather(raw, counts, self._shared(), phase=self._rt.timeline.phase)
+
+    def _shared_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        if self._size == 1 or count == 0 or self._no_windows:   # (a node of one rank still needs one)
+            return np.empty(count, dtype=dtype)
+        buf = SharedBuffer(self._nodes.node, self._MPI, count, dtype)
+        self._buffers[buf.own.ctypes.data] = buf
+        return buf.own
+
+    def _shared_buffer_of(self, arr: np.ndarray):
+        buf = self._buffers.get(arr.ctypes.data)
+        if buf is None or arr.size != buf.count or arr.dtype != buf.dtype or not arr.flags.c_contiguous:
+            return None
+        return buf
+
+    def _reduce_shared_buffer(self, buf, op: str, divisor: int = 1) -> None:
+        shm_allreduce_shared_buffer(buf, op, parts=self._nodes.parts, cross=self._cross,
+                                    chunk_elems=self._chunk_elems(buf.dtype.itemsize), divisor=divisor,
+                                    phase=self._rt.timeline.phase)
+
+    def _release_shared(self) -> None:
+        if self._arena is not None:
+            self._arena.free()
+            self._arena = None
+        for buf in self._buffers.values():
+            buf.free()
+        self._buffers = {}
+
+    def _allgather_ints(self, value: int) -> List[int]:
+        out = np.empty(self._size, dtype=np.int64)
+        self._coll.Allgather(np.array([value], dtype=np.int64), out)
+        return out.tolist()
+
+    def _alltoall_ints(self, values: List[int]) -> List[int]:
+        out = np.empty(self._size, dtype=np.int64)
+        self._coll.Alltoall(np.asarray(values, dtype=np.int64), out)
+        return out.tolist()
+
+    def _allgatherv(self, raw: np.ndarray, counts: List[int]) -> np.ndarray:
+        out = np.empty(sum(counts), dtype=np.uint8)
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+        self._coll.Allgatherv(raw, [out, counts, displs, self._MPI.BYTE])
+        return out
+
+    def _broadcast(self, raw: np.ndarray, root: int) -> None:
+        self._coll.Bcast(raw, root)
+
+    def _reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
+        out = np.empty(counts[self._rank], dtype=acc.dtype)
+        self._coll.Reduce_scatter(acc, out, counts, op=self._ops[op])
+        return out
+
+    def _alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
+        out = np.empty(sum(recv), dtype=np.uint8)
+        sd = np.concatenate(([0], np.cumsum(send)[:-1])).tolist()
+        rd = np.concatenate(([0], np.cumsum(recv)[:-1])).tolist()
+        B = self._MPI.BYTE
+        self._coll.Alltoallv([raw, send, sd, B], [out, recv, rd, B])
+        return out
+
+    def _barrier(self) -> None:
+        self._coll.Barrier()
+
+    def _broadcast_object(self, obj: Any, root: int) -> Any:
+        return self._coll.bcast(obj, root)
+
+    def _allgather_object(self, obj: Any) -> List[Any]:
+        return self._coll.allgather(obj)
+
+    def _isend(self, arr: np.ndarray, dest: int, tag: int) -> Handle:
+        header = np.frombuffer(json.dumps({"dtype": str(arr.dtype), "shape": list(arr.shape)}).encode(),
+                               dtype=np.uint8)
+        reqs = [self._p2p.Isend(header, dest, tag), self._p2p.Isend(arr.reshape(-1).view(np.uint8), dest, tag)]
+        return RequestHandle(reqs, (header, arr), self._waits)
+
+    def _recv(self, source: int, tag: int) -> np.ndarray:
+        MPI = self._MPI
+        status = MPI.Status()
+        self._p2p.Probe(source, tag, status)
+        header = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        self._p2p.Recv(header, source, tag)
+        meta = json.loads(header.tobytes())
+        out = np.empty(meta["shape"], dtype=dtype_from_name(meta["dtype"]))
+        self._p2p.Recv(out.reshape(-1).view(np.uint8), source, tag)
+        return out
+
+    def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int) -> Handle:
+        return RequestHandle([self._p2p.Isend(raw, dest, tag)], (raw,), self._waits)
+
+    def _recv_bytes(self, source: int, tag: int) -> np.ndarray:
+        status = self._MPI.Status()
+        self._p2p.Probe(source, tag, status)
+        out = np.empty(status.Get_count(self._MPI.BYTE), dtype=np.uint8)
+        self._p2p.Recv(out, source, tag)
+        return out
+
+    def _iprobe(self, source: int, tag: int):
+        MPI, status = self._MPI, self._MPI.Status()
+        try:
+            if not self._p2p.Iprobe(MPI.ANY_SOURCE if source < 0 else source, MPI.ANY_TAG if tag < 0 else tag,
+                                    status):
+                return None
+        except MPI.Exception as exc:
+            self._failed_peers(exc)
+            raise
+        return status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+
+    def _recv_found(self, source: int, tag: int) -> np.ndarray:
+        try:
+            return self._recv_bytes(source, tag)
+        except self._MPI.Exception as exc:
+            self._failed_peers(exc)
+            raise
+
+    def _failed_peers(self, exc) -> None:
+        """After ``exc`` from a receive: when ranks failed (ULFM), acknowledge them (so that receives from any
+        source go on with the others) and raise RanksFailedError naming them; else return."""
+        MPI = self._MPI
+        if exc.Get_error_class() not in (MPI.ERR_PROC_FAILED, getattr(MPI, "ERR_PROC_FAILED_PENDING", -1)):
+            return
+        from ....errors import RanksFailedError
+
+        ulfm.acknowledge(self._p2p)
+        mine = self._p2p.Get_group()
+        try:
+            failed = sorted(self.world_ranks[r] for r in ulfm.failed_ranks(self._p2p, mine))
+        finally:
+            mine.Free()
+        raise RanksFailedError(f"hpctrain: rank {self._rank} of {self.name}: world {format_ranks(failed)} failed "
+                               f"(the process died or its node was lost)", failed) from exc
+
+    def _split(self, color: Optional[int], key: int) -> Optional[Communicator]:
+        MPI = self._MPI
+        sub = self._base.Split(MPI.UNDEFINED if color is None else int(color), key)
+        if sub == MPI.COMM_NULL:
+            return None
+        members = sub.allgather(self.world_ranks[self._rank])
+        return MPICommunicator(self._rt, sub, f"{self.name}.split({color})", members, owns=True)
+
+    def _revoke(self) -> None:
+        """Revoke the MPI communicators under this one (elastic mode, after a failure): every call on them, on
+        every surviving rank, ends with MPI_ERR_REVOKED, including the shared-memory waits (their barriers and the
+        mailbox's progress probes run on them)."""
+        ulfm.revoke((self._coll, self._p2p, self._ctrl, self._nodes.node, self._nodes.cross, self._base), self._MPI)
+
+    @property
+    def mpi_comm(self):
+        """The mpi4py communicator this one is made over (what the survivors shrink after a failure)."""
+        return self._base
+
+    def _free(self) -> None:
+        self._forget_revoke()
+        self._release_shared()
+        if self._mailbox is not None:
+            self._mailbox.free()
+            self._mailbox = None
+        self._nodes.free()
+        for c in (self._coll, self._p2p, self._ctrl) + ((self._base,) if self._owns else ()):
+            if c != self._MPI.COMM_NULL:
+                c.Free()
+        self._owns = False
+
+
+def init_world(config: Config) -> MPICommunicator:
+    """Initialise MPI (if needed) and return the world communicator.
+
+    Raises BackendUnavailableError when mpi4py is missing or when the launcher
+    started N tasks but MPI sees a world of size 1 (a launcher/MPI mismatch,
+    e.g. ``srun --mpi=pmi2`` with OpenMPI 5, that would otherwise run N
+    independent copies of the job).
+    """
+    # Open MPI's UCX one-sided component prints an error on machines without UCX transports when a
+    # shared window is created; the shared-memory algorithms only need osc/sm. A user setting wins.
+    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BackendUnavailableError(f"the MPI backend needs mpi4py: {exc}") from exc
+    if not MPI.Is_initialized():  # mpi4py.rc.initialize may have been turned off
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    world = MPI.COMM_WORLD
+    launch = detect_launcher()
+    if launch is not None and launch.size > 1 and world.Get_size() == 1:
+        raise BackendUnavailableError(
+            f"the launcher ({launch.launcher}) started {launch.size} tasks but MPI sees a world of size 1 "
+            f"in each: the MPI library does not speak this launcher's protocol (e.g. srun --mpi=pmi2 with "
+            f"OpenMPI 5; use srun --mpi=pmix or mpirun). Refusing to run {launch.size} independent copies.")
+
+    return world_over(world, config, "world", owns=False)
+
+
+def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> MPICommunicator:
+    """A world communicator over the MPI communicator ``comm`` (``MPI.COMM_WORLD``, or the survivors' one
+    after a failure: :mod:`hpctrain.elastic`), with its own runtime (lanes, watchdog, departures, failures).
+
+    Collective over ``comm``.
+    """
+    from mpi4py import MPI
+
+    runtime = Runtime(config, comm.Get_rank(), abort_job)
+    codes = {getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+             if hasattr(MPI, n)}
+    runtime.is_failure = lambda exc: isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes
+    try:
+        if comm.Get_size() > 1:
+            notices = MPINotices(comm, MPI)
+            runtime.departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
+            runtime.failures = FailureDetector(comm, comm.allgather(MPI.Get_processor_name()), MPI)
+        return MPICommunicator(runtime, comm, name, range(comm.Get_size()), owns=owns)
+    except BaseException:
+        runtime.discard()       # (its watchdog must not outlive a world that was never made)
+        raise

@@ -1,0 +1,156 @@
+"""The MPI backend's small one-node collectives that ride the call check through the mailbox.
+
+Two forms of the same exchange (:mod:`hpctrain.comm.backends.mpi.mailbox`): ``_riding_*``
+give a planned call's work as a :class:`~hpctrain.comm.call.handle.Riding`, posted
+by the call check itself; ``_lean_*`` give the bodies of repeated calls
+(:mod:`hpctrain.comm.call.repeated_calls`), which post and check in one call of the
+mailbox's C kernel.  Ranks on either form meet in the same exchange.  A mixin
+of :class:`hpctrain.comm.backends.mpi.MPICommunicator` (it uses ``_mailbox``,
+``_size``, ``_rank``, ``_coll``, ``_MPI``, ``_ops``, ``_mismatch`` and
+``_note_missing`` from there).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ....collectives.ops import accumulation_dtype, finish
+from ....collectives.shm import shm_allreduce_small
+from ....errors import CollectiveMismatchError
+from ...call.handle import Riding
+from ...call.signature import Call, encoded
+
+__all__ = ["RidingOnNode"]
+
+
+class RidingOnNode:
+    """Small all-reduces, reduce-scatters and all-gathers riding the call check on one node."""
+
+    def _riding_dtype(self, arr: np.ndarray) -> Optional[np.dtype]:
+        """Return the dtype in which ``arr`` rides the call check, or None (no mailbox, empty, or too big)."""
+        mb, acc = self._mailbox, accumulation_dtype(arr.dtype)
+        if mb is None or not arr.size or arr.size * acc.itemsize > mb.capacity:
+            return None
+        return acc
+
+    def _riding_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> Optional[Riding]:
+        mb, acc = self._mailbox, self._riding_dtype(arr)
+        if acc is None:
+            return None
+
+        def reduce():
+            out = arr if inplace and acc == arr.dtype else np.empty(arr.shape, dtype=acc)
+            shm_allreduce_small(mb.payloads(arr.shape, acc), out, op)
+            return finish(out, op, self._size, arr.dtype)
+        return Riding(arr, acc, reduce)
+
+    def _riding_reduce_scatter(self, arr: np.ndarray, bounds, op: str) -> Optional[Riding]:
+        acc = self._riding_dtype(arr)
+        if acc is None:
+            return None
+        own = self._own_block(arr, bounds, acc, op)
+        return Riding(arr, acc, own)
+
+    def _own_block(self, arr: np.ndarray, bounds, acc: np.dtype, op: str):
+        """Return ``f()``: this rank's block of the reduction of the payloads of the last exchange (flat)."""
+        mb, n, size, dtype = self._mailbox, self._size, arr.size, arr.dtype
+        lo, hi = int(bounds[self._rank]), int(bounds[self._rank + 1])
+
+        def own():
+            out = np.empty(hi - lo, dtype=acc)
+            shm_allreduce_small([p[lo:hi] for p in mb.payloads(size, acc)], out, op)
+            return finish(out, op, n, dtype)
+        return own
+
+    def _riding_gather(self, raw: np.ndarray, post: bool, then) -> Optional[Riding]:
+        mb = self._mailbox
+        if mb is None:
+            return None
+        fits = post and raw.nbytes <= mb.capacity
+
+        def gather():
+            sizes = mb.sizes()
+            return then(sizes, mb.raw_payloads(sizes) if post and max(sizes) <= mb.capacity else None)
+        return Riding(raw if fits else None, np.dtype(np.uint8) if fits else None, gather, raw.nbytes)
+
+    def _lean_reduce_scatter(self, call: Call, arr: np.ndarray, bounds, op: str, alg: str):
+        """The body of a lean reduce-scatter (:mod:`hpctrain.comm.call.repeated_calls`): the input rides the call check
+        (:meth:`_riding_reduce_scatter` without the planning); None where it cannot."""
+        mb, acc = self._mailbox, self._riding_dtype(arr)
+        if acc is None or alg not in ("shm", "hierarchical"):
+            return None
+        key_hash, desc = encoded(call)
+        own, note, raw = self._own_block(arr, bounds, acc, op), self._note_missing, acc == arr.dtype
+
+        def body(a: np.ndarray, seq: int) -> np.ndarray:
+            if not (mb.post(key_hash, desc, a, note) if raw else mb.exchange(key_hash, desc, a, acc, note)):
+                raise CollectiveMismatchError(self._mismatch(seq))
+            return own()
+        return body
+
+    def _lean_gather(self, call: Call, post: bool, then):
+        """The body of a lean all-gather: every rank's byte count, and where ``post`` and all fit their bytes,
+        ride the call check (:meth:`_riding_gather`); returns ``then(a, sizes, None)`` when the bytes did not
+        travel, else the gathered array.  None without a mailbox."""
+        mb = self._mailbox
+        if mb is None:
+            return None
+        key_hash, desc = encoded(call)
+        note, capacity, u8 = self._note_missing, mb.capacity, np.dtype(np.uint8)
+        as_bytes = call.dtype == "bfloat16"            # (no buffer protocol for ml_dtypes' dtype)
+
+        def body(a: np.ndarray, seq: int):
+            fits = post and a.nbytes <= capacity
+            if not mb.post(key_hash, desc, (a.reshape(-1).view(u8) if as_bytes else a) if fits else None, note,
+                           a.nbytes):
+                raise CollectiveMismatchError(self._mismatch(seq))
+            joined = mb.gathered() if post else None
+            if joined is None:
+                return then(a, mb.sizes(), None)
+            return joined.view(a.dtype).reshape((-1,) + a.shape[1:])
+        return body
+
+    def _lean_exchange(self, call: Call, arr: np.ndarray, op: str, alg: str):
+        """The exchange of a lean all-reduce (:mod:`hpctrain.comm.call.repeated_calls`): the payload rides the call check.
+
+        Returns ``exchange(x, out, seq)``, or None where it does not apply (no
+        mailbox, too big, not a shared-memory algorithm).  Sums of
+        float32/float64/int32/int64 exchange and reduce in one call of the
+        mailbox's C kernel (:meth:`Mailbox.sum_small`); others, or without the
+        kernel, in the Python exchange.  ``out`` may be ``x`` (each rank's input
+        is in its slot before any output is written).  Cost: one mailbox exchange
+        and ``n`` reads of the payload.
+        """
+        mb, acc = self._mailbox, self._riding_dtype(arr)
+        if mb is not None and alg == "native":
+            return self._lean_native(call, op)
+        if acc is None or alg not in ("shm", "hierarchical"):
+            return None
+        key_hash, desc = encoded(call)
+        shape, note = arr.shape, self._note_missing
+        code = mb.sum_code(acc, op) if acc == arr.dtype else None
+
+        def exchange(x: np.ndarray, out: np.ndarray, seq: int) -> None:
+            if code is not None:
+                if not mb.sum_small(key_hash, desc, x, out, code, note):
+                    raise CollectiveMismatchError(self._mismatch(seq))
+                return
+            if not mb.exchange(key_hash, desc, x, acc, note):
+                raise CollectiveMismatchError(self._mismatch(seq))
+            shm_allreduce_small(mb.payloads(shape, acc), out, op)
+        return exchange
+
+    def _lean_native(self, call: Call, op: str):
+        """The exchange of a lean "native" all-reduce on one node: the call check through the mailbox (in C,
+        no payload), then the library's in-place all-reduce.  Cost: one mailbox exchange and MPI_Allreduce."""
+        mb, key_hash, desc = self._mailbox, *encoded(call)
+        coll, in_place, mpi_op, note = self._coll, self._MPI.IN_PLACE, self._ops[op], self._note_missing
+
+        def exchange(x: np.ndarray, out: np.ndarray, seq: int) -> None:
+            if not mb.post(key_hash, desc, None, note):
+                raise CollectiveMismatchError(self._mismatch(seq))
+            if out is not x:
+                np.copyto(out, x)
+            coll.Allreduce(in_place, out, op=mpi_op)
+        return exchange

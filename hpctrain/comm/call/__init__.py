@@ -1,0 +1,1 @@
+"""The call path every collective takes: plan, call check across ranks, run, handles (see ARCHITECTURE.md)."""

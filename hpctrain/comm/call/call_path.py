@@ -1,0 +1,106 @@
+"""The path every collective call takes: planned, checked across ranks, run in the lane, converted back.
+
+A mixin of :class:`hpctrain.comm.base.Communicator` (it uses ``_rt``,
+``_size``, ``_seq``, ``name``, ``world_ranks``, ``_reductions`` and the
+backend's ``_exchange_calls``).  A plan is ``(call, work, restore)``
+(:mod:`hpctrain.comm.call.handle`): ``_build`` makes one (an invalid argument
+becomes part of the call, so every rank hears of it), ``_run`` and
+``_submit`` run it in the collective lane (blocking, or behind a
+:class:`Handle`), ``_task`` wraps the work in the call check and, while they
+are on, the comm log and the timeline; ``_lean`` runs a repeated call from
+its remembered plan (:mod:`hpctrain.comm.call.repeated_calls`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ...errors import CollectiveMismatchError
+from ..recording.comm_log import call_bytes
+from .handle import Handle, Plan, Riding, same as _same
+from .repeated_calls import NOT_LEAN
+from .signature import Call
+
+__all__ = ["CallPath"]
+
+
+class CallPath:
+    """Planning, checking and running the calls of one communicator (see the module docstring)."""
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _build(self, kind: str, build: Callable[[int], Plan], **hints) -> Plan:
+        """Run ``build(seq)``; an invalid argument becomes part of the call so every rank hears of it."""
+        seq = self._next_seq()
+        try:
+            return build(seq)
+        except (TypeError, ValueError) as exc:
+            if not self._rt.config.check or self._size == 1:
+                raise
+            return Call(kind, seq, error=f"{type(exc).__name__}: {exc}", **hints), None, _same
+
+    def _lean(self, x: Any, call: tuple) -> Any:
+        """Run ``call`` on ``x`` through its lean path (a repeated call, see :mod:`hpctrain.comm.call.repeated_calls`), or
+        return NOT_LEAN (none remembered, or the comm log or timeline is on: they observe planned calls)."""
+        red = self._reductions
+        if type(x) not in red.lean_types or self._rt.comm_log.on or self._rt.timeline.on:
+            return NOT_LEAN
+        lean = red.lean.get((type(x), x.dtype, x.shape) + call)
+        return NOT_LEAN if lean is None else lean(x)
+
+    def _run(self, plan: Plan) -> Any:
+        call, work, restore = plan
+        log = self._rt.comm_log
+        start = time.perf_counter() if log.on else None
+        try:
+            return restore(self._rt.run(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
+                                        self.world_ranks))
+        finally:
+            if start is not None:
+                log.add_blocked(time.perf_counter() - start)
+
+    def _submit(self, plan: Plan) -> Handle:
+        call, work, restore = plan
+        log = self._rt.comm_log
+        return Handle(self._rt.submit(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
+                                      self.world_ranks), restore, log if log.on else None)
+
+    def _task(self, call: Call, work: Optional[Callable[[], Any]]) -> Callable[[], Any]:
+        riding = work if isinstance(work, Riding) else None
+        rt = self._rt
+
+        def task(checked=None):
+            if self._size > 1 and (rt.config.check or riding is not None):
+                verdict = self._exchange_calls(call, riding)
+                if verdict:
+                    raise CollectiveMismatchError(verdict)
+                rt.note_waiting("all ranks joined; the data transfer has not finished")
+            if checked is not None:
+                checked.append(time.perf_counter())
+            return riding.finish() if riding is not None else work()
+
+        log, tl = rt.comm_log, rt.timeline
+        if not (log.on or tl.on):
+            return task
+        issued = time.perf_counter()
+
+        def observed():
+            marks = [time.perf_counter()]
+            out = task(marks)
+            end = time.perf_counter()
+            nbytes = call_bytes(call, self._size)
+            if log.on:
+                log.record(call.kind, self._size, nbytes, end - marks[0])
+            if tl.on:
+                tl.collective(call, self.name, nbytes, issued, marks[0], marks[1], end)
+            return out
+        return observed
+
+    def _check_rank(self, value, what) -> None:
+        """Raise ValueError unless ``value`` is a rank of this communicator (``what``: "root", "dest", ...)."""
+        if not isinstance(value, (int, np.integer)) or not 0 <= value < self._size:
+            raise ValueError(f"{what} {value!r} is not a rank of {self.name} (size {self._size})")

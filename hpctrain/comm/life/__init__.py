@@ -1,0 +1,1 @@
+"""The world's runtime and life: lanes, watchdog, failure policy, failed and departed ranks, ending a job."""

@@ -1,0 +1,1 @@
+"""The operations a communicator offers: reductions, data movement, point-to-point messages."""
