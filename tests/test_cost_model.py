@@ -100,14 +100,14 @@ def test_auto_across_nodes_follows_the_model_unless_a_crossover_is_set():
 
 
 def test_small_one_node_allreduces_ride_the_check_only_while_the_node_moves_little(monkeypatch):
-    """auto on one node: a small buffer rides the call check while every rank reading every payload
-    (L * L * N bytes) stays under RIDING_TRAFFIC_BYTES, else the library call; always when oversubscribed."""
+    """auto on one node: a small buffer is carried by the call check while every rank reading every payload
+    (L * L * N bytes) stays under CARRIED_TRAFFIC_BYTES, else the library call; always when oversubscribed."""
     from hpctrain.collectives import shm
 
     monkeypatch.setattr(shm.os, "cpu_count", lambda: 16)
     cfg = Config()
     for ranks, nbytes in [(2, 4096), (16, 4096), (2, 65536), (8, 65536), (16, 65536), (4, 256 * 1024)]:
-        expected = "shm" if ranks * ranks * nbytes <= shm.RIDING_TRAFFIC_BYTES else "native"
+        expected = "shm" if ranks * ranks * nbytes <= shm.CARRIED_TRAFFIC_BYTES else "native"
         assert registry.choose("allreduce", where(cfg, nodes=1, per_node=ranks), nbytes).name == expected
     assert registry.choose("allreduce", where(cfg, nodes=1, per_node=16), 4096).name == "shm"
     assert registry.choose("allreduce", where(cfg, nodes=1, per_node=16), 65536).name == "native"

@@ -351,19 +351,19 @@ def shm_allgather(raw: np.ndarray, counts, sh, phase: Phase = no_phase) -> np.nd
 # "hierarchical" is cheaper from HPCTRAIN_HIERARCHICAL_MIN_BYTES on where that is set (measured), else
 # where the cost model says it is (cost_model.py, its constants from HPCTRAIN_LINK_GBIT,
 # HPCTRAIN_LINK_LATENCY_US and HPCTRAIN_MEMORY_GBPS).
-# A small all-reduce riding the call check has every rank read every rank's payload: the node moves
+# A small all-reduce carried by the call check has every rank read every rank's payload: the node moves
 # ``L * L * N`` bytes between its cores for ``N`` bytes on ``L`` ranks, against about ``2 L N`` for the
 # library's algorithms.  Up to this much the single exchange wins; beyond it the library does (on a
 # 16-core node: 16 ranks x 4 KiB and 2 x 64 KiB ride at 1.05x and 1.2x of MPI_Allreduce's time,
 # 8 x 64 KiB would take 1.9x where the library call with the check takes 1.1x).  More local ranks than
 # the machine has cores always ride: the library's busy polls there take the core from the rank waited for.
-RIDING_TRAFFIC_BYTES = 2 << 20
+CARRIED_TRAFFIC_BYTES = 2 << 20
 
 
-def rides(where, nbytes: int) -> bool:
-    """Whether ``auto`` lets a small one-node all-reduce ride the call check (see ``RIDING_TRAFFIC_BYTES``)."""
+def carried_by_check(where, nbytes: int) -> bool:
+    """Whether ``auto`` lets the call check carry a small one-node all-reduce (see ``CARRIED_TRAFFIC_BYTES``)."""
     local = -(-where.size // max(where.num_nodes, 1))
-    return local * local * nbytes <= RIDING_TRAFFIC_BYTES or _oversubscribed(local)
+    return local * local * nbytes <= CARRIED_TRAFFIC_BYTES or _oversubscribed(local)
 
 
 def _oversubscribed(local_size: int) -> bool:
@@ -374,7 +374,7 @@ def _oversubscribed(local_size: int) -> bool:
 def _shm_cost(where, nbytes):
     cfg = where.config
     if nbytes <= cfg.shm_small_bytes:
-        return 0.5 if rides(where, nbytes) else 2.0
+        return 0.5 if carried_by_check(where, nbytes) else 2.0
     return 0.5 if nbytes >= cfg.shm_min_bytes else 2.0
 
 

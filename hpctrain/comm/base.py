@@ -31,8 +31,8 @@ from ..collectives import registry
 from ..collectives.adasum import adasum_allreduce
 from .call.call_path import CallPath
 from .ops.data_movement import Exchanges
-from .call.repeated_calls import NOT_LEAN
-from .call.handle import Handle, Riding, Topology, done_handle, same as _same
+from .call.repeated_calls import NOT_REPEATED
+from .call.handle import Handle, CarriedByCheck, Topology, done_handle, same as _same
 from .ops.point_to_point import PointToPoint
 from .backends.primitives import Primitives
 from .ops.reductions import Reductions
@@ -40,7 +40,7 @@ from .life.runtime import Runtime
 from .call.signature import Call
 from .life.world_life import WorldLife
 
-__all__ = ["Communicator", "Handle", "Riding", "Topology", "done_handle"]
+__all__ = ["Communicator", "Handle", "CarriedByCheck", "Topology", "done_handle"]
 
 
 class Communicator(CallPath, PointToPoint, Primitives):
@@ -122,8 +122,8 @@ class Communicator(CallPath, PointToPoint, Primitives):
         buffers the reduction then runs in ``x``'s own memory, saving a copy and
         an allocation of the buffer's size.  Do not touch ``x`` until it is done.
         """
-        out = self._lean(x, ("allreduce", op, algorithm, inplace))
-        if out is not NOT_LEAN:
+        out = self._repeat(x, ("allreduce", op, algorithm, inplace))
+        if out is not NOT_REPEATED:
             return out
         return self._run(self._reductions.plan_allreduce(x, op, algorithm, inplace))
 
@@ -160,8 +160,8 @@ class Communicator(CallPath, PointToPoint, Primitives):
         "shm" (MPI backend, one node: through shared memory) or "auto" (shm on
         one node from ``shm_min_bytes`` of output, else native).
         """
-        out = self._lean(x, ("allgather", algorithm))
-        return out if out is not NOT_LEAN else self._run(self._exchanges.plan_allgather(x, algorithm))
+        out = self._repeat(x, ("allgather", algorithm))
+        return out if out is not NOT_REPEATED else self._run(self._exchanges.plan_allgather(x, algorithm))
 
     def allgather_async(self, x: Any, algorithm: str = "auto") -> Handle:
         """Start :meth:`allgather` and return a :class:`Handle`."""
@@ -181,8 +181,8 @@ class Communicator(CallPath, PointToPoint, Primitives):
         Dim 0 is split as ``numpy.array_split`` does: the first ``len(x) % n``
         ranks get one extra row.  Cost: ``(n-1)/n`` of the bytes sent per rank.
         """
-        out = self._lean(x, ("reduce_scatter", op, algorithm))
-        return out if out is not NOT_LEAN else self._run(self._reductions.plan_reduce_scatter(x, op, algorithm))
+        out = self._repeat(x, ("reduce_scatter", op, algorithm))
+        return out if out is not NOT_REPEATED else self._run(self._reductions.plan_reduce_scatter(x, op, algorithm))
 
     def reduce_scatter_async(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Handle:
         """Start :meth:`reduce_scatter` and return a :class:`Handle`."""
@@ -305,7 +305,7 @@ class Communicator(CallPath, PointToPoint, Primitives):
 
     def free(self) -> None:
         """Release the backend resources of this communicator (not of the world)."""
-        self._reductions.forget()       # (its lean paths hold the backend's shared memory)
+        self._reductions.forget()       # (its repeat paths hold the backend's shared memory)
         self._free()
 
     def adasum_allreduce(self, x: np.ndarray, segments: Sequence[int]) -> np.ndarray:

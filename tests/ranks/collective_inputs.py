@@ -98,8 +98,8 @@ def group_of(rank, seed=0):
     return out
 
 
-def lean_expected(comm):
-    """Whether repeated small all-reduces of ``comm`` take the lean path (MPI on one node, or one rank)."""
+def repeat_expected(comm):
+    """Whether repeated small all-reduces of ``comm`` take the repeat path (MPI on one node, or one rank)."""
     return comm.size == 1 or getattr(comm, "_mailbox", None) is not None
 
 

@@ -307,7 +307,7 @@ def test_adasum_matches_the_formula():
 def test_native_collectives_are_refused_while_horovod_runs():
     import hpctrain
     x = np.ones(2)
-    for _ in range(3):      # (the first call plans; a repeated one takes the lean path, refused all the same)
+    for _ in range(3):      # (the first call plans; a repeated one takes the repeat path, refused all the same)
         for inplace in (False, True):
             with pytest.raises(hpctrain.HpctrainError, match="hvd.shutdown"):
                 hpctrain.world().allreduce(x, inplace=inplace)

@@ -23,7 +23,7 @@ def test_the_launch_really_has_no_shared_windows(comm):
     node.Free()
 
 
-@pytest.mark.parametrize("count", [1000, 70_000, 1_500_000])      # rides, mid-size, past shm_min_bytes
+@pytest.mark.parametrize("count", [1000, 70_000, 1_500_000])      # carried by the check, mid-size, past shm_min_bytes
 @pytest.mark.parametrize("op", ["sum", "max"])
 def test_auto_allreduce_equals_the_reference(comm, count, op):
     n = comm.size

@@ -1,4 +1,4 @@
-"""Repeated small calls on this launch's ranks: the lean path (plans remembered, the mailbox, the C kernel)
+"""Repeated small calls on this launch's ranks: the repeat path (plans remembered, the mailbox, the C kernel)
 gives the results and bits of the first call, in place and out, for numpy and torch, and reports a
 mismatch after it on every rank.
 """
@@ -11,12 +11,12 @@ import hpctrain
 from hpctrain.collectives.ops import segment_bounds
 from hpctrain.tensors import BFLOAT16
 
-from collective_inputs import OPS, data, lean_expected, ordered_sum, reference, same_on_all_ranks, uses_c_kernel, valid
+from collective_inputs import OPS, data, repeat_expected, ordered_sum, reference, same_on_all_ranks, uses_c_kernel, valid
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64, np.bool_], ids=str)
-def test_repeated_small_allreduce_takes_the_lean_path_with_the_same_results(comm, dtype):
-    """A repeated small call (the lean path on one node) gives the reference, the same bits as the first call."""
+def test_repeated_small_allreduce_takes_the_repeat_path_with_the_same_results(comm, dtype):
+    """A repeated small call (the repeat path on one node) gives the reference, the same bits as the first call."""
     n = comm.size
     for op in OPS:
         if not valid(dtype, op):
@@ -33,13 +33,13 @@ def test_repeated_small_allreduce_takes_the_lean_path_with_the_same_results(comm
                 first = out.tobytes() if first is None else first
                 assert out.tobytes() == first
             assert same_on_all_ranks(comm, out)
-            if lean_expected(comm):    # (the path under test ran)
-                assert (np.ndarray, x.dtype, x.shape, "allreduce", op, "auto", False) in comm._reductions.lean
+            if repeat_expected(comm):    # (the path under test ran)
+                assert (np.ndarray, x.dtype, x.shape, "allreduce", op, "auto", False) in comm._reductions.repeats
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64, np.float16], ids=str)
 def test_repeated_small_inplace_allreduce_writes_into_the_input(comm, dtype):
-    """In place, repeated (the lean path after the first call): the reduction lands in the caller's array,
+    """In place, repeated (the repeat path after the first call): the reduction lands in the caller's array,
     through ``auto`` and through ``native`` (the call check, then the library's call)."""
     n = comm.size
     for op, algorithm in itertools.product(OPS, ("auto", "native")):
@@ -53,16 +53,16 @@ def test_repeated_small_inplace_allreduce_writes_into_the_input(comm, dtype):
                 x[...] = xs[comm.rank]
                 assert comm.allreduce(x, op=op, inplace=True, algorithm=algorithm) is x
                 assert x.tobytes() == reference(xs, op, n).tobytes()
-            if lean_expected(comm) and dtype != np.float16:       # (float16 widens: planned each time)
-                assert (np.ndarray, x.dtype, x.shape, "allreduce", op, algorithm, True) in comm._reductions.lean
+            if repeat_expected(comm) and dtype != np.float16:       # (float16 widens: planned each time)
+                assert (np.ndarray, x.dtype, x.shape, "allreduce", op, algorithm, True) in comm._reductions.repeats
     frozen = np.ones(4, dtype)
     frozen.flags.writeable = False
-    with pytest.raises(ValueError, match="writable"):         # (the lean path refuses it; planning explains)
+    with pytest.raises(ValueError, match="writable"):         # (the repeat path refuses it; planning explains)
         comm.allreduce(frozen, inplace=True)
 
 
 def test_repeated_small_torch_allreduce_in_place_and_out(comm):
-    """torch CPU tensors on the lean path: in place (a plain tensor, one that requires grad, one whose memory
+    """torch CPU tensors on the repeat path: in place (a plain tensor, one that requires grad, one whose memory
     moved between calls), out of place, and a non-contiguous tensor (planned each time) all give the reference."""
     import torch
     n = comm.size
@@ -88,17 +88,17 @@ def test_repeated_small_torch_allreduce_in_place_and_out(comm):
             strided.copy_(torch.from_numpy(xs[comm.rank]))
             assert comm.allreduce(strided, op=op, inplace=True) is strided
             np.testing.assert_array_equal(strided.numpy(), expect)
-    if lean_expected(comm):
-        assert (torch.Tensor, torch.float32, (6, 4), "allreduce", "max", "auto", True) in comm._reductions.lean
+    if repeat_expected(comm):
+        assert (torch.Tensor, torch.float32, (6, 4), "allreduce", "max", "auto", True) in comm._reductions.repeats
     with pytest.raises((TypeError, hpctrain.CollectiveMismatchError), match="sparse"):   # (same key, refused)
         comm.allreduce(torch.zeros(6, 4).to_sparse(), op="max", inplace=True)
 
 
 def test_repeated_small_allreduce_waits_for_the_async_calls_before_it(comm):
-    """A lean call after asynchronous ones runs after them, on every rank (else ranks would pair different calls)."""
+    """A repeated call after asynchronous ones runs after them, on every rank (else ranks would pair different calls)."""
     n = comm.size
     x = np.ones(8, np.float32)
-    comm.allreduce(x, inplace=True)                  # (planned: the next ones are lean)
+    comm.allreduce(x, inplace=True)                  # (planned: the next ones take the repeat path)
     for i in range(5):
         handles = [comm.allreduce_async(np.full(3000 * (k + 1), float(k + i), np.float32)) for k in range(3)]
         x[...] = comm.rank + i
@@ -150,7 +150,7 @@ def test_repeated_small_allgather_with_uneven_and_oversized_inputs(comm):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
 def test_repeated_small_sum_rounds_as_additions_in_rank_order(comm, dtype):
-    """Inexact sums: the first (general) call and the repeated (lean, C kernel) ones equal the rank-order sum.
+    """Inexact sums: the first (general) call and the repeated (repeat path, C kernel) ones equal the rank-order sum.
 
     On one node, that is; across nodes each node's sum is added in rank order
     and the node sums in the ring's order, so there the result is only close
@@ -217,7 +217,7 @@ def test_mismatch_after_a_repeated_small_allreduce_is_reported_on_every_rank(com
     x = np.ones(16, np.float32)
     for _ in range(3):
         assert comm.allreduce(x).tolist() == [comm.size] * 16
-    # rank 1 changes its shape; the others repeat the call they made before (the lean path)
+    # rank 1 changes its shape; the others repeat the call they made before (the repeat path)
     y = np.ones(17 if comm.rank == 1 else 16, np.float32)
     with pytest.raises(hpctrain.CollectiveMismatchError, match=r"rank 1[^\n]*float32\[17\]"):
         comm.allreduce(y)

@@ -119,7 +119,7 @@ class HorovodCommunicator(Communicator):
             at += 8 + n
         return out
 
-    def _exchange_calls(self, call: Call, riding=None) -> str:
+    def _exchange_calls(self, call: Call, carried=None) -> str:
         own = np.zeros((1, DESC_BYTES), dtype=np.uint8)
         enc = np.frombuffer(call.encode(), dtype=np.uint8)
         own[0, :enc.size] = enc

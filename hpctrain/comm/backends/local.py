@@ -29,7 +29,7 @@ class LocalCommunicator(Communicator):
         super().__init__(runtime, 0, 1, name, (0,), Topology())
         self._mailbox: dict = collections.defaultdict(collections.deque)
 
-    def _exchange_calls(self, call: Call, riding=None) -> str:
+    def _exchange_calls(self, call: Call, carried=None) -> str:
         return ""
 
     def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:

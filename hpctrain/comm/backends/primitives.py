@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 import numpy as np
 
 from ...collectives.flat import Flat
-from ..call.handle import Handle, Riding
+from ..call.handle import Handle, CarriedByCheck
 from ..call.signature import Call
 
 if TYPE_CHECKING:
@@ -59,33 +59,33 @@ class Primitives(abc.ABC):
     def _release_shared(self) -> None:
         """Free shared-memory resources (collective over the node)."""
 
-    def _riding_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> Optional[Riding]:
-        """Return the all-reduce of ``arr`` as work riding along with the call check, or None where it cannot."""
+    def _allreduce_with_check(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> Optional[CarriedByCheck]:
+        """Return the all-reduce of ``arr`` as work carried along with the call check, or None where it cannot."""
         return None
 
-    def _riding_reduce_scatter(self, arr: np.ndarray, bounds, op: str) -> Optional[Riding]:
+    def _reduce_scatter_with_check(self, arr: np.ndarray, bounds, op: str) -> Optional[CarriedByCheck]:
         """Return the reduce-scatter of ``arr`` (rank i's block: flat elements ``bounds[i]:bounds[i+1]``) as
-        work riding the call check, giving this rank's flat block; or None where it cannot."""
+        work carried by the call check, giving this rank's flat block; or None where it cannot."""
         return None
 
-    def _riding_gather(self, raw: np.ndarray, post: bool, then: Callable[[List[int], Optional[List[np.ndarray]]], Any]
-                       ) -> Optional[Riding]:
-        """Return work riding the call check that announces every rank's byte count of ``raw`` and, where
+    def _gather_with_check(self, raw: np.ndarray, post: bool, then: Callable[[List[int], Optional[List[np.ndarray]]], Any]
+                       ) -> Optional[CarriedByCheck]:
+        """Return work carried by the call check that announces every rank's byte count of ``raw`` and, where
         ``post`` and every rank's fits, carries the bytes too; it returns ``then(sizes, parts)`` (``parts``:
         every rank's bytes, or None when they did not travel).  None where the backend cannot."""
         return None
 
-    def _lean_reduce_scatter(self, call: Call, arr: np.ndarray, bounds, op: str, alg: str):
+    def _repeat_reduce_scatter(self, call: Call, arr: np.ndarray, bounds, op: str, alg: str):
         """Return ``body(a, seq)``: one exchange that checks ``call`` and returns this rank's flat block of the
         reduce-scatter of ``a`` (like ``arr``); or None where the backend has none (see :mod:`hpctrain.comm.call.repeated_calls`)."""
         return None
 
-    def _lean_gather(self, call: Call, post: bool, then):
+    def _repeat_gather(self, call: Call, post: bool, then):
         """Return ``body(a, seq)``: one exchange that checks ``call`` and announces every rank's byte count of
         ``a`` (with the bytes where ``post`` and all fit), returning ``then(a, sizes, parts)``; or None."""
         return None
 
-    def _lean_exchange(self, call: Call, arr: np.ndarray, op: str, alg: str
+    def _repeat_exchange(self, call: Call, arr: np.ndarray, op: str, alg: str
                        ) -> Optional[Callable[[np.ndarray, np.ndarray, int], None]]:
         """Return ``exchange(x, out, seq)``: one exchange that checks ``call`` on every rank and leaves the
         all-reduce of ``x`` (like ``arr``) in ``out``, raising CollectiveMismatchError when the calls differ; or
@@ -94,10 +94,10 @@ class Primitives(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def _exchange_calls(self, call: Call, riding: Optional[Riding] = None) -> str:
+    def _exchange_calls(self, call: Call, carried: Optional[CarriedByCheck] = None) -> str:
         """Compare ``call`` across ranks; return "" if all agree, else the message for every rank.
 
-        ``riding`` (from the ``_riding_*`` methods) carries a payload to post with the call.
+        ``carried`` (from the ``_*_with_check`` methods) carries a payload to post with the call.
         """
 
     @abc.abstractmethod

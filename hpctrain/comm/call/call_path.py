@@ -19,8 +19,8 @@ import numpy as np
 
 from ...errors import CollectiveMismatchError
 from ..recording.comm_log import call_bytes
-from .handle import Handle, Plan, Riding, same as _same
-from .repeated_calls import NOT_LEAN
+from .handle import Handle, Plan, CarriedByCheck, same as _same
+from .repeated_calls import NOT_REPEATED
 from .signature import Call
 
 __all__ = ["CallPath"]
@@ -43,14 +43,14 @@ class CallPath:
                 raise
             return Call(kind, seq, error=f"{type(exc).__name__}: {exc}", **hints), None, _same
 
-    def _lean(self, x: Any, call: tuple) -> Any:
-        """Run ``call`` on ``x`` through its lean path (a repeated call, see :mod:`hpctrain.comm.call.repeated_calls`), or
-        return NOT_LEAN (none remembered, or the comm log or timeline is on: they observe planned calls)."""
+    def _repeat(self, x: Any, call: tuple) -> Any:
+        """Run ``call`` on ``x`` through its repeat path (a repeated call, see :mod:`hpctrain.comm.call.repeated_calls`), or
+        return NOT_REPEATED (none remembered, or the comm log or timeline is on: they observe planned calls)."""
         red = self._reductions
-        if type(x) not in red.lean_types or self._rt.comm_log.on or self._rt.timeline.on:
-            return NOT_LEAN
-        lean = red.lean.get((type(x), x.dtype, x.shape) + call)
-        return NOT_LEAN if lean is None else lean(x)
+        if type(x) not in red.repeat_types or self._rt.comm_log.on or self._rt.timeline.on:
+            return NOT_REPEATED
+        repeat = red.repeats.get((type(x), x.dtype, x.shape) + call)
+        return NOT_REPEATED if repeat is None else repeat(x)
 
     def _run(self, plan: Plan) -> Any:
         call, work, restore = plan
@@ -70,18 +70,18 @@ class CallPath:
                                       self.world_ranks), restore, log if log.on else None)
 
     def _task(self, call: Call, work: Optional[Callable[[], Any]]) -> Callable[[], Any]:
-        riding = work if isinstance(work, Riding) else None
+        carried = work if isinstance(work, CarriedByCheck) else None
         rt = self._rt
 
         def task(checked=None):
-            if self._size > 1 and (rt.config.check or riding is not None):
-                verdict = self._exchange_calls(call, riding)
+            if self._size > 1 and (rt.config.check or carried is not None):
+                verdict = self._exchange_calls(call, carried)
                 if verdict:
                     raise CollectiveMismatchError(verdict)
                 rt.note_waiting("all ranks joined; the data transfer has not finished")
             if checked is not None:
                 checked.append(time.perf_counter())
-            return riding.finish() if riding is not None else work()
+            return carried.finish() if carried is not None else work()
 
         log, tl = rt.comm_log, rt.timeline
         if not (log.on or tl.on):

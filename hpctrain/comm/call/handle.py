@@ -1,4 +1,4 @@
-"""What a communicator hands out: a handle on a call in flight, the node layout, work that rides the call check."""
+"""What a communicator hands out: a handle on a call in flight, the node layout, work that is carried by the call check."""
 from __future__ import annotations
 
 import time
@@ -10,7 +10,7 @@ import numpy as np
 
 from .signature import Call
 
-__all__ = ["Handle", "Waitable", "Plan", "Riding", "Topology", "done_handle", "same", "wait_until"]
+__all__ = ["Handle", "Waitable", "Plan", "CarriedByCheck", "Topology", "done_handle", "same", "wait_until"]
 
 # A planned call: (its description for the call check, the work (None if the call is invalid), the restore step)
 Plan = Tuple[Call, Optional[Callable[[], Any]], Callable[[Any], Any]]
@@ -21,7 +21,7 @@ def same(x):
     return x
 
 
-class Riding:
+class CarriedByCheck:
     """Work whose input travels with the call check (one exchange instead of two; see :mod:`hpctrain.comm.backends.mpi.mailbox`).
 
     ``payload`` (any shape, cast to ``dtype`` on the way) is posted with the

@@ -5,22 +5,22 @@ shape, op, algorithm and in-place flag).  The first call of each goes through
 the planning of :mod:`hpctrain.comm.ops.reductions` (conversion, op check,
 algorithm choice, the call's description); when that plan can run as one
 backend exchange that carries the call check with it, the plan leaves behind a
-*lean* function for the call's key, and later calls with that key run it:
+*repeat* function for the call's key, and later calls with that key run it:
 
 * check what depends on the object, not the key (C-contiguous, writable for
   ``inplace``, a CPU torch tensor that ``Tensor.numpy()`` can view);
 * wait for the asynchronous calls issued before, then run in the collective
   lane with the watchdog's record of the call in flight (one record reused,
   nothing formatted unless someone reads it);
-* the backend's exchange (:meth:`hpctrain.comm.backends.mpi.MPICommunicator._lean_exchange`:
-  on one node, the payload rides the call check through the mailbox, summed in
+* the backend's exchange (:meth:`hpctrain.comm.backends.mpi.MPICommunicator._repeat_exchange`:
+  on one node, the payload is carried by the call check through the mailbox, summed in
   C), or at one rank nothing (the all-reduce of one rank is its input, as on
   the planned path);
 * ``finish`` (divide for ``avg``), and for torch the tensor back.
 
 Anything else (comm log or timeline on, another layout, a tensor the checks
-refuse) returns :data:`NOT_LEAN` and the caller plans the call as usual.  The
-result and the call check are those of the planned path: ranks on the lean
+refuse) returns :data:`NOT_REPEATED` and the caller plans the call as usual.  The
+result and the call check are those of the planned path: ranks on the repeat
 path and ranks planning the same call meet in the same exchange.
 
 Cost per call: a dict lookup on the key, the object checks, the lane's lock
@@ -37,21 +37,21 @@ from ...collectives.ops import accumulation_dtype, finish
 from ...tensors import BFLOAT16
 from ..life.lane import InFlight
 
-__all__ = ["NOT_LEAN", "allreduce_body", "copy_body", "lean_key", "make_lean"]
+__all__ = ["NOT_REPEATED", "allreduce_body", "copy_body", "repeat_key", "make_repeat"]
 
 _KEEP_VIEW_BYTES = 1 << 16
 
-NOT_LEAN = object()     # "plan this call": the lean path does not apply to this object
+NOT_REPEATED = object()     # "plan this call": the repeat path does not apply to this object
 
 
-def lean_key(x: Any, *call: Any) -> tuple:
+def repeat_key(x: Any, *call: Any) -> tuple:
     """Return the key a repeated call is remembered by: the input's type, dtype and shape, then ``call``
     (the collective's name and arguments, e.g. ``("allreduce", op, algorithm, inplace)``)."""
     return (type(x), x.dtype, x.shape) + call
 
 
 def _numpy_view(kind: str, nbytes: int) -> Optional[Callable[[Any], Any]]:
-    """Return how a lean call gets the numpy view of its input (None for numpy itself), or None if it refuses.
+    """Return how a repeated call gets the numpy view of its input (None for numpy itself), or None if it refuses.
 
     For torch: a CPU contiguous tensor's ``numpy()`` view.  A loop passes the
     same small tensor again and again, so the view of the last one is kept
@@ -76,9 +76,9 @@ def _numpy_view(kind: str, nbytes: int) -> Optional[Callable[[Any], Any]]:
     return view
 
 
-def make_lean(comm, call, kind: str, arr: np.ndarray, body: Callable[[np.ndarray, int], Any],
+def make_repeat(comm, call, kind: str, arr: np.ndarray, body: Callable[[np.ndarray, int], Any],
               inplace: bool = False) -> Optional[Callable[[Any], Any]]:
-    """Return the lean form of calls like ``call`` (its first planned form), or None where none applies.
+    """Return the repeated form of calls like ``call`` (its first planned form), or None where none applies.
 
     ``kind``: "numpy" or "torch"; ``arr``: the numpy form of the first call's
     input; ``body(a, seq)``: the call's work on the numpy form ``a`` of a
@@ -100,16 +100,16 @@ def make_lean(comm, call, kind: str, arr: np.ndarray, body: Callable[[np.ndarray
     record = InFlight(lambda: f"{call.text()} #{comm._seq} on {comm.name}", 0.0, comm.world_ranks)
     monotonic = time.monotonic
 
-    def lean(x):
+    def repeat(x):
         if view is None:
             flags = x.flags
             if not flags.c_contiguous or (inplace and not flags.writeable):
-                return NOT_LEAN
+                return NOT_REPEATED
             a = x
         else:
             a = view(x)
             if a is None:
-                return NOT_LEAN
+                return NOT_REPEATED
         if rt.owner is not None:
             rt._check_owner()
         if lane._pending:
@@ -126,12 +126,12 @@ def make_lean(comm, call, kind: str, arr: np.ndarray, body: Callable[[np.ndarray
         if inplace:
             return x
         return out if from_numpy is None else from_numpy(out)
-    return lean
+    return repeat
 
 
 def allreduce_body(comm, arr: np.ndarray, op: str, inplace: bool,
                    exchange: Optional[Callable[[np.ndarray, np.ndarray, int], None]]):
-    """Return the lean all-reduce's body for inputs like ``arr``, or None where none applies.
+    """Return the repeated all-reduce's body for inputs like ``arr``, or None where none applies.
 
     ``exchange(x, out, seq)``: the backend's exchange that leaves the reduction
     of ``x`` in ``out`` (may be ``x``); None at one rank (the result is the input).

@@ -52,15 +52,15 @@ class Exchanges:
             if c._size == 1:
                 body = copy_body(arr, arr.shape)
             else:
-                body = c._lean_gather(call, algorithm != "native",
+                body = c._repeat_gather(call, algorithm != "native",
                                       lambda a, counts, parts: self._gathered(a, algorithm, counts, parts))
             if row_bytes:
                 c._reductions.remember(x, arr, call, body, ("allgather", algorithm))
             if c._size > 1 and row_bytes:     # the byte counts (and small inputs) ride the call check
-                riding = c._riding_gather(bytes_of(arr), algorithm != "native",
+                carried = c._gather_with_check(bytes_of(arr), algorithm != "native",
                                           lambda counts, parts: self._gathered(arr, algorithm, counts, parts))
-                if riding is not None:
-                    return call, riding, restore
+                if carried is not None:
+                    return call, carried, restore
             return call, lambda: self._do_allgather(arr, algorithm), restore
         return self._c._build("allgather", build, algorithm=algorithm)
 

@@ -24,7 +24,7 @@ from ...collectives.results import ResultBuffers
 from ...collectives.flat import Flat
 from ...tensors import dtype_name, framework_of, to_numpy
 from ..call.handle import Plan, same as _same
-from ..call.repeated_calls import allreduce_body, copy_body, lean_key, make_lean
+from ..call.repeated_calls import allreduce_body, copy_body, repeat_key, make_repeat
 from ..call.algorithm_links import Links
 from .grouped import GroupedReductions
 from .inplace import copy_back_into as _copy_back_into
@@ -47,8 +47,8 @@ class Reductions(GroupedReductions):
     def __init__(self, comm):
         self._c = comm
         self.seen: dict = {}               # (dtype, shape, op, algorithm) -> (checked call, algorithm)
-        self.lean: dict = {}               # lean.lean_key -> the call's lean path (see repeated_calls.py)
-        self.lean_types: set = set()       # the types of inputs in ``lean``
+        self.repeats: dict = {}               # repeat_key -> the call's repeat path (see repeated_calls.py)
+        self.repeat_types: set = set()       # the types of inputs in ``repeats``
         self.seen_grouped: dict = {}       # (op, algorithm, dtypes and shapes) -> grouped_allreduce's plan
         self.algorithms: dict = {}         # name -> registry.Algorithm, as chosen here before
         self.chosen: dict = {}             # (algorithm asked for, bytes) -> registry.Algorithm
@@ -99,7 +99,7 @@ class Reductions(GroupedReductions):
         """Drop the remembered choices and plans of repeated calls (the registered algorithms changed)."""
         self.chosen.clear()
         self.seen.clear()
-        self.lean.clear()
+        self.repeats.clear()
         self.seen_grouped.clear()
 
     def shared_alg(self, alg: str) -> bool:
@@ -125,43 +125,43 @@ class Reductions(GroupedReductions):
                         layout="shared buffer" if shared else None)
             if inplace:
                 restore = _copy_back_into(x, arr, restore)
-            if shared:    # (a small one rides along with the call check: one exchange, no fences)
-                riding = self._c._riding_allreduce(arr, op, alg, True)
-                return call, riding or (lambda: self._allreduce_shared_buffer(arr, op)), restore
+            if shared:    # (a small one is carried along with the call check: one exchange, no fences)
+                carried = self._c._allreduce_with_check(arr, op, alg, True)
+                return call, carried or (lambda: self._allreduce_shared_buffer(arr, op)), restore
             if type(x) is np.ndarray and not inplace and x.flags.c_contiguous:
                 if len(self.seen) > 256:
                     self.seen.clear()
                 self.seen[(x.dtype, x.shape, op, algorithm)] = (call, alg)
-            self._remember_lean(x, arr, call, op, algorithm, alg, inplace)
+            self._remember_repeat(x, arr, call, op, algorithm, alg, inplace)
             return call, self._allreduce_work(arr, op, algorithm, alg, inplace), restore
         return self._c._build("allreduce", build, op=op, algorithm=algorithm)
 
-    def _remember_lean(self, x, arr: np.ndarray, call: Call, op: str, algorithm: str, alg: str,
+    def _remember_repeat(self, x, arr: np.ndarray, call: Call, op: str, algorithm: str, alg: str,
                        inplace: bool) -> None:
-        """Leave the lean path of all-reduces like this one (:mod:`hpctrain.comm.call.repeated_calls`) where one applies."""
+        """Leave the repeat path of all-reduces like this one (:mod:`hpctrain.comm.call.repeated_calls`) where one applies."""
         c = self._c
-        exchange = c._lean_exchange(call, arr, op, alg) if c._size > 1 else None
+        exchange = c._repeat_exchange(call, arr, op, alg) if c._size > 1 else None
         body = allreduce_body(c, arr, op, inplace, exchange)
         self.remember(x, arr, call, body, ("allreduce", op, algorithm, inplace), inplace)
 
     def remember(self, x, arr: np.ndarray, call: Call, body, key: tuple, inplace: bool = False) -> None:
-        """Remember ``body`` as the lean path of calls like ``call`` on inputs like ``x`` (see repeated_calls.py)."""
+        """Remember ``body`` as the repeat path of calls like ``call`` on inputs like ``x`` (see repeated_calls.py)."""
         kind = framework_of(x)
         if body is None or (kind == "numpy" and type(x) is not np.ndarray):
             return
-        lean = make_lean(self._c, call, kind, arr, body, inplace)
-        if lean is not None:
-            if len(self.lean) > 256:
-                self.lean.clear()
-                self.seen.clear()        # (a call found there is not planned again, so it would stay off ``lean``)
-            self.lean[lean_key(x, *key)] = lean
-            self.lean_types.add(type(x))
+        repeat = make_repeat(self._c, call, kind, arr, body, inplace)
+        if repeat is not None:
+            if len(self.repeats) > 256:
+                self.repeats.clear()
+                self.seen.clear()        # (a call found there is not planned again, so it would stay off ``repeats``)
+            self.repeats[repeat_key(x, *key)] = repeat
+            self.repeat_types.add(type(x))
 
     def _allreduce_work(self, arr: np.ndarray, op: str, asked: str, alg: str, inplace: bool):
         shared = self.shared_alg(alg) and self._c._size > 1
-        riding = self._c._riding_allreduce(arr, op, alg, inplace) if shared else None
-        if riding is not None:
-            return riding
+        carried = self._c._allreduce_with_check(arr, op, alg, inplace) if shared else None
+        if carried is not None:
+            return carried
         measured = self.measuring(asked, alg, arr.nbytes)
         return lambda: self._do_allreduce(arr, op, alg, inplace, measured)
 
@@ -234,13 +234,13 @@ class Reductions(GroupedReductions):
             if c._size == 1:
                 body = copy_body(arr, shape)
             else:
-                body = c._lean_reduce_scatter(call, arr, bounds, op, alg) if self.shared_alg(alg) else None
+                body = c._repeat_reduce_scatter(call, arr, bounds, op, alg) if self.shared_alg(alg) else None
                 body = body and (lambda a, seq, own=body: own(a, seq).reshape(shape))
             self.remember(x, arr, call, body, ("reduce_scatter", op, algorithm))
-            if c._size > 1 and self.shared_alg(alg):    # a small one rides the call check: one exchange
-                riding = c._riding_reduce_scatter(arr, bounds, op)
-                if riding is not None:
-                    return call, riding, lambda out: restore(out.reshape(shape))
+            if c._size > 1 and self.shared_alg(alg):    # a small one is carried by the call check: one exchange
+                carried = c._reduce_scatter_with_check(arr, bounds, op)
+                if carried is not None:
+                    return call, carried, lambda out: restore(out.reshape(shape))
             measured = self.measuring(algorithm, alg, arr.nbytes) and arr.size > 0
             return call, lambda: self._do_reduce_scatter(arr, op, alg, measured), restore
         return self._c._build("reduce_scatter", build, op=op, algorithm=algorithm)

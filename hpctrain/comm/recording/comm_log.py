@@ -17,7 +17,7 @@ time queued behind earlier asynchronous calls does not count.  On with
 or at run time with ``comm.comm_log.start()``; ``comm.comm_log.table()``
 returns it on demand.  Cost while on: two clock reads and a dictionary
 update per call (the small all-reduces then take the general path instead of
-the lean one); while off: one attribute test per call.
+the repeat one); while off: one attribute test per call.
 
 While on, it also keeps running totals (:meth:`CommLog.totals`): calls, bytes,
 seconds in collectives, and seconds the calling thread was blocked on them (a

@@ -7,7 +7,7 @@ op and algorithm) split into its phases
 * ``queued``: from the call until the collective lane starts it (earlier
   asynchronous calls run first);
 * ``waiting for peers``: the call check, which ends when every rank has
-  arrived (with small calls the data rides along);
+  arrived (with small calls the data is carried along);
 * ``transfer and reduce``: the algorithm's own work, which hpctrain's own
   algorithms split further with :meth:`Timeline.phase`: the ring its
   reduce-scatter and all-gather; the shared-memory all-reduce its copy in,

@@ -30,11 +30,11 @@ from ....collectives.shm import shm_allgather, shm_allreduce, shm_allreduce_shar
 from .direct import DIRECT_MIN_BYTES, DirectCopies
 from .requests import RequestHandle, RingTransport, Waits
 from ...life.abort import abort_job
-from ...base import Communicator, Handle, Riding, Topology
+from ...base import Communicator, Handle, CarriedByCheck, Topology
 from ...life.departures import Departures, MPINotices
 from ...life.failures import FailureDetector
 from .mailbox import Mailbox
-from .mailbox_collectives import RidingOnNode
+from .mailbox_collectives import MailboxCollectives
 from . import ulfm
 from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from ...life.runtime import Config, Runtime
@@ -46,7 +46,7 @@ VERDICT_BYTES = 1 << 16
 _TAG_CALL, _TAG_VERDICT = 1, 2
 
 
-class MPICommunicator(RidingOnNode, Communicator):
+class MPICommunicator(MailboxCollectives, Communicator):
     """A communicator over an mpi4py communicator (see module docstring)."""
 
     backend = "mpi"
@@ -104,9 +104,9 @@ class MPICommunicator(RidingOnNode, Communicator):
                             f"({why or 'on another rank'})")
 
     # -- call check ---------------------------------------------------------
-    def _exchange_calls(self, call: Call, riding: Optional[Riding] = None) -> str:
+    def _exchange_calls(self, call: Call, carried: Optional[CarriedByCheck] = None) -> str:
         if self._mailbox is not None:
-            return self._exchange_on_node(call, riding)
+            return self._exchange_on_node(call, carried)
         MPI, n, rt = self._MPI, self._size, self._rt
         own = np.frombuffer(call.encode(), dtype=np.uint8)
         self._descs[0, :] = 0
@@ -132,10 +132,10 @@ class MPICommunicator(RidingOnNode, Communicator):
         self._waits.all([self._ctrl.Isend(payload, i, _TAG_VERDICT) for i in range(1, n)])
         return verdict
 
-    def _exchange_on_node(self, call: Call, riding: Optional[Riding]) -> str:
+    def _exchange_on_node(self, call: Call, carried: Optional[CarriedByCheck]) -> str:
         key_hash, desc = encoded(call)
-        payload, dtype, announce = (None, None, 0) if riding is None else (riding.payload, riding.dtype,
-                                                                             riding.announce)
+        payload, dtype, announce = (None, None, 0) if carried is None else (carried.payload, carried.dtype,
+                                                                             carried.announce)
         if self._mailbox.exchange(key_hash, desc, payload, dtype, self._note_missing, announce) and not call.error:
             return ""
         return self._mismatch(call.seq)

@@ -1,4 +1,4 @@
-"""The call check of a one-node communicator as one write and one read of shared memory, with small inputs riding along.
+"""The call check of a one-node communicator as one write and one read of shared memory, with small inputs carried along.
 
 Each rank of the node owns two *slots* (used alternately, call after call) in
 an MPI-3 shared window.  A slot holds a flag, a 64-bit hash of the call's key,

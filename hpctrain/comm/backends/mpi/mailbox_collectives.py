@@ -1,7 +1,7 @@
 """The MPI backend's small one-node collectives that ride the call check through the mailbox.
 
-Two forms of the same exchange (:mod:`hpctrain.comm.backends.mpi.mailbox`): ``_riding_*``
-give a planned call's work as a :class:`~hpctrain.comm.call.handle.Riding`, posted
+Two forms of the same exchange (:mod:`hpctrain.comm.backends.mpi.mailbox`): ``_*_with_check``
+give a planned call's work as a :class:`~hpctrain.comm.call.handle.CarriedByCheck`, posted
 by the call check itself; ``_lean_*`` give the bodies of repeated calls
 (:mod:`hpctrain.comm.call.repeated_calls`), which post and check in one call of the
 mailbox's C kernel.  Ranks on either form meet in the same exchange.  A mixin
@@ -18,24 +18,24 @@ import numpy as np
 from ....collectives.ops import accumulation_dtype, finish
 from ....collectives.shm import shm_allreduce_small
 from ....errors import CollectiveMismatchError
-from ...call.handle import Riding
+from ...call.handle import CarriedByCheck
 from ...call.signature import Call, encoded
 
-__all__ = ["RidingOnNode"]
+__all__ = ["MailboxCollectives"]
 
 
-class RidingOnNode:
-    """Small all-reduces, reduce-scatters and all-gathers riding the call check on one node."""
+class MailboxCollectives:
+    """Small all-reduces, reduce-scatters and all-gathers carried by the call check on one node."""
 
-    def _riding_dtype(self, arr: np.ndarray) -> Optional[np.dtype]:
-        """Return the dtype in which ``arr`` rides the call check, or None (no mailbox, empty, or too big)."""
+    def _carry_dtype(self, arr: np.ndarray) -> Optional[np.dtype]:
+        """Return the dtype in which ``arr`` is carried by the call check, or None (no mailbox, empty, or too big)."""
         mb, acc = self._mailbox, accumulation_dtype(arr.dtype)
         if mb is None or not arr.size or arr.size * acc.itemsize > mb.capacity:
             return None
         return acc
 
-    def _riding_allreduce(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> Optional[Riding]:
-        mb, acc = self._mailbox, self._riding_dtype(arr)
+    def _allreduce_with_check(self, arr: np.ndarray, op: str, alg: str, inplace: bool) -> Optional[CarriedByCheck]:
+        mb, acc = self._mailbox, self._carry_dtype(arr)
         if acc is None:
             return None
 
@@ -43,14 +43,14 @@ class RidingOnNode:
             out = arr if inplace and acc == arr.dtype else np.empty(arr.shape, dtype=acc)
             shm_allreduce_small(mb.payloads(arr.shape, acc), out, op)
             return finish(out, op, self._size, arr.dtype)
-        return Riding(arr, acc, reduce)
+        return CarriedByCheck(arr, acc, reduce)
 
-    def _riding_reduce_scatter(self, arr: np.ndarray, bounds, op: str) -> Optional[Riding]:
-        acc = self._riding_dtype(arr)
+    def _reduce_scatter_with_check(self, arr: np.ndarray, bounds, op: str) -> Optional[CarriedByCheck]:
+        acc = self._carry_dtype(arr)
         if acc is None:
             return None
         own = self._own_block(arr, bounds, acc, op)
-        return Riding(arr, acc, own)
+        return CarriedByCheck(arr, acc, own)
 
     def _own_block(self, arr: np.ndarray, bounds, acc: np.dtype, op: str):
         """Return ``f()``: this rank's block of the reduction of the payloads of the last exchange (flat)."""
@@ -63,7 +63,7 @@ class RidingOnNode:
             return finish(out, op, n, dtype)
         return own
 
-    def _riding_gather(self, raw: np.ndarray, post: bool, then) -> Optional[Riding]:
+    def _gather_with_check(self, raw: np.ndarray, post: bool, then) -> Optional[CarriedByCheck]:
         mb = self._mailbox
         if mb is None:
             return None
@@ -72,12 +72,12 @@ class RidingOnNode:
         def gather():
             sizes = mb.sizes()
             return then(sizes, mb.raw_payloads(sizes) if post and max(sizes) <= mb.capacity else None)
-        return Riding(raw if fits else None, np.dtype(np.uint8) if fits else None, gather, raw.nbytes)
+        return CarriedByCheck(raw if fits else None, np.dtype(np.uint8) if fits else None, gather, raw.nbytes)
 
-    def _lean_reduce_scatter(self, call: Call, arr: np.ndarray, bounds, op: str, alg: str):
-        """The body of a lean reduce-scatter (:mod:`hpctrain.comm.call.repeated_calls`): the input rides the call check
-        (:meth:`_riding_reduce_scatter` without the planning); None where it cannot."""
-        mb, acc = self._mailbox, self._riding_dtype(arr)
+    def _repeat_reduce_scatter(self, call: Call, arr: np.ndarray, bounds, op: str, alg: str):
+        """The body of a repeated reduce-scatter (:mod:`hpctrain.comm.call.repeated_calls`): the input is carried by the call check
+        (:meth:`_reduce_scatter_with_check` without the planning); None where it cannot."""
+        mb, acc = self._mailbox, self._carry_dtype(arr)
         if acc is None or alg not in ("shm", "hierarchical"):
             return None
         key_hash, desc = encoded(call)
@@ -89,9 +89,9 @@ class RidingOnNode:
             return own()
         return body
 
-    def _lean_gather(self, call: Call, post: bool, then):
-        """The body of a lean all-gather: every rank's byte count, and where ``post`` and all fit their bytes,
-        ride the call check (:meth:`_riding_gather`); returns ``then(a, sizes, None)`` when the bytes did not
+    def _repeat_gather(self, call: Call, post: bool, then):
+        """The body of a repeated all-gather: every rank's byte count, and where ``post`` and all fit their bytes,
+        ride the call check (:meth:`_gather_with_check`); returns ``then(a, sizes, None)`` when the bytes did not
         travel, else the gathered array.  None without a mailbox."""
         mb = self._mailbox
         if mb is None:
@@ -111,8 +111,8 @@ class RidingOnNode:
             return joined.view(a.dtype).reshape((-1,) + a.shape[1:])
         return body
 
-    def _lean_exchange(self, call: Call, arr: np.ndarray, op: str, alg: str):
-        """The exchange of a lean all-reduce (:mod:`hpctrain.comm.call.repeated_calls`): the payload rides the call check.
+    def _repeat_exchange(self, call: Call, arr: np.ndarray, op: str, alg: str):
+        """The exchange of a repeated all-reduce (:mod:`hpctrain.comm.call.repeated_calls`): the payload is carried by the call check.
 
         Returns ``exchange(x, out, seq)``, or None where it does not apply (no
         mailbox, too big, not a shared-memory algorithm).  Sums of
@@ -122,9 +122,9 @@ class RidingOnNode:
         is in its slot before any output is written).  Cost: one mailbox exchange
         and ``n`` reads of the payload.
         """
-        mb, acc = self._mailbox, self._riding_dtype(arr)
+        mb, acc = self._mailbox, self._carry_dtype(arr)
         if mb is not None and alg == "native":
-            return self._lean_native(call, op)
+            return self._repeat_native(call, op)
         if acc is None or alg not in ("shm", "hierarchical"):
             return None
         key_hash, desc = encoded(call)
@@ -141,8 +141,8 @@ class RidingOnNode:
             shm_allreduce_small(mb.payloads(shape, acc), out, op)
         return exchange
 
-    def _lean_native(self, call: Call, op: str):
-        """The exchange of a lean "native" all-reduce on one node: the call check through the mailbox (in C,
+    def _repeat_native(self, call: Call, op: str):
+        """The exchange of a repeated "native" all-reduce on one node: the call check through the mailbox (in C,
         no payload), then the library's in-place all-reduce.  Cost: one mailbox exchange and MPI_Allreduce."""
         mb, key_hash, desc = self._mailbox, *encoded(call)
         coll, in_place, mpi_op, note = self._coll, self._MPI.IN_PLACE, self._ops[op], self._note_missing
