@@ -272,8 +272,7 @@ def init_world(config: Config) -> HorovodCommunicator:
             os.environ["HOROVOD_TIMELINE"] = timeline
 
     topo = Topology(hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())
-    runtime = Runtime(config, hvd.rank(), abort_job)
-    runtime.departures = _departures(hvd)
+    runtime = Runtime(config, hvd.rank(), abort_job, departures=_departures(hvd))
     registry = {tuple(range(hvd.size())): hvd.global_process_set}  # Horovod refuses a duplicate
     return HorovodCommunicator(runtime, hvd, hvd.global_process_set, "world", range(hvd.size()), topo, registry)
 

@@ -136,7 +136,8 @@ class Runtime:
         abort: called with a message and an exit status to end the whole job (never returns).
     """
 
-    def __init__(self, config: Config, world_rank: int, abort: Callable[[str], None]):
+    def __init__(self, config: Config, world_rank: int, abort: Callable[[str], None], departures=None,
+                 failures=None, is_failure: Optional[Callable[[BaseException], bool]] = None):
         self.config = config
         self.world_rank = world_rank
         self._abort = abort
@@ -144,10 +145,11 @@ class Runtime:
         self.receives = Lane("receives")
         self.close_hooks = Hooks("close", last_first=True)     # run by close() first: see on_close
         self.interrupt_hooks = Hooks("interrupt")     # what a Ctrl-C leaves behind: see Communicator.on_interrupt
-        self.departures = None         # a departures.Departures where the backend sends leaving notices
-        self.failures = None           # a failures.FailureDetector where the backend can name failed ranks
+        self.departures = departures   # a departures.Departures where the backend sends leaving notices
+        self.failures = failures       # a failures.FailureDetector where the backend can name failed ranks
         self.owner: Optional[threading.Thread] = None   # when set, the only thread that may issue collectives
-        self.is_failure: Callable[[BaseException], bool] = lambda exc: False   # the backend's "a rank failed"
+        # the backend's "this exception says a rank failed"
+        self.is_failure: Callable[[BaseException], bool] = is_failure or (lambda exc: False)
         self.comm_log = CommLog(on=config.comm_log)     # see comm_log.py
         self.timeline = Timeline(on=bool(config.timeline))   # see timeline.py
         self.closed = False

@@ -380,15 +380,16 @@ def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> 
     """
     from mpi4py import MPI
 
-    runtime = Runtime(config, comm.Get_rank(), abort_job)
     codes = {getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
              if hasattr(MPI, n)}
-    runtime.is_failure = lambda exc: isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes
+    departures = failures = None
+    if comm.Get_size() > 1:
+        notices = MPINotices(comm, MPI)
+        departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
+        failures = FailureDetector(comm, comm.allgather(MPI.Get_processor_name()), MPI)
+    runtime = Runtime(config, comm.Get_rank(), abort_job, departures, failures,
+                      is_failure=lambda exc: isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes)
     try:
-        if comm.Get_size() > 1:
-            notices = MPINotices(comm, MPI)
-            runtime.departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
-            runtime.failures = FailureDetector(comm, comm.allgather(MPI.Get_processor_name()), MPI)
         return MPICommunicator(runtime, comm, name, range(comm.Get_size()), owns=owns)
     except BaseException:
         runtime.discard()       # (its watchdog must not outlive a world that was never made)
