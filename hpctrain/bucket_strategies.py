@@ -115,4 +115,4 @@ class Compressed:
             pending.wait()
             if flags is not None:
                 flags.wait()
-        return Pending(finish, flat)
+        return Pending(finish, flat, [pending, flags])

@@ -26,7 +26,7 @@ converge across steps).  Same method as ``torch.distributed``'s
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 
@@ -91,8 +91,9 @@ class PowerSGD(Compressor):
         return n * m >= self.min_compression_rate * r * (n + m)
 
     def exchange(self, comm, items: List[Tuple[str, np.ndarray]], op: str, totals: Dict[str, float]
-                 ) -> Callable[[], None]:
-        """Compute the ``P`` of every tensor and start their all-reduce; the returned call finishes the step."""
+                 ) -> Tuple[Any, Callable[[], None]]:
+        """Compute the ``P`` of every tensor and start their all-reduce: (its handle, or None where there is none;
+        the call that finishes the step, with the all-reduce of the ``Q`` s)."""
         lowrank, exact = [], []
         for name, a in items:
             slot = self.slot(name, a.shape, comm.rank)
@@ -138,4 +139,4 @@ class PowerSGD(Compressor):
                     out = out / np.float32(comm.size)
                 a.reshape(-1)[...] = out
                 slot.step += 1
-        return finish
+        return handle, finish

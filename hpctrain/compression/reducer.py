@@ -27,11 +27,12 @@ decompressing, summed over the steps counted with ``count_step()``.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import settings
+from ..waiting import wait_until
 from .base import Compressor, Policy
 
 
@@ -90,16 +91,28 @@ def unpack_payloads(buf: np.ndarray, counts: Sequence[int]) -> Tuple[List[List[n
 
 
 class Pending:
-    """A compressed reduction in flight; ``wait()`` finishes it (once) and returns the arrays."""
+    """A compressed reduction in flight, a :class:`~hpctrain.comm.call.handle.Waitable`.
 
-    def __init__(self, finish: Callable[[], None], arrays: List[np.ndarray]):
-        self._finish, self.arrays = finish, arrays
+    ``in_flight``: the handles of the collectives it started; ``test()`` is
+    true once all of them are done; ``wait(timeout=None)`` waits for them
+    (:class:`TimeoutError` when ``timeout`` seconds pass first; wait again),
+    then runs ``finish`` once (decompression, and for PowerSGD its second,
+    synchronous all-reduce) and returns ``result``.
+    """
 
-    def wait(self) -> List[np.ndarray]:
+    def __init__(self, finish: Callable[[], None], result: Any, in_flight: Sequence[Any] = ()):
+        self._finish, self.result = finish, result
+        self._in_flight = [h for h in in_flight if h is not None]
+
+    def test(self) -> bool:
+        return self._finish is None or all(h.test() for h in self._in_flight)
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
         if self._finish is not None:
+            wait_until(self.test, timeout, "the compressed reduction")
             finish, self._finish = self._finish, None
             finish()
-        return self.arrays
+        return self.result
 
 
 class CompressedReducer:
@@ -171,16 +184,20 @@ class CompressedReducer:
         t["sent_bytes"] += dense_bytes
         t["received_bytes"] += dense_bytes
         finishers: List[Callable[[], None]] = []
+        in_flight: List[Any] = []
         if dense and self.comm.size > 1:
             handle = self.comm.grouped_allreduce_async([arrays[i] for i in dense], op=op, inplace=True)
             finishers.append(handle.wait)
+            in_flight.append(handle)
         if packed:
             started = time.perf_counter()
             items = [(entries[i][0], arrays[i]) for i in packed]
             if comp.communication == "custom":
-                finishers.append(comp.exchange(self.comm, items, op, self._totals))
+                handle, finish_packed = comp.exchange(self.comm, items, op, self._totals)
             else:
-                finishers.append(self._start_standard(items, op))
+                handle, finish_packed = self._start_standard(items, op)
+            finishers.append(finish_packed)
+            in_flight.append(handle)
             t["compress_s"] += time.perf_counter() - started
             _on_timeline(self.comm, "compress", started, compressor=comp.name, tensors=len(packed))
 
@@ -188,9 +205,11 @@ class CompressedReducer:
             for f in finishers:
                 f()
 
-        return Pending(finish, arrays)
+        return Pending(finish, arrays, in_flight)
 
-    def _start_standard(self, items: List[Tuple[str, np.ndarray]], op: str) -> Callable[[], None]:
+    def _start_standard(self, items: List[Tuple[str, np.ndarray]], op: str) -> Tuple[Any, Callable[[], None]]:
+        """Compress ``items`` and start their collective: (its handle, or None at one rank; the call that
+        finishes the step)."""
         comp, comm, t = self.compressor, self.comm, self._totals
         payloads, ctxs = [], []
         for name, a in items:
@@ -219,7 +238,7 @@ class CompressedReducer:
                     a.reshape(-1)[...] = comp.finish(total, comm.size, op)
                 t["decompress_s"] += time.perf_counter() - started
                 _on_timeline(comm, "decompress", started, compressor=comp.name, tensors=len(items))
-            return finish_allreduce
+            return handle, finish_allreduce
 
         if comp.communication != "allgather":
             raise ValueError(f"compressor {comp.name!r} declares unknown communication {comp.communication!r}")
@@ -245,4 +264,4 @@ class CompressedReducer:
                 a.reshape(-1)[...] = comp.finish(total, comm.size, op)
             t["decompress_s"] += time.perf_counter() - started
             _on_timeline(comm, "decompress", started, compressor=comp.name, tensors=len(items))
-        return finish_allgather
+        return handle, finish_allgather

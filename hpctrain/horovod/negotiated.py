@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..comm.call.handle import wait_until
+from ..waiting import wait_until
 from . import basics
 
 __all__ = ["NegotiatedComm"]

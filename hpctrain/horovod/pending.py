@@ -24,7 +24,7 @@ class WorldFailedInHorovod(HorovodInternalError, WorldFailedError):
 
 
 class OpHandle:
-    """The pending result of one request: ``done()``, ``wait()``."""
+    """The pending result of one request: ``done()`` (``test()``), ``wait(timeout=None)``."""
 
     __slots__ = ("_event", "_value", "_error", "name", "owner")
 
@@ -34,6 +34,10 @@ class OpHandle:
 
     def done(self) -> bool:
         """Return whether the request has finished (successfully or not)."""
+        return self._event.is_set()
+
+    def test(self) -> bool:
+        """``done()`` under the name every hpctrain handle has (:class:`~hpctrain.comm.call.handle.Waitable`)."""
         return self._event.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> Any:

@@ -16,7 +16,7 @@ bucket.
 from __future__ import annotations
 
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -286,8 +286,13 @@ class _HostStaged:
         source = self.host if staged else flat.detach()
         self.pending = averager.start_bucket(source.numpy(), bucket, names, shapes)
 
-    def wait(self) -> torch.Tensor:
-        self.pending.wait()
+    def test(self) -> bool:
+        return self.pending.test()
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        """The reduced bucket (a :class:`~hpctrain.comm.call.handle.Waitable`: TimeoutError when ``timeout``
+        seconds pass first)."""
+        self.pending.wait(timeout)
         if self.host is not None:
             self.flat.copy_(self.host)
         return self.flat

@@ -12,6 +12,7 @@ differ from the numpy mean by one rounding of the sum (2^-11, 2^-8 relative
 to the largest value).
 """
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -117,6 +118,38 @@ def test_compressed_reduction_equals_numpy_decompress_then_average(comm, name):
             "powersgd": 0.8}            # powersgd: step 0 is exact (start_iter=1)
     if name in most:
         assert stats["ratio_to_fp32"] < most[name], stats
+
+
+@pytest.mark.parametrize("name", ["fp16", "powersgd"])
+def test_a_compressed_reduction_in_flight_is_a_waitable_that_honours_a_timeout(comm, name):
+    """What a compressed bucket's handle is (``CompressedReducer.start``) follows the Waitable protocol: while the
+    last rank has not started, ``test()`` is false and ``wait(timeout)`` raises TimeoutError with the reduction still
+    in flight; waited again it gives the numpy reference (PowerSGD: its exchange, then its second all-reduce)."""
+    from hpctrain.comm.call.handle import Waitable
+
+    n, me = comm.size, comm.rank
+    args = {"rank": 2, "start_iter": 0} if name == "powersgd" else {}
+    policy = C.Policy(min_numel=0)
+    reducer = C.CompressedReducer(C.get(name, **args), comm, policy)
+    if me == n - 1:
+        time.sleep(0.5)
+    entries = [(k, v.copy()) for k, v in grads(0, me).items()]
+    pending = reducer.start(entries, op="avg")
+    assert isinstance(pending, Waitable), type(pending)
+    if n > 1 and me < n - 1:
+        assert not pending.test()
+        with pytest.raises(TimeoutError):
+            pending.wait(timeout=0.05)
+    got = pending.wait(timeout=60)
+    assert pending.test() and [a is e for a, (_, e) in zip(got, entries)] == [True] * len(entries)
+    if name == "powersgd":
+        want = reference_powersgd({"q": {}, "e": {k: [0.0] * n for k in SHAPES}}, 0, n, 2, 0)
+    else:
+        want = reference_standard([C.get(name) for _ in range(n)], policy, 0, n, name)
+    for key, a in entries:
+        w = want[key]
+        err = float(np.abs(a.reshape(-1) - w).max()) / max(float(np.abs(w).max()), 1e-30)
+        assert err <= TOL.get(name, 1e-4), f"{name} {key}: relative error {err:.3g}"
 
 
 def test_compressed_reduction_refuses_bad_input_on_every_rank(comm):

@@ -24,7 +24,7 @@ from ...errors import BackendUnavailableError, HpctrainError
 from ..life.abort import abort_job
 from ...collectives.ops import finish
 from ..base import Communicator, Topology
-from ..call.handle import wait_until
+from ...waiting import wait_until
 from ..life.runtime import Config, Runtime
 from ..call.signature import DESC_BYTES, Call, judge
 

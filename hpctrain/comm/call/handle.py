@@ -10,7 +10,7 @@ import numpy as np
 
 from .signature import Call
 
-__all__ = ["Handle", "Waitable", "Plan", "CarriedByCheck", "Topology", "done_handle", "same", "wait_until"]
+__all__ = ["Handle", "Waitable", "Plan", "CarriedByCheck", "Topology", "done_handle", "same"]
 
 # A planned call: (its description for the call check, the work (None if the call is invalid), the restore step)
 Plan = Tuple[Call, Optional[Callable[[], Any]], Callable[[Any], Any]]
@@ -51,25 +51,6 @@ class Waitable(Protocol):
     def wait(self, timeout: Optional[float] = None) -> Any: ...
 
     def test(self) -> bool: ...
-
-
-def wait_until(test: Callable[[], bool], timeout: Optional[float], what: str = "the call") -> None:
-    """Return once ``test()`` is true; :class:`TimeoutError` when ``timeout`` seconds pass first (None: return).
-
-    For handles whose backend blocks without a deadline: polls ``test()``, the
-    pause growing from 50 microseconds to 10 ms (a wait this long costs at
-    most 10 ms more than the call).
-    """
-    if timeout is None:
-        return
-    deadline = time.monotonic() + timeout
-    pause = 5e-5
-    while not test():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{what} did not finish within {timeout} s (it is still in flight: wait again)")
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 0.01)
 
 
 def done_handle(value: Any = None) -> "Handle":

@@ -20,7 +20,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from ...call.handle import Handle, wait_until
+from ...call.handle import Handle
+from ....waiting import wait_until
 
 __all__ = ["Waits", "RingTransport", "RequestHandle", "TAG_RING"]
 
