@@ -3,11 +3,15 @@
 A communicator validates a call, converts its input to a numpy buffer
 (:mod:`hpctrain.tensors`), checks that all ranks make the same call
 (:mod:`hpctrain.comm.call.signature`), runs the algorithm on numpy buffers and
-converts the result back to the input's type.  The class is a facade: the
-reductions are planned in :mod:`hpctrain.comm.ops.reductions` (algorithms chosen
-through :mod:`hpctrain.collectives.registry`), the data-moving collectives in
-:mod:`hpctrain.comm.ops.data_movement`; backends (MPI, Horovod, local) implement only
-the buffer primitives of :mod:`hpctrain.comm.backends.primitives`.
+converts the result back to the input's type.  The class is a facade over
+parts it holds: a backend (MPI, Horovod, local: the buffer primitives of
+:mod:`hpctrain.comm.backends.primitives`) and its runtime, the call path
+(:mod:`hpctrain.comm.call.call_path`), the reductions
+(:mod:`hpctrain.comm.ops.reductions`, algorithms chosen through
+:mod:`hpctrain.collectives.registry`), the data-moving collectives
+(:mod:`hpctrain.comm.ops.data_movement`) and point-to-point messages
+(:mod:`hpctrain.comm.ops.point_to_point`, whose ``send``, ``recv``, ``probe``,
+``recv_any``, ... are the communicator's).
 
 Rules common to every collective:
 
@@ -23,6 +27,7 @@ Rules common to every collective:
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -34,42 +39,50 @@ from .ops.data_movement import Exchanges
 from .call.repeated_calls import NOT_REPEATED
 from .call.handle import Handle, CarriedByCheck, Topology, done_handle, same as _same
 from .ops.point_to_point import PointToPoint
-from .backends.primitives import Primitives
 from .ops.reductions import Reductions
-from .life.runtime import Runtime
 from .call.signature import Call
 from .life.world_life import WorldLife
 
 __all__ = ["Communicator", "Handle", "CarriedByCheck", "Topology", "done_handle"]
 
 
-class Communicator(CallPath, PointToPoint, Primitives):
-    """A group of ranks that run collectives together.
+def _message(name: str):
+    """The communicator's method ``name``: :class:`PointToPoint`'s, on the communicator's messages."""
+    impl = getattr(PointToPoint, name)
 
-    Args:
-        runtime: shared settings, engine and watchdog of the world.
-        rank: this process's rank in the group.
-        size: the number of ranks in the group.
-        name: a label for messages ("world", "world.split(1)").
-        world_ranks: the world rank of each member, in group order.
-        topology: node layout of this process.
+    @functools.wraps(impl)
+    def method(self, *args, **kwargs):
+        return impl(self._messages, *args, **kwargs)
+    return method
+
+
+class Communicator:
+    """A group of ranks that run collectives together, over ``backend`` (a
+    :class:`~hpctrain.comm.backends.primitives.Primitives`: its rank, size, name, world ranks, topology and
+    runtime are the communicator's).
     """
 
     bucket_strategy = "allreduce"       # how a gradient bucket is reduced over it (hpctrain.bucket_strategies)
-    gather_bytes = None                 # a backend's own all-gather of named byte blobs (Horovod's), if it has one
 
-    def __init__(self, runtime: Runtime, rank: int, size: int, name: str,
-                 world_ranks: Sequence[int], topology: Topology):
-        self._rt = runtime
-        self.life = WorldLife(runtime)      # the world's life as features see it: world_life.py
-        self._rank = rank
-        self._size = size
-        self.name = name
-        self.world_ranks = tuple(world_ranks)
-        self.topology = topology
+    def __init__(self, backend):
+        self._backend = backend
+        self._rt = backend.runtime
+        self.life = WorldLife(self._rt)     # the world's life as features see it: world_life.py
+        self._rank, self._size = backend.rank, backend.size
+        self.name, self.world_ranks, self.topology = backend.name, backend.world_ranks, backend.topology
+        self.backend = backend.kind         # "mpi", "horovod" or "local"
+        # the backend's optional capabilities (None where it has none): Horovod's named all-reduce, outside the
+        # call check, and its all-gather of named byte blobs, for hpctrain.horovod's negotiation
+        self.named_allreduce_async, self.gather_bytes = backend.named_allreduce_async, backend.gather_bytes
         self._seq = 0
         self._reductions = Reductions(self)
         self._exchanges = Exchanges(self)
+        self._calls = CallPath(self)
+        self._messages = PointToPoint(self)
+
+    # point-to-point messages (their docs are PointToPoint's)
+    send, send_async, recv, recv_async = _message("send"), _message("send_async"), _message("recv"), _message("recv_async")
+    recv_bytes, probe, recv_any = _message("recv_bytes"), _message("probe"), _message("recv_any")
 
     # -- identity -------------------------------------------------------
     @property
@@ -100,8 +113,14 @@ class Communicator(CallPath, PointToPoint, Primitives):
         :func:`hpctrain.comm.recording.timeline.write_trace` merges the ranks' into one file."""
         return self._rt.timeline
 
+    @property
+    def mpi_comm(self):
+        """The mpi4py communicator under this one on the MPI backend (what the survivors shrink after a failure),
+        else None."""
+        return self._backend.mpi_comm
+
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name} rank {self._rank} of {self._size}>"
+        return f"<Communicator {self.backend} {self.name} rank {self._rank} of {self._size}>"
 
     # -- collectives ------------------------------------------------------
     def allreduce(self, x: Any, op: str = "sum", algorithm: str = "auto", inplace: bool = False) -> Any:
@@ -122,14 +141,14 @@ class Communicator(CallPath, PointToPoint, Primitives):
         buffers the reduction then runs in ``x``'s own memory, saving a copy and
         an allocation of the buffer's size.  Do not touch ``x`` until it is done.
         """
-        out = self._repeat(x, ("allreduce", op, algorithm, inplace))
+        out = self._calls.repeat(x, ("allreduce", op, algorithm, inplace))
         if out is not NOT_REPEATED:
             return out
-        return self._run(self._reductions.plan_allreduce(x, op, algorithm, inplace))
+        return self._calls.run(self._reductions.plan_allreduce(x, op, algorithm, inplace))
 
     def allreduce_async(self, x: Any, op: str = "sum", algorithm: str = "auto", inplace: bool = False) -> Handle:
         """Start :meth:`allreduce` and return a :class:`Handle`."""
-        return self._submit(self._reductions.plan_allreduce(x, op, algorithm, inplace))
+        return self._calls.submit(self._reductions.plan_allreduce(x, op, algorithm, inplace))
 
     def grouped_allreduce(self, xs: Sequence[Any], op: str = "sum", algorithm: str = "auto",
                           inplace: bool = False) -> List[Any]:
@@ -146,12 +165,12 @@ class Communicator(CallPath, PointToPoint, Primitives):
         algorithms read the tensors in place, others pack and unpack them
         (two extra copies of the bytes).
         """
-        return self._run(self._reductions.plan_grouped(xs, op, algorithm, inplace))
+        return self._calls.run(self._reductions.plan_grouped(xs, op, algorithm, inplace))
 
     def grouped_allreduce_async(self, xs: Sequence[Any], op: str = "sum", algorithm: str = "auto",
                                 inplace: bool = False) -> Handle:
         """Start :meth:`grouped_allreduce`; the handle's ``wait()`` returns the list of results."""
-        return self._submit(self._reductions.plan_grouped(xs, op, algorithm, inplace))
+        return self._calls.submit(self._reductions.plan_grouped(xs, op, algorithm, inplace))
 
     def allgather(self, x: Any, algorithm: str = "auto") -> Any:
         """Return the concatenation along dim 0 of every rank's ``x`` (dim 0 may differ per rank).
@@ -160,20 +179,20 @@ class Communicator(CallPath, PointToPoint, Primitives):
         "shm" (MPI backend, one node: through shared memory) or "auto" (shm on
         one node from ``shm_min_bytes`` of output, else native).
         """
-        out = self._repeat(x, ("allgather", algorithm))
-        return out if out is not NOT_REPEATED else self._run(self._exchanges.plan_allgather(x, algorithm))
+        out = self._calls.repeat(x, ("allgather", algorithm))
+        return out if out is not NOT_REPEATED else self._calls.run(self._exchanges.plan_allgather(x, algorithm))
 
     def allgather_async(self, x: Any, algorithm: str = "auto") -> Handle:
         """Start :meth:`allgather` and return a :class:`Handle`."""
-        return self._submit(self._exchanges.plan_allgather(x, algorithm))
+        return self._calls.submit(self._exchanges.plan_allgather(x, algorithm))
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Return ``root``'s ``x`` on every rank (all ranks pass a tensor of the same shape and dtype)."""
-        return self._run(self._exchanges.plan_broadcast(x, root))
+        return self._calls.run(self._exchanges.plan_broadcast(x, root))
 
     def broadcast_async(self, x: Any, root: int = 0) -> Handle:
         """Start :meth:`broadcast` and return a :class:`Handle`."""
-        return self._submit(self._exchanges.plan_broadcast(x, root))
+        return self._calls.submit(self._exchanges.plan_broadcast(x, root))
 
     def reduce_scatter(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Any:
         """Reduce ``x`` over ranks and return this rank's block of rows.
@@ -181,54 +200,54 @@ class Communicator(CallPath, PointToPoint, Primitives):
         Dim 0 is split as ``numpy.array_split`` does: the first ``len(x) % n``
         ranks get one extra row.  Cost: ``(n-1)/n`` of the bytes sent per rank.
         """
-        out = self._repeat(x, ("reduce_scatter", op, algorithm))
-        return out if out is not NOT_REPEATED else self._run(self._reductions.plan_reduce_scatter(x, op, algorithm))
+        out = self._calls.repeat(x, ("reduce_scatter", op, algorithm))
+        return out if out is not NOT_REPEATED else self._calls.run(self._reductions.plan_reduce_scatter(x, op, algorithm))
 
     def reduce_scatter_async(self, x: Any, op: str = "sum", algorithm: str = "auto") -> Handle:
         """Start :meth:`reduce_scatter` and return a :class:`Handle`."""
-        return self._submit(self._reductions.plan_reduce_scatter(x, op, algorithm))
+        return self._calls.submit(self._reductions.plan_reduce_scatter(x, op, algorithm))
 
     def alltoall(self, x: Any, splits: Optional[Sequence[int]] = None) -> Any:
         """Send rows ``x[off_i : off_i + splits[i]]`` to rank i; return the received rows, in rank order.
 
         Without ``splits`` dim 0 must divide evenly by the number of ranks.
         """
-        return self._run(self._exchanges.plan_alltoall(x, splits))
+        return self._calls.run(self._exchanges.plan_alltoall(x, splits))
 
     def alltoall_async(self, x: Any, splits: Optional[Sequence[int]] = None) -> Handle:
         """Start :meth:`alltoall` and return a :class:`Handle`."""
-        return self._submit(self._exchanges.plan_alltoall(x, splits))
+        return self._calls.submit(self._exchanges.plan_alltoall(x, splits))
 
     def barrier(self) -> None:
         """Return when every rank has entered the barrier."""
-        self._run((Call("barrier", self._next_seq()), self._barrier, _same))
+        self._calls.run((Call("barrier", self._calls.next_seq()), self._backend.barrier, _same))
 
     def barrier_async(self) -> Handle:
         """Start :meth:`barrier` and return a :class:`Handle`."""
-        return self._submit((Call("barrier", self._next_seq()), self._barrier, _same))
+        return self._calls.submit((Call("barrier", self._calls.next_seq()), self._backend.barrier, _same))
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Return ``root``'s picklable ``obj`` on every rank (for small Python objects, not tensors)."""
-        return self._run(self._exchanges.plan_object("broadcast_object", obj, root))
+        return self._calls.run(self._exchanges.plan_object("broadcast_object", obj, root))
 
     def broadcast_object_async(self, obj: Any, root: int = 0) -> Handle:
         """Start :meth:`broadcast_object` and return a :class:`Handle`."""
-        return self._submit(self._exchanges.plan_object("broadcast_object", obj, root))
+        return self._calls.submit(self._exchanges.plan_object("broadcast_object", obj, root))
 
     def allgather_object(self, obj: Any) -> List[Any]:
         """Return the list of every rank's picklable ``obj``, in rank order."""
-        return self._run(self._exchanges.plan_object("allgather_object", obj, None))
+        return self._calls.run(self._exchanges.plan_object("allgather_object", obj, None))
 
     def allgather_object_async(self, obj: Any) -> Handle:
         """Start :meth:`allgather_object` and return a :class:`Handle`."""
-        return self._submit(self._exchanges.plan_object("allgather_object", obj, None))
+        return self._calls.submit(self._exchanges.plan_object("allgather_object", obj, None))
 
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
         """Return the sub-communicator of the ranks that passed the same ``color``, ordered by ``key``.
 
         A rank that passes ``color=None`` takes part but gets None.  Collective.
         """
-        return self._run(self._exchanges.plan_split(color, key))
+        return self._calls.run(self._exchanges.plan_split(color, key))
 
     def shared_empty(self, count: int, dtype: Any = np.float32) -> np.ndarray:
         """Return an uninitialised 1-D buffer whose in-place all-reduce copies nothing in or out.
@@ -243,7 +262,7 @@ class Communicator(CallPath, PointToPoint, Primitives):
         ``torch.from_numpy`` to use it as a tensor.  It stays valid until the
         communicator is freed (``hpctrain.shutdown()`` for the world).
         """
-        return self._run(self._exchanges.plan_shared_empty(count, dtype))
+        return self._calls.run(self._exchanges.plan_shared_empty(count, dtype))
 
     def abort(self, message: str, code: int = 1) -> None:
         """Print ``message`` and end the whole job on every rank with status ``code`` (never returns; see
@@ -291,7 +310,7 @@ class Communicator(CallPath, PointToPoint, Primitives):
     def allgather_object_unchecked(self, obj: Any) -> List[Any]:
         """Every rank's ``obj`` through the backend's own all-gather, outside the call check (for the check of
         the settings that decide the call check itself)."""
-        return self._allgather_object(obj)
+        return self._backend.allgather_object(obj)
 
     def close(self, exit_status: int = 0) -> None:
         """Finish the queued calls, leave (see :mod:`hpctrain.comm.life.departures`), free the node's shared memory.
@@ -301,12 +320,12 @@ class Communicator(CallPath, PointToPoint, Primitives):
         try:
             self._rt.close(exit_status)
         finally:
-            self._release_shared()
+            self._backend.release_shared()
 
     def free(self) -> None:
         """Release the backend resources of this communicator (not of the world)."""
         self._reductions.forget()       # (its repeat paths hold the backend's shared memory)
-        self._free()
+        self._backend.free()
 
     def adasum_allreduce(self, x: np.ndarray, segments: Sequence[int]) -> np.ndarray:
         """The Adasum of every rank's ``x`` (tensors of ``segments`` lengths combined each on its own; see

@@ -142,7 +142,7 @@ class NegotiatedComm:
         """
         rows = tuple(t if t.startswith("allreduce.") else f"allreduce.{t}" for t in tensors)
         arr = _host_view(flat)
-        direct = getattr(self._comm, "named_allreduce_async", None)
+        direct = self._comm.named_allreduce_async     # (Horovod's named all-reduce; None on other backends)
         if direct is not None and arr is not None and arr.dtype.name in _DIRECT_DTYPES and op in ("sum", "avg"):
             ctl = basics.controller()
             name = f"hpctrain.horovod.grads.{self._id}.{basics._set_id(self.process_set)}.{index}"

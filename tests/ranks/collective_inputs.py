@@ -100,12 +100,12 @@ def group_of(rank, seed=0):
 
 def repeat_expected(comm):
     """Whether repeated small all-reduces of ``comm`` take the repeat path (MPI on one node, or one rank)."""
-    return comm.size == 1 or getattr(comm, "_mailbox", None) is not None
+    return comm.size == 1 or getattr(comm._backend, "_mailbox", None) is not None
 
 
 def uses_c_kernel(comm, x, op):
     """Whether the repeated all-reduce of ``x`` by ``op`` runs in the mailbox's C kernel."""
-    mb = getattr(comm, "_mailbox", None)
+    mb = getattr(comm._backend, "_mailbox", None)
     return mb is not None and mb.sum_code(x.dtype, op) is not None
 
 
@@ -124,4 +124,4 @@ def direct_copies_expected(comm):
     this machine's kernel allows process_vm_readv between one user's processes.
     """
     return (comm.backend == "mpi" and comm.size > 1 and comm.topology.num_nodes == 1
-            and not getattr(comm, "_no_windows", "") and os.environ.get("HPCTRAIN_CROSS_MEMORY") != "0")
+            and not getattr(comm._backend, "_no_windows", "") and os.environ.get("HPCTRAIN_CROSS_MEMORY") != "0")

@@ -276,7 +276,7 @@ def test_large_allreduce_copying_between_ranks_rounds_in_rank_order(comm, dtype)
             assert out is y or np.shares_memory(out, y)
             check(y, p, "avg")
     if comm.backend == "mpi" and n > 1 and comm.topology.num_nodes == 1:
-        assert bool(comm._direct.usable) == direct_copies_expected(comm)
+        assert bool(comm._backend._direct.usable) == direct_copies_expected(comm)
 
 
 def test_large_allreduce_uses_the_arena_on_every_rank_when_one_rank_turns_direct_copies_off(comm):
@@ -295,7 +295,7 @@ def test_large_allreduce_uses_the_arena_on_every_rank_when_one_rank_turns_direct
               for r in range(sub.size)]
         out = sub.allreduce(xs[sub.rank])
         sub._rt.config = config
-        assert sub._direct.usable is False
+        assert sub._backend._direct.usable is False
         assert out.tobytes() == ordered_sum(xs, "sum", sub.size).tobytes()
         assert same_on_all_ranks(comm, out)
     finally:

@@ -130,7 +130,7 @@ def test_repeated_small_allgather_with_uneven_and_oversized_inputs(comm):
     ride too), one rank's input too large to ride (every rank then gathers through MPI), ``native``, and
     rows of no bytes; all against numpy's concatenation."""
     n, r = comm.size, comm.rank
-    capacity = comm._mailbox.capacity if getattr(comm, "_mailbox", None) is not None else 1 << 16
+    capacity = comm._backend._mailbox.capacity if getattr(comm._backend, "_mailbox", None) is not None else 1 << 16
     cases = [lambda k: (k + 1, 5), lambda k: (0 if k == 1 else 2, 5),
              lambda k: (capacity // 20 + 1 if k == 0 else 1, 5), lambda k: (k, 0)]
     for case, shape_of in enumerate(cases):
@@ -156,7 +156,7 @@ def test_repeated_small_sum_rounds_as_additions_in_rank_order(comm, dtype):
     and the node sums in the ring's order, so there the result is only close
     (and equal on every rank).
     """
-    n, one_node = comm.size, getattr(comm, "_mailbox", None) is not None or comm.size == 1
+    n, one_node = comm.size, getattr(comm._backend, "_mailbox", None) is not None or comm.size == 1
 
     def inputs(r, call):
         rng = np.random.default_rng([11, r, call])
@@ -175,7 +175,7 @@ def test_repeated_small_sum_rounds_as_additions_in_rank_order(comm, dtype):
                 bound = n * np.finfo(dtype).eps * np.abs(np.stack(xs)).sum(axis=0)    # rounding of n adds
                 assert np.all(np.abs(out - expect) <= bound)
                 assert same_on_all_ranks(comm, out)
-    if getattr(comm, "_mailbox", None) is not None and comm._mailbox._kernel is not None:
+    if getattr(comm._backend, "_mailbox", None) is not None and comm._backend._mailbox._kernel is not None:
         assert uses_c_kernel(comm, xs[0], "sum")
 
 
@@ -190,12 +190,12 @@ def test_repeated_small_integer_sum_wraps_around_as_numpy_does(comm, dtype):
 
 def test_repeated_small_sums_agree_when_some_ranks_lack_the_c_kernel(comm):
     """The C kernel and the Python exchange keep one protocol: ranks on either path meet and agree bit for bit."""
-    if getattr(comm, "_mailbox", None) is None or comm._mailbox._kernel is None:
+    if getattr(comm._backend, "_mailbox", None) is None or comm._backend._mailbox._kernel is None:
         pytest.skip("needs the MPI backend on one node with the C kernel built")
     sub = comm.split(0)                      # a fresh communicator: no call of it planned yet
     try:
         if sub.rank % 2:
-            sub._mailbox._kernel = None      # odd ranks exchange and reduce in Python
+            sub._backend._mailbox._kernel = None      # odd ranks exchange and reduce in Python
         x = np.random.default_rng([5, sub.rank]).standard_normal(300).astype(np.float32)
         xs = [np.random.default_rng([5, r]).standard_normal(300).astype(np.float32) for r in range(sub.size)]
         for _ in range(4):

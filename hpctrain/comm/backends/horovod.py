@@ -24,17 +24,18 @@ from ...errors import BackendUnavailableError, HpctrainError
 from ..life.abort import abort_job
 from ...collectives.ops import finish
 from ..base import Communicator, Topology
+from .primitives import Primitives
 from ...waiting import wait_until
 from ..life.runtime import Config, Runtime
 from ..call.signature import DESC_BYTES, Call, judge
 
-__all__ = ["HorovodCommunicator", "init_world"]
+__all__ = ["HorovodBackend", "init_world"]
 
 
-class HorovodCommunicator(Communicator):
-    """A communicator over a Horovod process set."""
+class HorovodBackend(Primitives):
+    """The primitives of a Horovod process set."""
 
-    backend = "horovod"
+    kind = "horovod"
 
     def __init__(self, runtime: Runtime, hvd, process_set, name: str, world_ranks, topology: Topology,
                  registry: Dict[Tuple[int, ...], Any]):
@@ -119,7 +120,7 @@ class HorovodCommunicator(Communicator):
             at += 8 + n
         return out
 
-    def _exchange_calls(self, call: Call, carried=None) -> str:
+    def exchange_calls(self, call: Call, carried=None) -> str:
         own = np.zeros((1, DESC_BYTES), dtype=np.uint8)
         enc = np.frombuffer(call.encode(), dtype=np.uint8)
         own[0, :enc.size] = enc
@@ -127,77 +128,77 @@ class HorovodCommunicator(Communicator):
                                                      process_set=self._ps)).numpy()
         return judge(list(descs), self.name, call.seq, None if self.name == "world" else self.world_ranks)
 
-    def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
+    def allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
         return self._wait(self._hvd.allreduce_async(self._t(acc), op=self._ops[op], name=self._op_name("allreduce"),
                                                     process_set=self._ps)).numpy()
 
-    def _allgather_ints(self, value: int) -> List[int]:
+    def allgather_ints(self, value: int) -> List[int]:
         t = self._torch.tensor([value], dtype=self._torch.int64)
         return self._wait(self._hvd.allgather_async(t, name=self._op_name("allgather_ints"),
                                                     process_set=self._ps)).tolist()
 
-    def _alltoall_ints(self, values: List[int]) -> List[int]:
+    def alltoall_ints(self, values: List[int]) -> List[int]:
         t = self._torch.tensor(values, dtype=self._torch.int64)
         out = self._wait(self._hvd.alltoall_async(t, name=self._op_name("alltoall_ints"), process_set=self._ps))
         return (out[0] if isinstance(out, tuple) else out).tolist()
 
-    def _allgatherv(self, raw: np.ndarray, counts: List[int]) -> np.ndarray:
+    def allgatherv(self, raw: np.ndarray, counts: List[int]) -> np.ndarray:
         return self._wait(self._hvd.allgather_async(self._t(raw), name=self._op_name("allgather"),
                                                     process_set=self._ps)).numpy()
 
-    def _broadcast(self, raw: np.ndarray, root: int) -> None:
+    def broadcast(self, raw: np.ndarray, root: int) -> None:
         out = self._wait(self._hvd.broadcast_async(self._t(raw), self.world_ranks[root],
                                                    name=self._op_name("broadcast"), process_set=self._ps))
         raw[...] = out.numpy()
 
-    def _reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
+    def reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
         # Horovod splits dim 0 itself; reduce the whole buffer and keep this rank's block so the
         # split always follows hpctrain's (numpy.array_split) rule.
-        full = self._allreduce_native(acc, op)
+        full = self.allreduce_native(acc, op)
         start = sum(counts[:self._rank])
         return full[start:start + counts[self._rank]]
 
-    def _alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
+    def alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
         splits = self._torch.tensor(send, dtype=self._torch.int32)
         out = self._wait(self._hvd.alltoall_async(self._t(raw), splits=splits, name=self._op_name("alltoall"),
                                                   process_set=self._ps))
         return (out[0] if isinstance(out, tuple) else out).numpy()
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         self._hvd.barrier(process_set=self._ps)
 
-    def _broadcast_object(self, obj: Any, root: int) -> Any:
+    def broadcast_object(self, obj: Any, root: int) -> Any:
         return self._hvd.broadcast_object(obj, root_rank=self.world_ranks[root], name=self._op_name("broadcast_object"),
                                           process_set=self._ps)
 
-    def _allgather_object(self, obj: Any) -> List[Any]:
+    def allgather_object(self, obj: Any) -> List[Any]:
         # hvd.allgather_object has no process_set argument: gather pickled bytes ourselves.
         raw = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-        sizes = self._allgather_ints(raw.size)
-        data = self._allgatherv(raw, sizes)
+        sizes = self.allgather_ints(raw.size)
+        data = self.allgatherv(raw, sizes)
         offs = np.concatenate(([0], np.cumsum(sizes)))
         return [pickle.loads(data[offs[i]:offs[i + 1]].tobytes()) for i in range(self._size)]
 
-    def _isend(self, arr: np.ndarray, dest: int, tag: int):
+    def isend(self, arr: np.ndarray, dest: int, tag: int):
         raise ValueError("the horovod backend has no point-to-point messages (send/recv); "
                          "use backend='mpi' (launch with mpirun or srun)")
 
-    def _recv(self, source: int, tag: int) -> np.ndarray:
-        return self._isend(np.empty(0), source, tag)
+    def recv(self, source: int, tag: int) -> np.ndarray:
+        return self.isend(np.empty(0), source, tag)
 
-    _recv_bytes = _recv
+    recv_bytes = recv
 
-    def _iprobe(self, source: int, tag: int):
-        return self._isend(np.empty(0), source, tag)
+    def iprobe(self, source: int, tag: int):
+        return self.isend(np.empty(0), source, tag)
 
-    def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int):
-        return self._isend(raw, dest, tag)
+    def isend_bytes(self, raw: np.ndarray, dest: int, tag: int):
+        return self.isend(raw, dest, tag)
 
-    def _split(self, color: Optional[int], key: int) -> Optional[Communicator]:
+    def split(self, color: Optional[int], key: int) -> Optional[Communicator]:
         if self.name != "world":
             raise ValueError("the horovod backend can only split the world communicator "
                              "(Horovod registers process sets with every process)")
-        entries = self._allgather_object((color, key, self._rank))
+        entries = self.allgather_object((color, key, self._rank))
         groups: Dict[int, list] = {}
         for c, k, r in entries:
             if c is not None:
@@ -216,14 +217,14 @@ class HorovodCommunicator(Communicator):
             return None
         ranks = ordered[color]
         ps = self._registry[ranks]
-        return HorovodCommunicator(self._rt, self._hvd, ps, f"{self.name}.split({color})", ranks,
-                                   self.topology, self._registry)
+        return Communicator(HorovodBackend(self._rt, self._hvd, ps, f"{self.name}.split({color})", ranks,
+                                           self.topology, self._registry))
 
 
 class NamedReduction:
-    """A Horovod all-reduce started by :meth:`HorovodCommunicator.named_allreduce_async`: ``wait()`` and ``test()``."""
+    """A Horovod all-reduce started by :meth:`HorovodBackend.named_allreduce_async`: ``wait()`` and ``test()``."""
 
-    def __init__(self, comm: HorovodCommunicator, handle, arr: np.ndarray, op: str, abandon=None):
+    def __init__(self, comm: HorovodBackend, handle, arr: np.ndarray, op: str, abandon=None):
         self._comm, self._handle, self._arr, self._op, self._done = comm, handle, arr, op, False
         self._abandon = abandon
 
@@ -242,7 +243,7 @@ class NamedReduction:
         return self._arr
 
 
-def init_world(config: Config) -> HorovodCommunicator:
+def init_world(config: Config) -> Communicator:
     """Initialise Horovod (PyTorch ops) and return the world communicator."""
     os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(config.stall_warning_s)))
     if config.stall_timeout_s:
@@ -274,7 +275,8 @@ def init_world(config: Config) -> HorovodCommunicator:
     topo = Topology(hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())
     runtime = Runtime(config, hvd.rank(), abort_job, departures=_departures(hvd))
     registry = {tuple(range(hvd.size())): hvd.global_process_set}  # Horovod refuses a duplicate
-    return HorovodCommunicator(runtime, hvd, hvd.global_process_set, "world", range(hvd.size()), topo, registry)
+    return Communicator(HorovodBackend(runtime, hvd, hvd.global_process_set, "world", range(hvd.size()), topo,
+                                       registry))
 
 
 def _departures(hvd):

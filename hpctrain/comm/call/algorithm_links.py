@@ -28,24 +28,24 @@ class Links:
     @property
     def transport(self):
         """Point-to-point messages: ``isend(buf, dest)``, ``irecv(buf, source)``, ``waitall(requests)``."""
-        return self._comm._transport()
+        return self._comm._backend.transport()
 
     def native(self, acc: np.ndarray, op: str) -> np.ndarray:
         """Return the backend library's all-reduce of the flat buffer ``acc`` (it may reuse ``acc``)."""
         if acc.dtype in _NARROW:
-            np.copyto(acc, self._comm._allreduce_native(acc.astype(np.int32), op), casting="unsafe")
+            np.copyto(acc, self._comm._backend.allreduce_native(acc.astype(np.int32), op), casting="unsafe")
             return acc
-        return self._comm._allreduce_native(acc, op)
+        return self._comm._backend.allreduce_native(acc, op)
 
     def native_reduce_scatter(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
         """Return this rank's block (``counts[rank]`` elements) of the library's reduction of flat ``acc``."""
         if acc.dtype in _NARROW:
-            return self._comm._reduce_scatter_native(acc.astype(np.int32), counts, op).astype(acc.dtype)
-        return self._comm._reduce_scatter_native(acc, counts, op)
+            return self._comm._backend.reduce_scatter_native(acc.astype(np.int32), counts, op).astype(acc.dtype)
+        return self._comm._backend.reduce_scatter_native(acc, counts, op)
 
     def broadcast(self, raw: np.ndarray, root: int) -> None:
         """Overwrite the flat uint8 array ``raw`` with root's, in place."""
-        self._comm._broadcast(raw, root)
+        self._comm._backend.broadcast(raw, root)
 
     def phase(self, name: str, **args):
         """A context manager that puts the algorithm's phase ``name`` on the timeline (nothing while it is off)."""
@@ -53,4 +53,4 @@ class Links:
 
     def chunk_elems(self, itemsize: int) -> int:
         """Return the elements per message of a pipelined algorithm (``HPCTRAIN_RING_CHUNK_BYTES``)."""
-        return self._comm._chunk_elems(itemsize)
+        return self._comm._backend.chunk_elems(itemsize)

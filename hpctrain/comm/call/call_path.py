@@ -1,13 +1,13 @@
 """The path every collective call takes: planned, checked across ranks, run in the lane, converted back.
 
-A mixin of :class:`hpctrain.comm.base.Communicator` (it uses ``_rt``,
-``_size``, ``_seq``, ``name``, ``world_ranks``, ``_reductions`` and the
-backend's ``_exchange_calls``).  A plan is ``(call, work, restore)``
-(:mod:`hpctrain.comm.call.handle`): ``_build`` makes one (an invalid argument
-becomes part of the call, so every rank hears of it), ``_run`` and
-``_submit`` run it in the collective lane (blocking, or behind a
-:class:`Handle`), ``_task`` wraps the work in the call check and, while they
-are on, the comm log and the timeline; ``_lean`` runs a repeated call from
+A part of :class:`hpctrain.comm.base.Communicator` (``comm._calls``; it reads
+the communicator's runtime, size, name, call counter ``_seq``, reductions and
+the backend's ``exchange_calls``).  A plan is ``(call, work, restore)``
+(:mod:`hpctrain.comm.call.handle`): ``build`` makes one (an invalid argument
+becomes part of the call, so every rank hears of it), ``run`` and
+``submit`` run it in the collective lane (blocking, or behind a
+:class:`Handle`), ``task`` wraps the work in the call check and, while they
+are on, the comm log and the timeline; ``repeat`` runs a repeated call from
 its remembered plan (:mod:`hpctrain.comm.call.repeated_calls`).
 """
 from __future__ import annotations
@@ -27,15 +27,21 @@ __all__ = ["CallPath"]
 
 
 class CallPath:
-    """Planning, checking and running the calls of one communicator (see the module docstring)."""
+    """Planning, checking and running the calls of the communicator ``comm`` (see the module docstring)."""
 
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
+    def __init__(self, comm):
+        self._c, self._rt, self._backend = comm, comm._rt, comm._backend
+        self._size, self.name, self.world_ranks = comm._size, comm.name, comm.world_ranks
+        self._reductions = comm._reductions
 
-    def _build(self, kind: str, build: Callable[[int], Plan], **hints) -> Plan:
+    def next_seq(self) -> int:
+        c = self._c
+        c._seq += 1
+        return c._seq
+
+    def build(self, kind: str, build: Callable[[int], Plan], **hints) -> Plan:
         """Run ``build(seq)``; an invalid argument becomes part of the call so every rank hears of it."""
-        seq = self._next_seq()
+        seq = self.next_seq()
         try:
             return build(seq)
         except (TypeError, ValueError) as exc:
@@ -43,7 +49,7 @@ class CallPath:
                 raise
             return Call(kind, seq, error=f"{type(exc).__name__}: {exc}", **hints), None, _same
 
-    def _repeat(self, x: Any, call: tuple) -> Any:
+    def repeat(self, x: Any, call: tuple) -> Any:
         """Run ``call`` on ``x`` through its repeat path (a repeated call, see :mod:`hpctrain.comm.call.repeated_calls`), or
         return NOT_REPEATED (none remembered, or the comm log or timeline is on: they observe planned calls)."""
         red = self._reductions
@@ -52,30 +58,30 @@ class CallPath:
         repeat = red.repeats.get((type(x), x.dtype, x.shape) + call)
         return NOT_REPEATED if repeat is None else repeat(x)
 
-    def _run(self, plan: Plan) -> Any:
+    def run(self, plan: Plan) -> Any:
         call, work, restore = plan
         log = self._rt.comm_log
         start = time.perf_counter() if log.on else None
         try:
-            return restore(self._rt.run(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
+            return restore(self._rt.run(self.task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
                                         self.world_ranks))
         finally:
             if start is not None:
                 log.add_blocked(time.perf_counter() - start)
 
-    def _submit(self, plan: Plan) -> Handle:
+    def submit(self, plan: Plan) -> Handle:
         call, work, restore = plan
         log = self._rt.comm_log
-        return Handle(self._rt.submit(self._task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
+        return Handle(self._rt.submit(self.task(call, work), lambda: f"{call.text()} #{call.seq} on {self.name}",
                                       self.world_ranks), restore, log if log.on else None)
 
-    def _task(self, call: Call, work: Optional[Callable[[], Any]]) -> Callable[[], Any]:
+    def task(self, call: Call, work: Optional[Callable[[], Any]]) -> Callable[[], Any]:
         carried = work if isinstance(work, CarriedByCheck) else None
         rt = self._rt
 
         def task(checked=None):
             if self._size > 1 and (rt.config.check or carried is not None):
-                verdict = self._exchange_calls(call, carried)
+                verdict = self._backend.exchange_calls(call, carried)
                 if verdict:
                     raise CollectiveMismatchError(verdict)
                 rt.note_waiting("all ranks joined; the data transfer has not finished")
@@ -100,7 +106,7 @@ class CallPath:
             return out
         return observed
 
-    def _check_rank(self, value, what) -> None:
+    def check_rank(self, value, what) -> None:
         """Raise ValueError unless ``value`` is a rank of this communicator (``what``: "root", "dest", ...)."""
         if not isinstance(value, (int, np.integer)) or not 0 <= value < self._size:
             raise ValueError(f"{what} {value!r} is not a rank of {self.name} (size {self._size})")

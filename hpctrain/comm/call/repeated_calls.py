@@ -12,7 +12,7 @@ backend exchange that carries the call check with it, the plan leaves behind a
 * wait for the asynchronous calls issued before, then run in the collective
   lane with the watchdog's record of the call in flight (one record reused,
   nothing formatted unless someone reads it);
-* the backend's exchange (:meth:`hpctrain.comm.backends.mpi.MPICommunicator._repeat_exchange`:
+* the backend's exchange (:meth:`hpctrain.comm.backends.mpi.MPIBackend.repeat_exchange`:
   on one node, the payload is carried by the call check through the mailbox, summed in
   C), or at one rank nothing (the all-reduce of one rank is its input, as on
   the planned path);

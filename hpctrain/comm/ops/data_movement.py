@@ -52,21 +52,21 @@ class Exchanges:
             if c._size == 1:
                 body = copy_body(arr, arr.shape)
             else:
-                body = c._repeat_gather(call, algorithm != "native",
+                body = c._backend.repeat_gather(call, algorithm != "native",
                                       lambda a, counts, parts: self._gathered(a, algorithm, counts, parts))
             if row_bytes:
                 c._reductions.remember(x, arr, call, body, ("allgather", algorithm))
             if c._size > 1 and row_bytes:     # the byte counts (and small inputs) ride the call check
-                carried = c._gather_with_check(bytes_of(arr), algorithm != "native",
+                carried = c._backend.gather_with_check(bytes_of(arr), algorithm != "native",
                                           lambda counts, parts: self._gathered(arr, algorithm, counts, parts))
                 if carried is not None:
                     return call, carried, restore
             return call, lambda: self._do_allgather(arr, algorithm), restore
-        return self._c._build("allgather", build, algorithm=algorithm)
+        return self._c._calls.build("allgather", build, algorithm=algorithm)
 
     def _do_allgather(self, arr: np.ndarray, algorithm: str = "auto") -> np.ndarray:
         row_bytes = arr.itemsize * math.prod(arr.shape[1:])
-        rows = self._c._allgather_ints(arr.shape[0])
+        rows = self._c._backend.allgather_ints(arr.shape[0])
         return self._gathered(arr, algorithm, [r * row_bytes for r in rows], rows=sum(rows))
 
     def _gathered(self, arr: np.ndarray, algorithm: str, counts: List[int],
@@ -84,11 +84,11 @@ class Exchanges:
         """Return every rank's bytes, concatenated: through shared memory ("shm", or "auto" where it is faster)
         or the library's Allgatherv (see :mod:`hpctrain.comm.call.measured_choice` for how "auto" decides)."""
         c, total = self._c, sum(counts)
-        ways = {"shm": c._allgather_shared, "native": c._allgatherv}
+        ways = {"shm": c._backend.allgather_shared, "native": c._backend.allgatherv}
 
         def by(a: np.ndarray, way: str) -> np.ndarray:
             return ways[way](a, counts)
-        if algorithm == "native" or c._no_shared_memory() or c.topology.num_nodes > 1:
+        if algorithm == "native" or c._backend.no_shared_memory() or c.topology.num_nodes > 1:
             return by(raw, "native")
         if algorithm == "auto":
             measured = c._reductions.measured
@@ -104,15 +104,15 @@ class Exchanges:
     def plan_broadcast(self, x, root) -> Plan:
         def build(seq):
             arr, restore = to_numpy(x)
-            self._c._check_rank(root, "root")
+            self._c._calls.check_rank(root, "root")
             call = Call("broadcast", seq, dtype_name(arr.dtype), arr.shape, root=root)
             return call, lambda: self._do_broadcast(arr, root), restore
-        return self._c._build("broadcast", build, root=root)
+        return self._c._calls.build("broadcast", build, root=root)
 
     def _do_broadcast(self, arr: np.ndarray, root: int) -> np.ndarray:
         out = np.array(arr, copy=True, order="C")
         if self._c._size > 1 and out.size:
-            self._c._broadcast(bytes_of(out), root)
+            self._c._backend.broadcast(bytes_of(out), root)
         return out
 
     def plan_alltoall(self, x, splits) -> Plan:
@@ -123,7 +123,7 @@ class Exchanges:
             send = self._check_splits(arr.shape[0], splits)
             call = Call("alltoall", seq, dtype_name(arr.dtype), arr.shape, free_dim0=True)
             return call, lambda: self._do_alltoall(arr, send), restore
-        return self._c._build("alltoall", build)
+        return self._c._calls.build("alltoall", build)
 
     def _check_splits(self, rows: int, splits) -> List[int]:
         n = self._c._size
@@ -137,19 +137,19 @@ class Exchanges:
         return splits
 
     def _do_alltoall(self, arr: np.ndarray, send: List[int]) -> np.ndarray:
-        recv = self._c._alltoall_ints(send)
+        recv = self._c._backend.alltoall_ints(send)
         row_bytes = arr.itemsize * math.prod(arr.shape[1:])
-        raw = self._c._alltoallv(bytes_of(arr), [s * row_bytes for s in send], [s * row_bytes for s in recv])
+        raw = self._c._backend.alltoallv(bytes_of(arr), [s * row_bytes for s in send], [s * row_bytes for s in recv])
         return raw.view(arr.dtype).reshape((sum(recv),) + arr.shape[1:])
 
     def plan_object(self, kind: str, obj: Any, root: Optional[int]) -> Plan:
         def build(seq):
             if root is not None:
-                self._c._check_rank(root, "root")
+                self._c._calls.check_rank(root, "root")
             if kind == "broadcast_object":
-                return Call(kind, seq, root=root), lambda: self._c._broadcast_object(obj, root), _same
-            return Call(kind, seq), lambda: self._c._allgather_object(obj), _same
-        return self._c._build(kind, build, root=root)
+                return Call(kind, seq, root=root), lambda: self._c._backend.broadcast_object(obj, root), _same
+            return Call(kind, seq), lambda: self._c._backend.allgather_object(obj), _same
+        return self._c._calls.build(kind, build, root=root)
 
     def plan_split(self, color: Optional[int], key: int) -> Plan:
         def build(seq):
@@ -157,14 +157,14 @@ class Exchanges:
                 raise ValueError(f"split color must be a non-negative int or None, got {color!r}")
             if not isinstance(key, (int, np.integer)):
                 raise ValueError(f"split key must be an int, got {key!r}")
-            return Call("split", seq), lambda: self._c._split(color, int(key)), _same
-        return self._c._build("split", build)
+            return Call("split", seq), lambda: self._c._backend.split(color, int(key)), _same
+        return self._c._calls.build("split", build)
 
     def plan_shared_empty(self, count: int, dtype: Any) -> Plan:
         def build(seq):
             dt = np.dtype(dtype)
             if not isinstance(count, (int, np.integer)) or count < 0:
                 raise ValueError(f"count must be a non-negative int, got {count!r}")
-            return (Call("shared_empty", seq, str(dt), (int(count),)), lambda: self._c._shared_empty(int(count), dt),
+            return (Call("shared_empty", seq, str(dt), (int(count),)), lambda: self._c._backend.shared_empty(int(count), dt),
                     _same)
-        return self._c._build("shared_empty", build)
+        return self._c._calls.build("shared_empty", build)

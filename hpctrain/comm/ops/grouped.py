@@ -63,7 +63,7 @@ class GroupedReductions:
             restores = [copy_back_into(x, a, r) if inplace else r for x, (a, r) in zip(items, converted)]
             return (call, lambda: self._do_grouped(arrs, groups, algs, op, inplace, algorithm),
                     lambda outs: [r(o) for r, o in zip(restores, outs)])
-        return self._c._build("grouped_allreduce", build, op=op, algorithm=algorithm)
+        return self._c._calls.build("grouped_allreduce", build, op=op, algorithm=algorithm)
 
     def _do_grouped(self, arrs: List[np.ndarray], groups, algs: List[str], op: str,
                     inplace: bool = False, asked: str = "auto") -> List[np.ndarray]:
@@ -95,14 +95,14 @@ class GroupedReductions:
             if inplace and accumulation_dtype(dtype) == dtype and _disjoint(members):
                 # the results go straight into the inputs (each part is read before it is written):
                 # no result buffer and nothing to copy back; with direct copies, no copy at all
-                self._c._allreduce_shared(Flat(members), Flat(members), op, alg, self._divisor(op))
+                self._c._backend.allreduce_shared(Flat(members), Flat(members), op, alg, self._divisor(op))
                 for i in g.members:
                     outs[i] = arrs[i]
                 return
             # the results are views of one buffer from the result pool: no page faults once it is warm,
             # and the buffer is reused only when the caller has dropped all of them
             acc = self.results.empty(g.numel, accumulation_dtype(dtype))
-            self._c._allreduce_shared(Flat(members), Flat([acc]), op, alg, self._divisor(op))
+            self._c._backend.allreduce_shared(Flat(members), Flat([acc]), op, alg, self._divisor(op))
             for i, off, n in zip(g.members, g.offsets, g.numels):
                 outs[i] = finish(acc[off:off + n], op, 1, dtype).reshape(arrs[i].shape)   # (divided already)
             return

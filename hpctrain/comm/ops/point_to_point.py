@@ -1,8 +1,9 @@
 """Point-to-point messages of a communicator: send and receive, blocking and not, with or without a header.
 
-A mixin of :class:`hpctrain.comm.base.Communicator`: it converts the
-message with :mod:`hpctrain.tensors` and hands it to the backend's byte
-primitives (``_isend``, ``_recv``, ``_isend_bytes``, ``_recv_bytes``);
+A part of :class:`hpctrain.comm.base.Communicator`, whose ``send``, ``recv``,
+... call this object's: it converts the message with :mod:`hpctrain.tensors`
+and hands it to the backend's byte primitives (``isend``, ``recv``,
+``isend_bytes``, ``recv_bytes``);
 receives run in the runtime's receive lane, so a receive never waits behind
 a collective.
 
@@ -38,7 +39,11 @@ class Message(NamedTuple):
 
 
 class PointToPoint:
-    """send / recv of one communicator (uses its ``_rt``, ``_size``, ``name`` and ``_check_rank``)."""
+    """send / recv of the communicator ``comm`` (over its backend, in its runtime's receive lane)."""
+
+    def __init__(self, comm):
+        self._rt, self._backend, self._size, self.name = comm._rt, comm._backend, comm._size, comm.name
+        self._check_rank = comm._calls.check_rank
 
     def send(self, x: Any, dest: int, tag: int = 0) -> None:
         """Send ``x`` to rank ``dest`` (its shape and dtype travel with it); return when it may be reused."""
@@ -62,8 +67,8 @@ class PointToPoint:
         if copy or self._size == 1:
             arr = np.array(arr, copy=True, order="C")
         if header:
-            return self._isend(arr, int(dest), int(tag))
-        return self._isend_bytes(arr.reshape(-1).view(np.uint8), int(dest), int(tag))
+            return self._backend.isend(arr, int(dest), int(tag))
+        return self._backend.isend_bytes(arr.reshape(-1).view(np.uint8), int(dest), int(tag))
 
     def recv(self, source: int, tag: int = 0, like: Any = None) -> Any:
         """Receive what rank ``source`` sent with ``tag``; a numpy array, or ``like``'s type if given.
@@ -83,13 +88,13 @@ class PointToPoint:
     def _recv_call(self, source: int, tag: int):
         """The receive of (``source``, ``tag``) as the receive lane takes it: ``(call, text for the watchdog)``."""
         self._check_rank(source, "source")
-        return (lambda: self._recv(int(source), int(tag))), f"recv from rank {source} (tag {tag}) on {self.name}"
+        return (lambda: self._backend.recv(int(source), int(tag))), f"recv from rank {source} (tag {tag}) on {self.name}"
 
     def recv_bytes(self, source: int, tag: int = 0) -> np.ndarray:
         """Receive a message sent with ``send_async(..., header=False)``: its bytes, as a flat uint8 array."""
         self._check_rank(source, "source")
         text = f"recv of bytes from rank {source} (tag {tag}) on {self.name}"
-        return self._rt.receives.run(lambda: self._recv_bytes(int(source), int(tag)), text)
+        return self._rt.receives.run(lambda: self._backend.recv_bytes(int(source), int(tag)), text)
 
     def probe(self, source: int = ANY, tag: int = ANY) -> Optional[Tuple[int, int]]:
         """``(source, tag)`` of a message that has arrived and matches, without taking it; None if none has.
@@ -99,7 +104,7 @@ class PointToPoint:
         """
         if source != ANY:
             self._check_rank(source, "source")
-        found = self._iprobe(int(source), int(tag))
+        found = self._backend.iprobe(int(source), int(tag))
         return None if found is None else (found[0], found[1])
 
     def recv_any(self, source: int = ANY, tag: int = ANY, idle: bool = False,
@@ -129,17 +134,13 @@ class PointToPoint:
         text = f"recv from {who} ({'any tag' if tag == ANY else f'tag {tag}'}) on {self.name}"
         return self._rt.receives.run(lambda: self._poll_recv(source, tag, timeout), text, watched=not idle)
 
-    def _recv_found(self, source: int, tag: int) -> np.ndarray:
-        """Take the message a probe found (a backend whose receives can fail for ranks that failed overrides it)."""
-        return self._recv_bytes(source, tag)
-
     def _poll_recv(self, source: int, tag: int, timeout: Optional[float]) -> Optional[Message]:
         nap, deadline = _NAP_FIRST_S, None if timeout is None else time.monotonic() + timeout
         while True:
-            found = self._iprobe(source, tag)
+            found = self._backend.iprobe(source, tag)
             if found is not None:
                 src, tg = found[0], found[1]
-                return Message(src, tg, self._recv_found(src, tg))
+                return Message(src, tg, self._backend.recv_found(src, tg))
             if deadline is not None and time.monotonic() >= deadline:
                 return None
             time.sleep(nap)

@@ -57,14 +57,14 @@ class Reductions(GroupedReductions):
         self.links = Links(comm)
         cfg = comm._rt.config
         # (HPCTRAIN_SHM_MIN_BYTES=0, the default: mid-size one-node calls measure hpctrain's way against the library's)
-        self.measured = (MeasuredChoice(lambda times: comm._allreduce_native(times, "max"), cfg.shm_small_bytes)
+        self.measured = (MeasuredChoice(lambda times: comm._backend.allreduce_native(times, "max"), cfg.shm_small_bytes)
                          if cfg.shm_min_bytes == 0 else None)
         registry.on_change(self.forget)
 
     def where(self) -> registry.Where:
         """What choosing an algorithm here depends on (see :class:`hpctrain.collectives.registry.Where`)."""
         c = self._c
-        return registry.Where(c.backend, c.size, c.topology.num_nodes, c._no_shared_memory(), c.config)
+        return registry.Where(c.backend, c.size, c.topology.num_nodes, c._backend.no_shared_memory(), c.config)
 
     def choose(self, algorithm: str, nbytes: int) -> str:
         """Return the name of the all-reduce algorithm to run (``auto``: the registry's cheapest here).
@@ -113,20 +113,20 @@ class Reductions(GroupedReductions):
                 and self.seen.get((x.dtype, x.shape, op, algorithm)))
         if seen:
             call, alg = seen
-            return call.at(self._c._next_seq()), self._allreduce_work(x, op, algorithm, alg, False), _same
+            return call.at(self._c._calls.next_seq()), self._allreduce_work(x, op, algorithm, alg, False), _same
 
         def build(seq):
             arr, restore = to_numpy(x)
             check_op(op, arr.dtype)
             alg = self.choose(algorithm, arr.nbytes)
             shared = (inplace and self.shared_alg(alg) and self._c._size > 1 and arr.size > 0
-                      and accumulation_dtype(arr.dtype) == arr.dtype and self._c._shared_buffer_of(arr) is not None)
+                      and accumulation_dtype(arr.dtype) == arr.dtype and self._c._backend.shared_buffer_of(arr) is not None)
             call = Call("allreduce", seq, dtype_name(arr.dtype), arr.shape, op=op, algorithm=alg,
                         layout="shared buffer" if shared else None)
             if inplace:
                 restore = _copy_back_into(x, arr, restore)
             if shared:    # (a small one is carried along with the call check: one exchange, no fences)
-                carried = self._c._allreduce_with_check(arr, op, alg, True)
+                carried = self._c._backend.allreduce_with_check(arr, op, alg, True)
                 return call, carried or (lambda: self._allreduce_shared_buffer(arr, op)), restore
             if type(x) is np.ndarray and not inplace and x.flags.c_contiguous:
                 if len(self.seen) > 256:
@@ -134,13 +134,13 @@ class Reductions(GroupedReductions):
                 self.seen[(x.dtype, x.shape, op, algorithm)] = (call, alg)
             self._remember_repeat(x, arr, call, op, algorithm, alg, inplace)
             return call, self._allreduce_work(arr, op, algorithm, alg, inplace), restore
-        return self._c._build("allreduce", build, op=op, algorithm=algorithm)
+        return self._c._calls.build("allreduce", build, op=op, algorithm=algorithm)
 
     def _remember_repeat(self, x, arr: np.ndarray, call: Call, op: str, algorithm: str, alg: str,
                        inplace: bool) -> None:
         """Leave the repeat path of all-reduces like this one (:mod:`hpctrain.comm.call.repeated_calls`) where one applies."""
         c = self._c
-        exchange = c._repeat_exchange(call, arr, op, alg) if c._size > 1 else None
+        exchange = c._backend.repeat_exchange(call, arr, op, alg) if c._size > 1 else None
         body = allreduce_body(c, arr, op, inplace, exchange)
         self.remember(x, arr, call, body, ("allreduce", op, algorithm, inplace), inplace)
 
@@ -159,7 +159,7 @@ class Reductions(GroupedReductions):
 
     def _allreduce_work(self, arr: np.ndarray, op: str, asked: str, alg: str, inplace: bool):
         shared = self.shared_alg(alg) and self._c._size > 1
-        carried = self._c._allreduce_with_check(arr, op, alg, inplace) if shared else None
+        carried = self._c._backend.allreduce_with_check(arr, op, alg, inplace) if shared else None
         if carried is not None:
             return carried
         measured = self.measuring(asked, alg, arr.nbytes)
@@ -199,7 +199,7 @@ class Reductions(GroupedReductions):
 
     def _allreduce_shared_buffer(self, arr: np.ndarray, op: str) -> np.ndarray:
         """In-place all-reduce of a buffer from :meth:`shared_empty`: no copies in or out (see its docstring)."""
-        self._c._reduce_shared_buffer(self._c._shared_buffer_of(arr), op, self._divisor(op))
+        self._c._backend.reduce_shared_buffer(self._c._backend.shared_buffer_of(arr), op, self._divisor(op))
         return arr
 
     def _accumulator(self, arr: np.ndarray) -> np.ndarray:
@@ -212,7 +212,7 @@ class Reductions(GroupedReductions):
                           into: Optional[np.ndarray] = None) -> np.ndarray:
         """Return the "shm"/"hierarchical" reduction of ``arr``: a flat accumulation-dtype array (``into`` if given)."""
         acc = self.results.empty(arr.size, accumulation_dtype(arr.dtype)) if into is None else into
-        self._c._allreduce_shared(Flat([arr]), Flat([acc]), op, alg, self._divisor(op))
+        self._c._backend.allreduce_shared(Flat([arr]), Flat([acc]), op, alg, self._divisor(op))
         return acc
 
     def _divisor(self, op: str) -> int:
@@ -234,16 +234,16 @@ class Reductions(GroupedReductions):
             if c._size == 1:
                 body = copy_body(arr, shape)
             else:
-                body = c._repeat_reduce_scatter(call, arr, bounds, op, alg) if self.shared_alg(alg) else None
+                body = c._backend.repeat_reduce_scatter(call, arr, bounds, op, alg) if self.shared_alg(alg) else None
                 body = body and (lambda a, seq, own=body: own(a, seq).reshape(shape))
             self.remember(x, arr, call, body, ("reduce_scatter", op, algorithm))
             if c._size > 1 and self.shared_alg(alg):    # a small one is carried by the call check: one exchange
-                carried = c._reduce_scatter_with_check(arr, bounds, op)
+                carried = c._backend.reduce_scatter_with_check(arr, bounds, op)
                 if carried is not None:
                     return call, carried, lambda out: restore(out.reshape(shape))
             measured = self.measuring(algorithm, alg, arr.nbytes) and arr.size > 0
             return call, lambda: self._do_reduce_scatter(arr, op, alg, measured), restore
-        return self._c._build("reduce_scatter", build, op=op, algorithm=algorithm)
+        return self._c._calls.build("reduce_scatter", build, op=op, algorithm=algorithm)
 
     def _do_reduce_scatter(self, arr: np.ndarray, op: str, alg: str, measured: bool = False) -> np.ndarray:
         if measured:
@@ -259,7 +259,7 @@ class Reductions(GroupedReductions):
         bounds = np.asarray(rows, dtype=np.int64) * row
         if self.shared_alg(alg) and n > 1 and arr.size:
             if alg == "shm":
-                acc = self._c._reduce_scatter_shared(arr.reshape(-1), bounds, accumulation_dtype(arr.dtype), op)
+                acc = self._c._backend.reduce_scatter_shared(arr.reshape(-1), bounds, accumulation_dtype(arr.dtype), op)
                 out = finish(acc, op, n, arr.dtype)
             else:   # hierarchical: the full reduction (divided already), then the own block
                 out = finish(self._shared_reduction(arr, op, alg)[bounds[r]:bounds[r + 1]], op, 1, arr.dtype)

@@ -1,18 +1,18 @@
-"""The MPI backend: its communicator and the one-node machinery under it.
+"""The MPI backend: its primitives and the one-node machinery under them.
 
-- ``communicator.py``: :class:`MPICommunicator` and ``init_world`` (collectives through mpi4py, the
+- ``communicator.py``: :class:`MPIBackend` and ``init_world`` (collectives through mpi4py, the
   call check, hpctrain's algorithms over MPI messages and windows);
 - ``node.py``: the ranks of each node and their shared-memory windows (the arena, shared buffers);
-- ``mailbox.py`` (+ ``_mailbox_kernel.c``): the one-node call check and the small inputs that ride it;
-- ``mailbox_collectives.py``: the collectives whose inputs ride the call check;
+- ``mailbox.py`` (+ ``_mailbox_kernel.c``): the one-node call check and the small inputs it carries;
+- ``mailbox_collectives.py``: the collectives whose inputs the call check carries;
 - ``direct.py``, ``cross_memory.py``: large one-node all-reduces by direct copies between processes;
 - ``requests.py``: non-blocking requests and the ring's point-to-point transport;
 - ``ulfm.py``: MPI's fault-tolerance verbs (revoke, shrink, acknowledge, the failed ranks).
 
-The communicator is imported on first use of its names, so that ``ulfm`` can be
+The backend is imported on first use of its names, so that ``ulfm`` can be
 imported by the runtime's failure machinery without it.
 """
-__all__ = ["MPICommunicator", "init_world", "world_over"]
+__all__ = ["MPIBackend", "init_world", "world_over"]
 
 
 def __getattr__(name: str):

@@ -31,6 +31,7 @@ from .direct import DIRECT_MIN_BYTES, DirectCopies
 from .requests import RequestHandle, RingTransport, Waits
 from ...life.abort import abort_job
 from ...base import Communicator, Handle, CarriedByCheck, Topology
+from ..primitives import Primitives
 from ...life.departures import Departures, MPINotices
 from ...life.failures import FailureDetector
 from .mailbox import Mailbox
@@ -40,16 +41,16 @@ from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_
 from ...life.runtime import Config, Runtime
 from ...call.signature import DESC_BYTES, Call, encoded, format_ranks, judge
 
-__all__ = ["MPICommunicator", "init_world", "world_over"]
+__all__ = ["MPIBackend", "init_world", "world_over"]
 
 VERDICT_BYTES = 1 << 16
 _TAG_CALL, _TAG_VERDICT = 1, 2
 
 
-class MPICommunicator(MailboxCollectives, Communicator):
-    """A communicator over an mpi4py communicator (see module docstring)."""
+class MPIBackend(Primitives):
+    """The primitives of an mpi4py communicator (see module docstring)."""
 
-    backend = "mpi"
+    kind = "mpi"
 
     def __init__(self, runtime: Runtime, comm, name: str, world_ranks, owns: bool):
         from mpi4py import MPI
@@ -74,6 +75,9 @@ class MPICommunicator(MailboxCollectives, Communicator):
         self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
         self._direct = DirectCopies(self._nodes, MPI, runtime)
         self._forget_revoke = runtime.policy.on_revoke(self._revoke)      # (elastic mode: failures revoke it)
+        on_node = MailboxCollectives(self)      # its primitives in place of the defaults (None without a mailbox)
+        for primitive in MailboxCollectives.PRIMITIVES:
+            setattr(self, primitive, getattr(on_node, primitive))
         if self._size > 1:
             self._open_windows()
 
@@ -104,7 +108,7 @@ class MPICommunicator(MailboxCollectives, Communicator):
                             f"({why or 'on another rank'})")
 
     # -- call check ---------------------------------------------------------
-    def _exchange_calls(self, call: Call, carried: Optional[CarriedByCheck] = None) -> str:
+    def exchange_calls(self, call: Call, carried: Optional[CarriedByCheck] = None) -> str:
         if self._mailbox is not None:
             return self._exchange_on_node(call, carried)
         MPI, n, rt = self._MPI, self._size, self._rt
@@ -149,14 +153,14 @@ class MPICommunicator(MailboxCollectives, Communicator):
                               f"(world {format_ranks([self.world_ranks[i] for i in missing])})")
 
     # -- buffer primitives -----------------------------------------------------
-    def _allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
+    def allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
         self._coll.Allreduce(self._MPI.IN_PLACE, acc, op=self._ops[op])
         return acc
 
-    def _transport(self):
+    def transport(self):
         return self._ring
 
-    def _no_shared_memory(self) -> str:
+    def no_shared_memory(self) -> str:
         return self._no_windows
 
     def _shared(self) -> SharedArena:
@@ -164,7 +168,7 @@ class MPICommunicator(MailboxCollectives, Communicator):
             self._arena = SharedArena(self._nodes.node, self._MPI, self._rt.config.shm_arena_bytes)
         return self._arena
 
-    def _allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str, divisor: int = 1) -> None:
+    def allreduce_shared(self, x: Flat, out: Flat, op: str, alg: str, divisor: int = 1) -> None:
         itemsize = out.arrays[0].itemsize if out.arrays else 1
         nbytes = x.size * itemsize
         if self._nodes.num_nodes == 1 and nbytes >= DIRECT_MIN_BYTES and x.arrays[0].dtype == out.arrays[0].dtype:
@@ -173,35 +177,35 @@ class MPICommunicator(MailboxCollectives, Communicator):
                 self._direct.allreduce(x, out, op, f"rank {self._rank} of {self.name}", divisor)
                 return
         shm_allreduce(x, out, op, self._shared(), parts=self._nodes.parts, cross=self._cross,
-                      chunk_elems=self._chunk_elems(itemsize), divisor=divisor, phase=self._rt.timeline.phase)
+                      chunk_elems=self.chunk_elems(itemsize), divisor=divisor, phase=self._rt.timeline.phase)
 
-    def _reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
+    def reduce_scatter_shared(self, x: np.ndarray, bounds, acc_dtype, op: str) -> np.ndarray:
         return shm_reduce_scatter(x, bounds, acc_dtype, op, self._shared(), phase=self._rt.timeline.phase)
 
-    def _allgather_shared(self, raw: np.ndarray, counts: List[int]) -> Optional[np.ndarray]:
+    def allgather_shared(self, raw: np.ndarray, counts: List[int]) -> Optional[np.ndarray]:
         if self._nodes.num_nodes > 1 or self._no_windows:
             return None
         return shm_allgather(raw, counts, self._shared(), phase=self._rt.timeline.phase)
 
-    def _shared_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+    def shared_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
         if self._size == 1 or count == 0 or self._no_windows:   # (a node of one rank still needs one)
             return np.empty(count, dtype=dtype)
         buf = SharedBuffer(self._nodes.node, self._MPI, count, dtype)
         self._buffers[buf.own.ctypes.data] = buf
         return buf.own
 
-    def _shared_buffer_of(self, arr: np.ndarray):
+    def shared_buffer_of(self, arr: np.ndarray):
         buf = self._buffers.get(arr.ctypes.data)
         if buf is None or arr.size != buf.count or arr.dtype != buf.dtype or not arr.flags.c_contiguous:
             return None
         return buf
 
-    def _reduce_shared_buffer(self, buf, op: str, divisor: int = 1) -> None:
+    def reduce_shared_buffer(self, buf, op: str, divisor: int = 1) -> None:
         shm_allreduce_shared_buffer(buf, op, parts=self._nodes.parts, cross=self._cross,
-                                    chunk_elems=self._chunk_elems(buf.dtype.itemsize), divisor=divisor,
+                                    chunk_elems=self.chunk_elems(buf.dtype.itemsize), divisor=divisor,
                                     phase=self._rt.timeline.phase)
 
-    def _release_shared(self) -> None:
+    def release_shared(self) -> None:
         if self._arena is not None:
             self._arena.free()
             self._arena = None
@@ -209,31 +213,31 @@ class MPICommunicator(MailboxCollectives, Communicator):
             buf.free()
         self._buffers = {}
 
-    def _allgather_ints(self, value: int) -> List[int]:
+    def allgather_ints(self, value: int) -> List[int]:
         out = np.empty(self._size, dtype=np.int64)
         self._coll.Allgather(np.array([value], dtype=np.int64), out)
         return out.tolist()
 
-    def _alltoall_ints(self, values: List[int]) -> List[int]:
+    def alltoall_ints(self, values: List[int]) -> List[int]:
         out = np.empty(self._size, dtype=np.int64)
         self._coll.Alltoall(np.asarray(values, dtype=np.int64), out)
         return out.tolist()
 
-    def _allgatherv(self, raw: np.ndarray, counts: List[int]) -> np.ndarray:
+    def allgatherv(self, raw: np.ndarray, counts: List[int]) -> np.ndarray:
         out = np.empty(sum(counts), dtype=np.uint8)
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
         self._coll.Allgatherv(raw, [out, counts, displs, self._MPI.BYTE])
         return out
 
-    def _broadcast(self, raw: np.ndarray, root: int) -> None:
+    def broadcast(self, raw: np.ndarray, root: int) -> None:
         self._coll.Bcast(raw, root)
 
-    def _reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
+    def reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
         out = np.empty(counts[self._rank], dtype=acc.dtype)
         self._coll.Reduce_scatter(acc, out, counts, op=self._ops[op])
         return out
 
-    def _alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
+    def alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
         out = np.empty(sum(recv), dtype=np.uint8)
         sd = np.concatenate(([0], np.cumsum(send)[:-1])).tolist()
         rd = np.concatenate(([0], np.cumsum(recv)[:-1])).tolist()
@@ -241,22 +245,22 @@ class MPICommunicator(MailboxCollectives, Communicator):
         self._coll.Alltoallv([raw, send, sd, B], [out, recv, rd, B])
         return out
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         self._coll.Barrier()
 
-    def _broadcast_object(self, obj: Any, root: int) -> Any:
+    def broadcast_object(self, obj: Any, root: int) -> Any:
         return self._coll.bcast(obj, root)
 
-    def _allgather_object(self, obj: Any) -> List[Any]:
+    def allgather_object(self, obj: Any) -> List[Any]:
         return self._coll.allgather(obj)
 
-    def _isend(self, arr: np.ndarray, dest: int, tag: int) -> Handle:
+    def isend(self, arr: np.ndarray, dest: int, tag: int) -> Handle:
         header = np.frombuffer(json.dumps({"dtype": str(arr.dtype), "shape": list(arr.shape)}).encode(),
                                dtype=np.uint8)
         reqs = [self._p2p.Isend(header, dest, tag), self._p2p.Isend(arr.reshape(-1).view(np.uint8), dest, tag)]
         return RequestHandle(reqs, (header, arr), self._waits)
 
-    def _recv(self, source: int, tag: int) -> np.ndarray:
+    def recv(self, source: int, tag: int) -> np.ndarray:
         MPI = self._MPI
         status = MPI.Status()
         self._p2p.Probe(source, tag, status)
@@ -267,17 +271,17 @@ class MPICommunicator(MailboxCollectives, Communicator):
         self._p2p.Recv(out.reshape(-1).view(np.uint8), source, tag)
         return out
 
-    def _isend_bytes(self, raw: np.ndarray, dest: int, tag: int) -> Handle:
+    def isend_bytes(self, raw: np.ndarray, dest: int, tag: int) -> Handle:
         return RequestHandle([self._p2p.Isend(raw, dest, tag)], (raw,), self._waits)
 
-    def _recv_bytes(self, source: int, tag: int) -> np.ndarray:
+    def recv_bytes(self, source: int, tag: int) -> np.ndarray:
         status = self._MPI.Status()
         self._p2p.Probe(source, tag, status)
         out = np.empty(status.Get_count(self._MPI.BYTE), dtype=np.uint8)
         self._p2p.Recv(out, source, tag)
         return out
 
-    def _iprobe(self, source: int, tag: int):
+    def iprobe(self, source: int, tag: int):
         MPI, status = self._MPI, self._MPI.Status()
         try:
             if not self._p2p.Iprobe(MPI.ANY_SOURCE if source < 0 else source, MPI.ANY_TAG if tag < 0 else tag,
@@ -288,9 +292,9 @@ class MPICommunicator(MailboxCollectives, Communicator):
             raise
         return status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
 
-    def _recv_found(self, source: int, tag: int) -> np.ndarray:
+    def recv_found(self, source: int, tag: int) -> np.ndarray:
         try:
-            return self._recv_bytes(source, tag)
+            return self.recv_bytes(source, tag)
         except self._MPI.Exception as exc:
             self._failed_peers(exc)
             raise
@@ -312,13 +316,13 @@ class MPICommunicator(MailboxCollectives, Communicator):
         raise RanksFailedError(f"hpctrain: rank {self._rank} of {self.name}: world {format_ranks(failed)} failed "
                                f"(the process died or its node was lost)", failed) from exc
 
-    def _split(self, color: Optional[int], key: int) -> Optional[Communicator]:
+    def split(self, color: Optional[int], key: int) -> Optional[Communicator]:
         MPI = self._MPI
         sub = self._base.Split(MPI.UNDEFINED if color is None else int(color), key)
         if sub == MPI.COMM_NULL:
             return None
         members = sub.allgather(self.world_ranks[self._rank])
-        return MPICommunicator(self._rt, sub, f"{self.name}.split({color})", members, owns=True)
+        return Communicator(MPIBackend(self._rt, sub, f"{self.name}.split({color})", members, owns=True))
 
     def _revoke(self) -> None:
         """Revoke the MPI communicators under this one (elastic mode, after a failure): every call on them, on
@@ -331,9 +335,9 @@ class MPICommunicator(MailboxCollectives, Communicator):
         """The mpi4py communicator this one is made over (what the survivors shrink after a failure)."""
         return self._base
 
-    def _free(self) -> None:
+    def free(self) -> None:
         self._forget_revoke()
-        self._release_shared()
+        self.release_shared()
         if self._mailbox is not None:
             self._mailbox.free()
             self._mailbox = None
@@ -344,7 +348,7 @@ class MPICommunicator(MailboxCollectives, Communicator):
         self._owns = False
 
 
-def init_world(config: Config) -> MPICommunicator:
+def init_world(config: Config) -> Communicator:
     """Initialise MPI (if needed) and return the world communicator.
 
     Raises BackendUnavailableError when mpi4py is missing or when the launcher
@@ -372,7 +376,7 @@ def init_world(config: Config) -> MPICommunicator:
     return world_over(world, config, "world", owns=False)
 
 
-def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> MPICommunicator:
+def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> Communicator:
     """A world communicator over the MPI communicator ``comm`` (``MPI.COMM_WORLD``, or the survivors' one
     after a failure: :mod:`hpctrain.elastic`), with its own runtime (lanes, watchdog, departures, failures).
 
@@ -390,7 +394,7 @@ def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> 
     runtime = Runtime(config, comm.Get_rank(), abort_job, departures, failures,
                       is_failure=lambda exc: isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes)
     try:
-        return MPICommunicator(runtime, comm, name, range(comm.Get_size()), owns=owns)
+        return Communicator(MPIBackend(runtime, comm, name, range(comm.Get_size()), owns=owns))
     except BaseException:
         runtime.discard()       # (its watchdog must not outlive a world that was never made)
         raise

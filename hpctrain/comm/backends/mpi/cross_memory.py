@@ -7,7 +7,7 @@ first being staged in shared memory (Open MPI's ``smsc/cma`` component does
 the same).  The kernel allows it between processes of one user that may
 ptrace each other: Yama's ``ptrace_scope`` >= 1 or a container's seccomp
 filter can forbid it, and hpctrain never relaxes either.  The caller
-(:class:`hpctrain.comm.backends.mpi.MPICommunicator`) probes once, collectively, and
+(:class:`hpctrain.comm.backends.mpi.MPIBackend`) probes once, collectively, and
 falls back to the shared-memory arena on every rank when any rank cannot.
 
 Cost: one system call per batch of up to ``IOV_MAX`` spans, plus one memory

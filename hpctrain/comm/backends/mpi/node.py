@@ -153,7 +153,7 @@ class SharedArena:
 class SharedBuffer:
     """One buffer per local rank in an MPI-3 shared window: each rank's own, and views of its peers'.
 
-    Made by :meth:`hpctrain.comm.backends.mpi.MPICommunicator.shared_empty` (collective
+    Made by :meth:`hpctrain.comm.backends.mpi.MPIBackend.shared_empty` (collective
     over the node).  An in-place all-reduce of the own buffer then runs
     without copying it anywhere first (see
     :func:`hpctrain.collectives.shm.shm_allreduce_shared_buffer`).
