@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .comm.call.signature import format_ranks
+from .errors import format_ranks
 
 __all__ = ["check_same", "check_writable", "disagreeing_settings", "writable"]
 

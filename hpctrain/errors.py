@@ -1,7 +1,9 @@
-"""Exceptions raised by hpctrain, and the exit status of a job stopped by its preemption save."""
+"""Exceptions raised by hpctrain, the exit status of a job stopped by its preemption save, and how every message
+names ranks (:func:`format_ranks`)."""
+from typing import Sequence
 
 __all__ = ["HpctrainError", "CollectiveMismatchError", "InvalidCollectiveError", "NotInitializedError", "BackendUnavailableError",
-           "CheckpointError", "ShutdownError", "WorldFailedError"]
+           "CheckpointError", "ShutdownError", "WorldFailedError", "format_ranks"]
 
 
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: the job stopped early on purpose (a preemption save) and may be run again to resume
@@ -70,3 +72,16 @@ class RanksFailedError(HpctrainError):
     def __init__(self, message: str, failed=()):
         super().__init__(message)
         self.failed = list(failed)
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """Return ``"rank 3"`` or ``"ranks 0-2, 5"`` for a sorted list of ranks."""
+    ranks = sorted(ranks)
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)

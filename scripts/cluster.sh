@@ -246,7 +246,7 @@ cluster_mpirun() {   # mpirun from node1 over the nodes; the arguments are mpiru
   need_visible "$PWD" "$self" "$@"
   mpirun=$(command -v "${MPIRUN:-mpirun}") || die "no ${MPIRUN:-mpirun} on PATH"
   # Open MPI's fault-tolerance extension (ULFM), where it has it: survivors of a lost node keep running
-  # long enough for hpctrain to name the node and its ranks (hpctrain/comm/life/failures.py).
+  # long enough for hpctrain to name the node and its ranks (hpctrain/comm/backends/mpi/failures.py).
   "$(dirname "$mpirun")/ompi_info" 2>/dev/null | grep -Eq '^ *FT MPI support: yes' && ft=(--with-ft ulfm)
   run_on node1 "$mpirun" --allow-run-as-root --bind-to none --mca plm_rsh_agent "$self agent" \
     --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --mca osc ^ucx "${ft[@]}" "$@"

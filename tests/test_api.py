@@ -8,7 +8,8 @@ import pytest
 
 import hpctrain
 from hpctrain.collectives.ops import segment_bounds
-from hpctrain.comm.call.signature import Call, format_ranks, judge
+from hpctrain.comm.call.signature import Call, judge
+from hpctrain.errors import format_ranks
 
 from harness import base_env
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..comm.call.signature import format_ranks
+from ..errors import format_ranks
 from .state import decode
 from .tensorfile import CorruptFileError, read_tensors, write_tensors
 

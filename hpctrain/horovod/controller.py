@@ -46,7 +46,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import settings
-from ..comm.call.signature import format_ranks
+from ..errors import format_ranks
 from .cycle_exchange import CycleExchange
 from ..errors import WorldFailedError
 from .pending import Entry, HorovodInternalError, OpHandle, Request, WorldFailedInHorovod

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..collectives.adasum import adasum_allreduce
-from ..comm.call.signature import format_ranks
+from ..errors import format_ranks
 from ..errors import CollectiveMismatchError, HpctrainError, InvalidCollectiveError
 
 __all__ = ["Group", "plan", "invalid", "describe", "verdict", "reduce_arrays", "scale"]

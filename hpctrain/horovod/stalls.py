@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Dict, List, Optional, Tuple
 
-from ..comm.call.signature import format_ranks
+from ..errors import format_ranks
 from ..errors import CollectiveMismatchError
 
 __all__ = ["StallWatch", "DEADLOCK_S", "noname_counter", "started_all_open"]

@@ -15,7 +15,7 @@
   warning on every window) out of single-node runs;
 * ``--with-ft ulfm`` for ranks on several hosts, where Open MPI has its
   fault-tolerance extension: a lost rank or node is then named by hpctrain
-  (:mod:`hpctrain.comm.life.failures`) before it ends the job, not left to
+  (:mod:`hpctrain.comm.backends.mpi.failures`) before it ends the job, not left to
   whichever process notices first (a survivor's broken TCP link, often).  On
   one host prterun itself names a lost rank, and the extension is left off:
   with it, Open MPI warns on every rank that its shared-memory windows are
@@ -86,7 +86,7 @@ def ulfm_supported(mpirun: str) -> bool:
 
     Started with ``--with-ft ulfm``, its survivors of a lost rank or node keep
     running and hear which ranks failed, so hpctrain names them
-    (:mod:`hpctrain.comm.life.failures`) before it ends the job.
+    (:mod:`hpctrain.comm.backends.mpi.failures`) before it ends the job.
     """
     info = os.path.join(os.path.dirname(mpirun), "ompi_info")
     info = info if os.access(info, os.X_OK) else shutil.which("ompi_info")

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..comm.ops.point_to_point import ANY
-from ..comm.call.signature import format_ranks
+from ..errors import format_ranks
 from ..errors import RanksFailedError
 from .ps_messages import TAG_DONE, TAG_FINAL, TAG_HELLO, TAG_PUSH, TAG_REPLY, Roles, pack, shard_bounds, unpack
 from .ps_worker import WorkerLink

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..comm.call.signature import format_ranks
+from ..errors import format_ranks
 from ..optim.parameter_server import Roles, ServerSGD, ShardServer, WorkerLink, shard_bounds
 from .flat import flatten, unflatten_into
 

@@ -281,7 +281,8 @@ def init_world(config: Config) -> Communicator:
 
 def _departures(hvd):
     """Where this world sends leaving notices: MPI under Horovod's MPI controller, else horovodrun's store."""
-    from ..life.departures import Departures, KVNotices, MPINotices
+    from ..life.departures import Departures
+    from .notices import KVNotices, MPINotices
 
     if hvd.size() == 1:
         return None

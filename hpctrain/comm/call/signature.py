@@ -11,7 +11,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-__all__ = ["Call", "judge", "DESC_BYTES", "format_ranks", "encoded"]
+from ...errors import format_ranks
+
+__all__ = ["Call", "judge", "DESC_BYTES", "encoded"]
 
 DESC_BYTES = 512  # fixed size of an encoded call on the wire
 
@@ -84,19 +86,6 @@ def encoded(call: Call) -> Tuple[int, bytes]:
 def call_hash(key: str) -> int:
     """Return a signed 64-bit hash of a call's key (equal keys, equal hashes; others differ with odds 2**-64)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def format_ranks(ranks: Sequence[int]) -> str:
-    """Return ``"rank 3"`` or ``"ranks 0-2, 5"`` for a sorted list of ranks."""
-    ranks = sorted(ranks)
-    parts, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
 def judge(descs: Sequence[bytes], where: str, seq: int, world_ranks: Optional[Sequence[int]] = None) -> str:

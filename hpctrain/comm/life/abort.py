@@ -39,7 +39,7 @@ def exit_after_failure(message: str, code: int = 1) -> None:
     after a remote rank failed ends the job with status 0 (seen with Open MPI
     5.0); a survivor's own exit with ``code`` is the job's status, and every
     other survivor then sees it failed too and ends the same way within a
-    watchdog period (:mod:`hpctrain.comm.life.failures`).
+    watchdog period (:mod:`hpctrain.comm.backends.mpi.failures`).
     """
     sys.stderr.write(message + "\n")
     sys.stderr.flush()

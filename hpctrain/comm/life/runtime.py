@@ -16,7 +16,7 @@ known, which ranks have not joined; after ``HPCTRAIN_STALL_TIMEOUT_S`` seconds
 It also reads the departures board (:mod:`hpctrain.comm.life.departures`): a
 collective that waits for a rank that has left ends the job a few seconds
 after the notice arrived; and it asks the backend which ranks failed
-(:mod:`hpctrain.comm.life.failures`): a failed rank ends the job within a period,
+(:mod:`hpctrain.comm.backends.mpi.failures`): a failed rank ends the job within a period,
 named with its node.
 """
 from __future__ import annotations
@@ -239,7 +239,7 @@ class Runtime:
             board, self.departures = self.departures, None
             late = board.leave(self.config.stall_warning_s, self.config.stall_timeout_s, exit_status, gone)
             if late:
-                from ..call.signature import format_ranks
+                from ...errors import format_ranks
 
                 self._abort(f"hpctrain: rank {self.world_rank} has finished and waited "
                             f"{self.config.stall_timeout_s:g} s (HPCTRAIN_STALL_TIMEOUT_S) for world "

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ....env import detect_launcher
-from ....errors import BackendUnavailableError
+from ....errors import BackendUnavailableError, format_ranks
 from ....tensors import dtype_from_name
 from ....collectives.flat import Flat
 from ....collectives.shm import shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
@@ -32,14 +32,15 @@ from .requests import RequestHandle, RingTransport, Waits
 from ...life.abort import abort_job
 from ...base import Communicator, Handle, CarriedByCheck, Topology
 from ..primitives import Primitives
-from ...life.departures import Departures, MPINotices
-from ...life.failures import FailureDetector
+from ...life.departures import Departures
+from ..notices import MPINotices
+from .failures import FailureDetector
 from .mailbox import Mailbox
 from .mailbox_collectives import MailboxCollectives
 from . import ulfm
 from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from ...life.runtime import Config, Runtime
-from ...call.signature import DESC_BYTES, Call, encoded, format_ranks, judge
+from ...call.signature import DESC_BYTES, Call, encoded, judge
 
 __all__ = ["MPIBackend", "init_world", "world_over"]
 
@@ -325,9 +326,8 @@ class MPIBackend(Primitives):
         return Communicator(MPIBackend(self._rt, sub, f"{self.name}.split({color})", members, owns=True))
 
     def _revoke(self) -> None:
-        """Revoke the MPI communicators under this one (elastic mode, after a failure): every call on them, on
-        every surviving rank, ends with MPI_ERR_REVOKED, including the shared-memory waits (their barriers and the
-        mailbox's progress probes run on them)."""
+        """Revoke the MPI communicators under this one (elastic mode, after a failure): every call on them on every
+        survivor, the shared-memory waits too (their barriers and the mailbox's probes use them), ends in MPI_ERR_REVOKED."""
         ulfm.revoke((self._coll, self._p2p, self._ctrl, self._nodes.node, self._nodes.cross, self._base), self._MPI)
 
     @property

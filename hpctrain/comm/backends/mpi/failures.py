@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Dict, List, Sequence
 
-from ..backends.mpi import ulfm
+from . import ulfm
 
 __all__ = ["FailureDetector"]
 
@@ -78,7 +78,7 @@ class FailureDetector:
 
     def describe(self, ranks: Sequence[int]) -> str:
         """Name ``ranks`` with their nodes: "world ranks 2, 3 on node node2"."""
-        from ..call.signature import format_ranks
+        from ....errors import format_ranks
 
         by_host: Dict[str, List[int]] = {}
         for r in sorted(ranks):
