@@ -143,7 +143,7 @@ class Runtime:
         self._abort = abort
         self.collectives = Lane("collectives")
         self.receives = Lane("receives")
-        self.close_hooks = Hooks("close", last_first=True)     # run by close() first: see on_close
+        self.close_hooks = Hooks("close", last_first=True)     # run by close() first: see WorldLife.on_close
         self.interrupt_hooks = Hooks("interrupt")     # what a Ctrl-C leaves behind: see Communicator.on_interrupt
         self.departures = departures   # a departures.Departures where the backend sends leaving notices
         self.failures = failures       # a failures.FailureDetector where the backend can name failed ranks
@@ -188,18 +188,6 @@ class Runtime:
         cur = self.collectives.inflight
         if cur is not None:
             cur.waiting_on = waiting_on
-
-    def on_close(self, callback: Callable[..., object], what: str, owner: Optional[object] = None
-                 ) -> Callable[[], None]:
-        """Run ``callback`` when the world closes, before its lanes stop; return a function that takes it back.
-
-        ``what`` names it in the error when it fails ("the timeline writer").
-        Callbacks run last added first (as exit hooks do: what started later
-        stops first), the same on every rank, so callbacks that call
-        collectives meet.  With an ``owner`` (held weakly) it is
-        ``callback(owner)`` (:class:`~hpctrain.hooks.Hooks`).
-        """
-        return self.close_hooks.add(callback, owner, what)
 
     def close(self, exit_status: int = 0) -> None:
         """Run the ``on_close`` callbacks, let queued collectives finish, print the comm log, then leave.

@@ -92,8 +92,16 @@ class WorldLife:
 
     def on_close(self, callback: Callable[..., object], what: str, owner: Optional[object] = None
                  ) -> Callable[[], None]:
-        """:meth:`Communicator.on_close`."""
-        return self._rt.on_close(callback, what, owner)
+        """Run ``callback`` when the world closes, before its lanes stop; return a function that takes it back
+        (:meth:`Communicator.on_close`).
+
+        ``what`` names it in the error when it fails ("the timeline writer").
+        Callbacks run last added first (as exit hooks do: what started later
+        stops first), the same on every rank, so callbacks that call
+        collectives meet.  With an ``owner`` (held weakly) it is
+        ``callback(owner)`` (:class:`~hpctrain.hooks.Hooks`).
+        """
+        return self._rt.close_hooks.add(callback, owner, what)
 
     def on_interrupt(self, describe: Callable[..., str], owner: Optional[object] = None) -> Callable[[], None]:
         """:meth:`Communicator.on_interrupt`."""
