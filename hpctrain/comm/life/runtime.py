@@ -134,6 +134,9 @@ class Runtime:
         config: the settings.
         world_rank: this process's rank in the world (for messages).
         abort: called with a message and an exit status to end the whole job (never returns).
+        departures: the backend's board of leaving notices (:mod:`hpctrain.comm.life.departures`), or None.
+        failures: the backend's detector of failed ranks (``failed()``, ``settled()``, ``describe()``), or None.
+        is_failure: the backend's test of an exception for "a rank failed" (default: never).
     """
 
     def __init__(self, config: Config, world_rank: int, abort: Callable[[str], None], departures=None,
