@@ -7,27 +7,54 @@ shared without a copy (``Tensor.numpy()``); CUDA tensors are staged through
 host memory explicitly (a GPU-direct path belongs in a NCCL backend, not
 here).  bfloat16 uses the ``ml_dtypes`` numpy dtype (shipped with TensorFlow
 and JAX); torch's bfloat16 is reinterpreted bit for bit through int16.
+ml_dtypes is imported on the first bfloat16 value (:func:`bfloat16`), not
+with hpctrain: its import costs about a second of every process's start.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple
+import sys
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
-try:  # ml_dtypes gives numpy a bfloat16; it comes with TensorFlow.
-    import ml_dtypes as _ml_dtypes
+__all__ = ["bfloat16", "supported_dtypes", "to_numpy", "framework_of",
+           "check_dtype", "dtype_name", "dtype_from_name"]
 
-    BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - depends on the install
-    BFLOAT16 = None
-
-__all__ = ["BFLOAT16", "SUPPORTED_DTYPES", "to_numpy", "framework_of", "check_dtype", "dtype_name",
-           "dtype_from_name"]
-
-SUPPORTED_DTYPES = tuple(
+_PLAIN_DTYPES = tuple(
     np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
-                          np.uint16, np.bool_)
-) + ((BFLOAT16,) if BFLOAT16 is not None else ())
+                          np.uint16, np.bool_))
+_BF16: Optional[np.dtype] = None
+
+
+def bfloat16(load: bool = True) -> Optional[np.dtype]:
+    """numpy's bfloat16 (``ml_dtypes.bfloat16``); None where ml_dtypes is not installed.
+
+    ``load=False``: None also while nothing has imported ml_dtypes (no numpy
+    array can be bfloat16 before it is), so that a dtype check costs no import.
+    """
+    global _BF16
+    if _BF16 is None and (load or "ml_dtypes" in sys.modules):
+        try:  # ml_dtypes gives numpy a bfloat16; it comes with TensorFlow.
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - depends on the install
+            return None
+        _BF16 = np.dtype(ml_dtypes.bfloat16)
+    return _BF16
+
+
+def supported_dtypes(load: bool = True) -> Tuple[np.dtype, ...]:
+    """The dtypes collectives take: the plain numpy ones and bfloat16 (:func:`bfloat16`, same ``load``)."""
+    bf16 = bfloat16(load)
+    return _PLAIN_DTYPES + ((bf16,) if bf16 is not None else ())
+
+
+def __getattr__(name: str) -> Any:
+    """``BFLOAT16`` and ``SUPPORTED_DTYPES``, with ml_dtypes imported when they are first asked for."""
+    if name == "BFLOAT16":
+        return bfloat16()
+    if name == "SUPPORTED_DTYPES":
+        return supported_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 Restore = Callable[[np.ndarray], Any]
 
@@ -45,8 +72,8 @@ def framework_of(x: Any) -> str:
 def check_dtype(dtype: np.dtype) -> np.dtype:
     """Return ``dtype`` if collectives support it, else raise TypeError listing what is supported."""
     dtype = np.dtype(dtype)
-    if dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
+    if dtype not in _PLAIN_DTYPES and dtype != bfloat16(load=False):
+        names = ", ".join(sorted(str(d) for d in supported_dtypes()))
         raise TypeError(f"dtype {dtype} is not supported by hpctrain collectives; supported: {names}")
     return dtype
 
@@ -64,7 +91,7 @@ def dtype_name(dtype: np.dtype) -> str:
 
 def dtype_from_name(name: str) -> np.dtype:
     """Return the supported dtype whose ``str()`` is ``name`` (e.g. "bfloat16", "float32")."""
-    for dtype in SUPPORTED_DTYPES:
+    for dtype in supported_dtypes(load=name == "bfloat16"):
         if str(dtype) == name:
             return dtype
     raise TypeError(f"unknown dtype name {name!r}")
@@ -110,9 +137,9 @@ def _torch_to_numpy(x: Any) -> Tuple[np.ndarray, Restore]:
         t = t.to("cpu")
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
-        if BFLOAT16 is None:
+        if bfloat16() is None:
             raise TypeError("bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
-        arr = t.view(torch.int16).numpy().view(BFLOAT16)
+        arr = t.view(torch.int16).numpy().view(bfloat16())
     else:
         try:
             arr = t.numpy()
@@ -122,7 +149,7 @@ def _torch_to_numpy(x: Any) -> Tuple[np.ndarray, Restore]:
 
     def restore(result: np.ndarray) -> Any:
         result = _c_array(result)
-        if BFLOAT16 is not None and result.dtype == BFLOAT16:
+        if result.dtype == bfloat16(load=False):
             out = torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
         else:
             out = torch.from_numpy(result)

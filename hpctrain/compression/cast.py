@@ -14,7 +14,7 @@ from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
-from ..tensors import BFLOAT16
+from ..tensors import bfloat16
 from .base import Compressor, Slot
 
 __all__ = ["NoCompression", "FP16", "BF16"]
@@ -50,7 +50,7 @@ class BF16(_Cast):
     name = "bf16"
 
     def __init__(self, error_feedback=None, seed: int = 0):
-        if BFLOAT16 is None:
+        if bfloat16() is None:
             raise RuntimeError("bf16 compression needs the ml_dtypes package (pip install ml_dtypes)")
         super().__init__(error_feedback, seed)
-        self.wire_dtype = BFLOAT16
+        self.wire_dtype = bfloat16()
