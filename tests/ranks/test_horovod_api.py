@@ -1,7 +1,8 @@
 """hpctrain.horovod.torch behaves as Horovod's API promises, checked against numpy and one-process references.
 
-Runs at 1-4 ranks in its own launch (the negotiation thread must be the only
-issuer of collectives while ``hvd`` is initialised).  Each test compares with
+Runs at 1-4 ranks last in the default launch (the negotiation thread must be
+the only issuer of collectives while ``hvd`` is initialised: its module
+fixture does so only after the other files' tests).  Each test compares with
 a reference computed another way: numpy on every rank's input (each rank can
 rebuild the others' inputs from the seed), finite differences of a global
 loss for gradients, the Adasum formula in numpy, and a single process

@@ -1,7 +1,8 @@
 """hpctrain.horovod.tensorflow and .keras behave as Horovod's API promises, against numpy and one-process references.
 
-Runs at 1-4 ranks in the launch of test_horovod_api.py (the negotiation
-thread must be the only issuer of collectives while ``hvd`` is initialised).
+Runs at 1-4 ranks after test_horovod_api.py, last in the default launch (the
+negotiation thread must be the only issuer of collectives while ``hvd`` is
+initialised).
 References: numpy on every rank's input (each rank rebuilds the others'
 inputs from the seed), central differences of a global loss for gradients,
 and plain TensorFlow/Keras training in this one process on the concatenated
