@@ -15,40 +15,18 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
 from .layout import Mismatch, Sharded, by_rank, read_entries, read_spread
 from .spread import load_spread
 from .state import load_entry
+from .storage import committed_steps, step_path
 from .tensorfile import CorruptFileError
 
 __all__ = ["committed_steps", "step_path", "restore_newest"]
 
 log = logging.getLogger("hpctrain")
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def step_path(directory: str, step: int) -> str:
-    """The directory of the checkpoint of ``step`` under ``directory``."""
-    return os.path.join(directory, f"step-{step:09d}")
-
-
-def committed_steps(directory: str) -> List[int]:
-    """The steps of the committed checkpoints under ``directory``, oldest first (not verified)."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    steps = []
-    for name in names:
-        m = _STEP_DIR.match(name)
-        if m and os.path.exists(os.path.join(directory, name, "manifest.json")):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
 
 def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optional[int] = None,
                    start_fresh_if_invalid: bool = False) -> Optional[int]:

@@ -29,14 +29,35 @@ system calls (or dictionary operations) it names.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional
 
 from .layout import write_files, write_manifest
-from .restore import committed_steps, step_path
 
-__all__ = ["Storage", "FileStorage", "MemoryStorage"]
+__all__ = ["Storage", "FileStorage", "MemoryStorage", "step_path", "committed_steps"]
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_path(directory: str, step: int) -> str:
+    """The directory of the checkpoint of ``step`` under ``directory``."""
+    return os.path.join(directory, f"step-{step:09d}")
+
+
+def committed_steps(directory: str) -> List[int]:
+    """The steps of the committed checkpoints under ``directory``, oldest first (not verified)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        m = _STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(directory, name, "manifest.json")):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
 
 
 class Storage:
