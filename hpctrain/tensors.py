@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["bfloat16", "supported_dtypes", "to_numpy", "framework_of",
+__all__ = ["bfloat16", "is_bfloat16", "supported_dtypes", "to_numpy", "framework_of",
            "check_dtype", "dtype_name", "dtype_from_name"]
 
 _PLAIN_DTYPES = tuple(
@@ -40,6 +40,13 @@ def bfloat16(load: bool = True) -> Optional[np.dtype]:
             return None
         _BF16 = np.dtype(ml_dtypes.bfloat16)
     return _BF16
+
+
+def is_bfloat16(dtype: Any) -> bool:
+    """Whether ``dtype`` is numpy's bfloat16, without importing ml_dtypes (``dtype == None`` would be float64's
+    test: numpy reads None as float64)."""
+    bf16 = bfloat16(load=False)
+    return bf16 is not None and dtype == bf16
 
 
 def supported_dtypes(load: bool = True) -> Tuple[np.dtype, ...]:
@@ -72,7 +79,7 @@ def framework_of(x: Any) -> str:
 def check_dtype(dtype: np.dtype) -> np.dtype:
     """Return ``dtype`` if collectives support it, else raise TypeError listing what is supported."""
     dtype = np.dtype(dtype)
-    if dtype not in _PLAIN_DTYPES and dtype != bfloat16(load=False):
+    if dtype not in _PLAIN_DTYPES and not is_bfloat16(dtype):
         names = ", ".join(sorted(str(d) for d in supported_dtypes()))
         raise TypeError(f"dtype {dtype} is not supported by hpctrain collectives; supported: {names}")
     return dtype
@@ -149,7 +156,7 @@ def _torch_to_numpy(x: Any) -> Tuple[np.ndarray, Restore]:
 
     def restore(result: np.ndarray) -> Any:
         result = _c_array(result)
-        if result.dtype == bfloat16(load=False):
+        if is_bfloat16(result.dtype):
             out = torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
         else:
             out = torch.from_numpy(result)

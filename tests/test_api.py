@@ -51,6 +51,28 @@ def test_import_is_quiet_and_framework_free():
     assert out.stdout == "" and out.stderr == ""
 
 
+def test_ml_dtypes_waits_for_the_first_bfloat16_and_every_other_dtype_is_unchanged_before_it():
+    """ml_dtypes (about a second of import) is loaded by the first bfloat16 tensor, not by hpctrain; before it,
+    float64 and float32 sums come back in their dtype and values (numpy reads ``dtype == None`` as float64's test,
+    once the cause of float64 results read as bfloat16), and torch's bfloat16 then goes through."""
+    code = """
+import sys, numpy as np, torch, hpctrain
+comm = hpctrain.init("local")
+for dt in (torch.float64, torch.float32, torch.int64):
+    x = torch.arange(5, dtype=dt) * 3
+    out = comm.allreduce(x, op="sum")
+    assert out.dtype == dt and torch.equal(out, x), (dt, out)
+assert np.array_equal(comm.allreduce(np.linspace(0, 1, 7)), np.linspace(0, 1, 7))
+assert "ml_dtypes" not in sys.modules
+b = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
+out = comm.allreduce(b, op="sum")
+assert out.dtype == torch.bfloat16 and torch.equal(out, b) and "ml_dtypes" in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("module", ["hpctrain.horovod.torch", "hpctrain.horovod.tensorflow",
                                     "hpctrain.horovod.tensorflow.keras", "hpctrain.horovod.keras",
                                     "hpctrain.horovod.common.util"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tensors import bfloat16
+from ..tensors import is_bfloat16
 
 __all__ = ["OPS", "check_op", "accumulation_dtype", "to_accumulator", "reduce_into",
            "finish", "segment_bounds"]
@@ -40,7 +40,7 @@ def accumulation_dtype(dtype: np.dtype) -> np.dtype:
     acc = _ACC.get(dtype)
     if acc is None:
         acc = np.dtype(dtype)
-        if acc == np.float16 or acc == bfloat16(load=False):
+        if acc == np.float16 or is_bfloat16(acc):
             acc = np.dtype(np.float32)
         elif acc == np.bool_:
             acc = np.dtype(np.uint8)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ...collectives.ops import accumulation_dtype, finish
-from ...tensors import bfloat16
+from ...tensors import is_bfloat16
 from ..life.lane import InFlight
 
 __all__ = ["NOT_REPEATED", "allreduce_body", "copy_body", "repeat_key", "make_repeat"]
@@ -88,7 +88,7 @@ def make_repeat(comm, call, kind: str, arr: np.ndarray, body: Callable[[np.ndarr
     the input, which is returned (the input must be writable).
     """
     rt = comm._rt
-    if kind not in ("numpy", "torch") or (kind == "torch" and arr.dtype == bfloat16(load=False)) or rt.policy.reforms:
+    if kind not in ("numpy", "torch") or (kind == "torch" and is_bfloat16(arr.dtype)) or rt.policy.reforms:
         return None         # (elastic mode: every call goes through Runtime.run, which turns failures into errors)
     lane = rt.collectives
     lock = lane._exec_lock
