@@ -14,7 +14,7 @@ setup(
     packages=find_packages(include=["hpctrain", "hpctrain.*"]),
     ext_modules=[KERNEL],
     python_requires=">=3.10",
-    install_requires=["numpy>=1.24", "mpi4py>=3.1", "tqdm", "psutil"],
+    install_requires=["numpy>=1.24", "mpi4py>=3.1", "tqdm", "psutil", "zlib-ng"],
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],

@@ -6,8 +6,8 @@ parameter, the larger state to copy) under ``hpctrain launch --elastic``, holdin
 (``--intervals``: 0 = never commit, k = commit after every k-th step; the order reversed every other
 window, so a shared machine's slow moments hit all alike); the figure per interval is the median over
 windows of (window time / the no-commit window's time of the same round) - 1: the share of step time that
-committing costs.  ``commit`` is the median time of one ``state.commit()`` (deep copies of the model's
-and the optimizer's state dicts and the RNG states into host memory: no communication; with
+committing costs.  ``commit`` is the median time of one ``state.commit()`` (the model's and the
+optimizer's state dicts and the RNG states packed into host memory with their CRC-32: no communication; with
 ``--optimizers zero2`` a ShardedOptimizer's chunks are packed and copied to the buddy rank: one all-to-all).
 
     python benchmarks/elastic_commit.py --ranks 2 4 --out results/elastic_commit

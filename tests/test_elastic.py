@@ -424,6 +424,35 @@ def test_object_state_commits_restores_and_keeps_the_last_two_commits():
         state.restore(first)                    # (three commits ago: only two are kept)
 
 
+def test_an_in_memory_commit_is_encoded_verified_and_keeps_values_that_are_not_data_as_copies():
+    """A commit goes to a MemoryStorage (the checkpoint's encoding with its CRC-32): a restore gives back
+    tensors of their dtype and nested values as committed, not what the program changed since; bytes changed
+    after the commit are refused on restore, never loaded; a value that is not data (an object of the program's
+    own) is kept as a deep copy."""
+    import torch
+
+    from hpctrain.checkpoint.tensorfile import CorruptFileError
+    from hpctrain.elastic import ObjectState
+
+    class Custom:
+        def __init__(self, v):
+            self.v = v
+
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3).to(torch.bfloat16)
+    state = ObjectState(weights=w.clone(), note=Custom(1), steps={"a": 1, 2: (3.5, None)})
+    state.weights += 1
+    state.note.v = 5
+    state.steps["a"] = 9
+    state.restore()
+    assert state.weights.dtype == torch.bfloat16 and torch.equal(state.weights, w)
+    assert state.note.v == 1 and state.steps == {"a": 1, 2: (3.5, None)}
+    assert set(state._commits.held(state.commit_number)) == {"note"}
+    (raw, _), _ = state._commits._parts[state.commit_number]
+    raw[-1] ^= 0xFF                              # (a bit of a tensor changed in memory after the commit)
+    with pytest.raises(CorruptFileError):
+        state.restore()
+
+
 def test_discovered_hosts_are_parsed_and_planned_the_same_on_every_rank():
     from hpctrain.launcher.elastic_driver import DiscoveryError, parse_hosts
     from hpctrain.elastic.hosts import plan

@@ -64,6 +64,39 @@ def test_memory_storage_keeps_the_newest_commits_and_refuses_a_second_commit_of_
     assert storage.list() == [2]
 
 
+def test_memory_storage_encodes_at_commit_refuses_changed_bytes_and_writes_the_next_step_into_the_freed_buffer():
+    """What a commit keeps is the values at write_part, not later changes; its bytes are checked on read; a value
+    that is not data is held as a deep copy; after a step is removed its buffer takes the next step's bytes."""
+    from hpctrain.checkpoint.tensorfile import CorruptFileError
+
+    class Note:
+        def __init__(self, v):
+            self.v = v
+
+    storage = MemoryStorage(kept=2)
+    w, note = np.arange(1000, dtype=np.float32), Note(1)
+    storage.save(1, {"w": w, "note": note, "nested": {"k": [1, (2.5, None)]}})
+    w += 1
+    note.v = 7
+    got = storage.read(1)
+    np.testing.assert_array_equal(got["w"], np.arange(1000, dtype=np.float32))
+    assert got["note"].v == 1 and got["note"] is not note and got["nested"] == {"k": [1, (2.5, None)]}
+    got["w"][:] = -1                                    # (what read gives is its own memory)
+    np.testing.assert_array_equal(storage.read(1)["w"], np.arange(1000, dtype=np.float32))
+    (raw1, _), _ = storage._parts[1]
+    storage.save(2, {"w": w})
+    storage.save(3, {"w": w * 2})                       # step 1 goes at its commit; its buffer is spare
+    storage.save(4, {"w": w * 3})                       # written into step 1's buffer
+    (raw3, _), _ = storage._parts[3]
+    (raw4, _), _ = storage._parts[4]
+    assert storage.list() == [3, 4] and np.shares_memory(raw4, raw1) and not np.shares_memory(raw3, raw4)
+    np.testing.assert_array_equal(storage.read(4)["w"], w * 3)
+    np.testing.assert_array_equal(storage.read(3)["w"], w * 2)
+    raw4[-1] ^= 0xFF
+    with pytest.raises(CorruptFileError, match="does not match its checksum"):
+        storage.read(4)
+
+
 @pytest.fixture
 def world_of_one():
     import hpctrain

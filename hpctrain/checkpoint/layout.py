@@ -16,14 +16,13 @@ import json
 import os
 import platform
 import re
-import zlib
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from ..errors import format_ranks
 from .state import decode
-from .tensorfile import CorruptFileError, read_tensors, write_tensors
+from .tensorfile import CorruptFileError, crc32, read_tensors, write_tensors
 
 __all__ = ["FORMAT", "Sharded", "Mismatch", "write_files", "write_manifest", "read_entries", "compare_replicas",
            "by_rank", "failed_on", "describe_error", "fsync_dir", "split_spread", "read_spread", "SPREAD"]
@@ -206,9 +205,9 @@ def _entry_crcs(tensors, tree) -> Dict[str, int]:
     out = {}
     for key, node in tree.items():
         text = json.dumps(node, separators=(",", ":"))
-        crc = zlib.crc32(text.encode())
+        crc = crc32(text.encode())
         for name in re.findall(r'"\$tensor":"(t\d+)"', text):
-            crc = zlib.crc32(memoryview(np.ascontiguousarray(tensors[name][0]).reshape(-1).view(np.uint8)), crc)
+            crc = crc32(memoryview(np.ascontiguousarray(tensors[name][0]).reshape(-1).view(np.uint8)), crc)
         out[key] = crc
     return out
 

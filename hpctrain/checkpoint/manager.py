@@ -282,7 +282,7 @@ class CheckpointManager(CommitSteps):
         self.wait()
         if start_fresh_if_invalid is None:
             start_fresh_if_invalid = settings.get("HPCTRAIN_START_FRESH_IF_INVALID")
-        found = restore_newest(self.comm, self.directory, state, step, bool(start_fresh_if_invalid))
+        found = restore_newest(self.comm, self.storage, state, step, bool(start_fresh_if_invalid))
         if found is not None:
             self._last_step = found
             if self.comm.rank == 0:

@@ -21,46 +21,19 @@ bytes (``1/N`` of the spread state per rank).  Memory: two parts per rank
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import HpctrainError
-from .state import Encoder, decode
+from .state import pack, unpack
+from .tensorfile import CorruptFileError
 from .storage import MemoryStorage
-from .tensorfile import CorruptFileError, decode_tensors, encode_tensors
 
 __all__ = ["PartLost", "PeerStorage", "pack", "unpack", "buddies", "exchange", "recover"]
 
-_TREE = "hpctrain.part"
-
-
 class PartLost(HpctrainError):
     """A rank's part of a committed state and its copy on the buddy rank both died with their ranks."""
-
-
-def pack(tree: Dict[str, Any]) -> Tuple[np.ndarray, int]:
-    """A part (a tree of dicts, lists, numbers and arrays or tensors, any dtype) as bytes and their CRC-32.
-
-    The checkpoint's encoding (:func:`~hpctrain.checkpoint.state.encode`'s
-    tree in the metadata, the tensors in safetensors layout): torch tensors
-    come back as torch tensors of their dtype, bfloat16 included.
-    """
-    enc = Encoder(copy=False)
-    shape = enc.tree(dict(tree), "part")
-    return encode_tensors(enc.tensors, {_TREE: json.dumps(shape, separators=(",", ":"))})
-
-
-def unpack(raw: np.ndarray, crc: int) -> Dict[str, Any]:
-    """The part :func:`pack` made, in memory of its own; :class:`~hpctrain.checkpoint.tensorfile.CorruptFileError`
-    (a ValueError) when the bytes do not match their CRC-32 or their layout."""
-    tensors, metadata = decode_tensors(np.array(raw, dtype=np.uint8, copy=True), crc)
-    try:
-        shape = json.loads(metadata[_TREE])
-    except (KeyError, ValueError):
-        raise CorruptFileError("a committed part has no readable tree in its metadata") from None
-    return decode(shape, tensors)
 
 
 def buddies(nodes: Sequence[int]) -> List[int]:
@@ -140,7 +113,7 @@ class PeerStorage(MemoryStorage):
 
     def write_part(self, step: int, part: Dict[str, Any], meta: Any = None) -> int:
         """Pack ``part``, keep it and send its copy to the buddy (collective); return its CRC-32."""
-        raw, crc = pack(part)
+        raw, crc = pack(part, into=self.take_spare())
         self._open[step] = ((raw, crc), exchange(self.comm, raw, crc))
         return crc
 

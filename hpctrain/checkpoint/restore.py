@@ -18,17 +18,17 @@ import os
 from typing import Any, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
-from .layout import Mismatch, Sharded, by_rank, read_entries, read_spread
+from .layout import Mismatch, Sharded, by_rank
 from .spread import load_spread
 from .state import load_entry
-from .storage import committed_steps, step_path
+from .storage import FileStorage, committed_steps, step_path
 from .tensorfile import CorruptFileError
 
 __all__ = ["committed_steps", "step_path", "restore_newest"]
 
 log = logging.getLogger("hpctrain")
 
-def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optional[int] = None,
+def restore_newest(comm, storage: FileStorage, state: Mapping[str, Any], step: Optional[int] = None,
                    start_fresh_if_invalid: bool = False) -> Optional[int]:
     """Load the newest valid checkpoint (or that of ``step``) into ``state``; return its step or None (collective).
 
@@ -37,18 +37,20 @@ def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optiona
     do not collide with it; nothing is deleted.  When the directory holds
     checkpoints and none is usable, ``CheckpointError`` lists each with why it
     was refused, unless ``start_fresh_if_invalid``: then this returns None
-    (start from scratch) and says so.  An empty or missing directory returns None.
+    (start from scratch) and says so.  An empty or missing directory returns None.  ``storage`` reads
+    (:meth:`FileStorage.read`, :meth:`FileStorage.read_spread`); what is refused is decided here.
     """
+    directory = storage.directory
     candidates = comm.broadcast_object(
-        [s for s in reversed(committed_steps(directory)) if step is None or s == step] if comm.rank == 0 else None)
+        [s for s in reversed(storage.list()) if step is None or s == step] if comm.rank == 0 else None)
     if step is not None and not candidates:
         raise CheckpointError(f"no committed checkpoint of step {step} in {directory}")
     refused: List[Tuple[str, str]] = []
     for cand in candidates:
-        path = step_path(directory, cand)
+        path = storage.location(cand)
         loaded, err, mismatch = None, None, None
         try:
-            loaded = read_entries(path, cand, state, comm.rank)
+            loaded = storage.read(cand, state, comm.rank)
         except Mismatch as exc:
             mismatch = str(exc)
         except (CorruptFileError, OSError, ValueError, KeyError, TypeError) as exc:
@@ -72,7 +74,7 @@ def restore_newest(comm, directory: str, state: Mapping[str, Any], step: Optiona
                     load_entry(holder, key, kind, value)
                     target.obj = holder[key]      # plain values are replaced, not loaded in place
                 elif kind == "spread":      # (its common part here, each saved rank's part in its shard file)
-                    load_spread(key, target, value, lambda r, key=key: read_spread(path, key, r))
+                    load_spread(key, target, value, lambda r, key=key, cand=cand: storage.read_spread(cand, key, r))
                 else:
                     load_entry(state, key, kind, value)
             err = None

@@ -21,17 +21,19 @@ checkpoint never needs pickle to load.
 """
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from .hostcopy import HostCopier
-from .tensorfile import dtype_name
+from .tensorfile import CorruptFileError, decode_tensors, dtype_name, encode_tensors
 
-__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "variables_of"]
+__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "variables_of", "pack", "unpack"]
 
 _TENSOR, _TUPLE, _DICT, _VARS = "$tensor", "$tuple", "$dict", "$variables"
+_TREE = "hpctrain.part"     # (the metadata key of a packed tree)
 
 
 def _torch():
@@ -231,3 +233,30 @@ def _is_object(obj: Any) -> bool:
     """Whether a state entry is loaded in place (an object with a state dict or variables, an array)."""
     return (callable(getattr(obj, "load_state_dict", None)) or isinstance(obj, np.ndarray) or _is_torch_tensor(obj)
             or variables_of(obj) is not None)
+
+
+def pack(tree: Dict[str, Any], into: Optional[np.ndarray] = None, checksum: bool = True
+         ) -> Tuple[np.ndarray, Optional[int]]:
+    """A part (a tree of dicts, lists, numbers and arrays or tensors, any dtype) as bytes and their CRC-32.
+
+    The checkpoint's encoding (:func:`encode`'s tree in the metadata, the
+    tensors in safetensors layout, :func:`~hpctrain.checkpoint.tensorfile.encode_tensors`,
+    written into ``into`` when it is large enough; ``checksum=False``: no
+    CRC-32 yet, None): torch tensors come back as torch tensors of their
+    dtype, bfloat16 included.  TypeError names a value that is not data.
+    Cost: one copy of the tensors and one CRC-32 pass.
+    """
+    enc = Encoder(copy=False)
+    shape = enc.tree(dict(tree), "part")
+    return encode_tensors(enc.tensors, {_TREE: json.dumps(shape, separators=(",", ":"))}, into, checksum)
+
+
+def unpack(raw: np.ndarray, crc: int) -> Dict[str, Any]:
+    """The part :func:`pack` made, in memory of its own; :class:`~hpctrain.checkpoint.tensorfile.CorruptFileError`
+    (a ValueError) when the bytes do not match their CRC-32 or their layout."""
+    tensors, metadata = decode_tensors(np.array(raw, dtype=np.uint8, copy=True), crc)
+    try:
+        shape = json.loads(metadata[_TREE])
+    except (KeyError, ValueError):
+        raise CorruptFileError("a committed part has no readable tree in its metadata") from None
+    return decode(shape, tensors)

@@ -16,25 +16,34 @@ these steps:
 5. ``abort(step)`` (the committing rank): nothing of ``step`` is left.
 6. ``list()``: the committed steps, oldest first; ``prune(keep)`` removes all
    but the newest ``keep``.
+7. ``read(step, ...)``: what a rank needs of committed ``step``, its bytes
+   checked against the checksums its commit recorded.
 
 :class:`FileStorage` is the checkpoint directory (``step-<N>/`` with tensor
 files and ``manifest.json``; the format of :mod:`hpctrain.checkpoint.layout`,
 read by :mod:`hpctrain.checkpoint.restore`).  :class:`MemoryStorage` keeps the
-last commits in this process's memory (elastic mode's in-memory commits,
-:mod:`hpctrain.elastic.state`).
+last commits in this process's memory, in the same encoding (elastic mode's
+in-memory commits, :mod:`hpctrain.elastic.state`);
+:class:`~hpctrain.checkpoint.peer_storage.PeerStorage` adds a copy on a peer.
 
 Cost: the storage adds nothing to the bytes written; each step is the file
 system calls (or dictionary operations) it names.
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Tuple
 
-from .layout import write_files, write_manifest
+import numpy as np
+
+from .layout import read_entries, read_spread, write_files, write_manifest
+from .state import pack, unpack
+from .tensorfile import crc32
 
 __all__ = ["Storage", "FileStorage", "MemoryStorage", "step_path", "committed_steps"]
 
@@ -84,6 +93,11 @@ class Storage:
 
     def list(self) -> List[int]:
         """The committed steps, oldest first."""
+        raise NotImplementedError
+
+    def read(self, step: int, *args) -> Any:
+        """What a rank needs of committed ``step``, checked (CorruptFileError, a ValueError, when it does not
+        match its checksums)."""
         raise NotImplementedError
 
     def prune(self, keep: int) -> None:
@@ -149,25 +163,69 @@ class FileStorage(Storage):
     def list(self) -> List[int]:
         return committed_steps(self.directory)
 
+    def read(self, step: int, state: Dict[str, Any], rank: int) -> Dict[str, Any]:
+        """What ``rank`` needs of ``state``'s entries from committed ``step``: ``{key: (kind, value)}``
+        (:func:`~hpctrain.checkpoint.layout.read_entries`: every file checked against the manifest)."""
+        return read_entries(self.location(step), step, state, rank)
+
+    def read_spread(self, step: int, key: str, rank: int) -> Any:
+        """Rank ``rank``'s part of spread entry ``key`` of committed ``step``, checked."""
+        return read_spread(self.location(step), key, rank)
+
     def remove(self, step: int) -> None:
         shutil.rmtree(self.location(step), ignore_errors=True)
 
 
 class MemoryStorage(Storage):
-    """The last ``kept`` commits in this process's memory: each step's one part, as given (no copy)."""
+    """The last ``kept`` commits in this process's memory, each part in the checkpoint's encoding.
+
+    ``write_part(step, part)``: ``part`` is a ``{name: value}`` tree of live
+    values; it is packed at once (:func:`~hpctrain.checkpoint.state.pack`: one
+    safetensors buffer) and its CRC-32 computed on a helper thread while the
+    caller goes on.  A value the encoding refuses (an object of the
+    program's own, not data) is held as its deep copy.  :meth:`read` checks
+    the CRC-32 and gives values in memory of their own.  The buffer of the
+    step removed last is written into by the next (fresh memory's page faults
+    cost as much as the copy).  Cost of a commit: one copy of the part (and
+    one CRC-32 pass beside the caller); memory: ``kept`` encodings and that
+    spare one (a deep copy's peak, held).
+    """
 
     def __init__(self, kept: int):
         self.kept = kept
-        self._parts: "OrderedDict[int, Any]" = OrderedDict()
+        self._parts: "OrderedDict[int, Any]" = OrderedDict()    # step -> ((bytes, CRC-32 or its Future), held)
         self._open: Dict[int, Any] = {}
+        self._spare: Optional[Tuple[np.ndarray, Any]] = None     # the step removed last: its buffer, CRC-32
+        self._hasher: Optional[ThreadPoolExecutor] = None
 
     def begin(self, step: int) -> None:
         if step in self._parts:
             raise FileExistsError(f"commit {step} exists already")
         self._open[step] = None
 
-    def write_part(self, step: int, part: Any, meta: Optional[dict] = None) -> None:
-        self._open[step] = part
+    def write_part(self, step: int, part: Dict[str, Any], meta: Optional[dict] = None) -> None:
+        """Pack ``part`` (values that are not data: deep copies) and start its CRC-32 on the helper thread."""
+        data, held, spare = dict(part), {}, self.take_spare()
+        try:
+            raw, _ = pack(data, into=spare, checksum=False)
+        except TypeError:                   # (rare: find the values that are not data, one by one)
+            for name in list(data):
+                try:
+                    pack({name: data[name]})
+                except TypeError:
+                    held[name] = copy.deepcopy(data.pop(name))
+            raw, _ = pack(data, into=spare, checksum=False)
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-commit-crc")
+        self._open[step] = ((raw, self._hasher.submit(crc32, raw)), held)
+
+    def take_spare(self) -> Optional[np.ndarray]:
+        """The buffer of the step removed last (None if none), for a new step's bytes."""
+        if self._spare is None:
+            return None
+        (spare, crc), self._spare = self._spare, None
+        _value(crc)         # (its CRC-32 may still be reading it)
+        return spare
 
     def commit(self, step: int, world_size: int = 1, receipts: Optional[List[Any]] = None) -> None:
         self._parts[step] = self._open.pop(step)
@@ -179,10 +237,25 @@ class MemoryStorage(Storage):
     def list(self) -> List[int]:
         return list(self._parts)
 
-    def read(self, step: int) -> Any:
-        """The part committed as ``step``; KeyError if it is not kept."""
-        return self._parts[step]
+    def read(self, step: int) -> Dict[str, Any]:
+        """The part committed as ``step``, checked against its CRC-32 (CorruptFileError, a ValueError, if its
+        bytes changed); KeyError if it is not kept."""
+        (raw, crc), held = self._parts[step]
+        out = unpack(raw, _value(crc))
+        out.update(copy.deepcopy(held))
+        return out
+
+    def held(self, step: int) -> Dict[str, Any]:
+        """The values of ``step`` held as objects (not data), without decoding the rest."""
+        return dict(self._parts[step][1])
 
     def remove(self, step: int) -> None:
-        self._parts.pop(step, None)
+        gone = self._parts.pop(step, None)
+        if gone is not None:
+            raw, crc = gone[0]
+            self._spare = (raw.base if isinstance(raw.base, np.ndarray) else raw, crc)
 
+
+def _value(crc: Any) -> int:
+    """A CRC-32, waited for when it is still being computed (a Future)."""
+    return crc.result() if isinstance(crc, Future) else crc

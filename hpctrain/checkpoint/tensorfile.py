@@ -15,21 +15,27 @@ contiguous, sizes matching dtype x shape) and returns numpy views of that one
 buffer.  :func:`encode_tensors`/:func:`decode_tensors` are the same layout and
 checks on bytes in memory (the in-memory and peer copies of elastic commits,
 :mod:`hpctrain.checkpoint.peer_storage`), so every store of committed state
-has one encoding.  Cost: one pass over the bytes each way; CRC-32 runs at
-several GB/s.
+has one encoding.  Cost: one pass over the bytes each way, plus the CRC-32
+(zlib-ng's, with carry-less multiplication where the CPU has it; the
+standard library's zlib, the same checksum, where zlib-ng is not installed).
 """
 from __future__ import annotations
 
 import json
 import os
 import struct
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["write_tensors", "read_tensors", "encode_tensors", "decode_tensors", "CorruptFileError", "DTYPES"]
+try:
+    from zlib_ng.zlib_ng import crc32
+except ImportError:     # (the same CRC-32, several times slower)
+    from zlib import crc32
+
+__all__ = ["write_tensors", "read_tensors", "encode_tensors", "decode_tensors", "CorruptFileError", "DTYPES",
+           "crc32"]
 
 # safetensors dtype name -> numpy dtype; BF16 travels as uint16 bit patterns.
 DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
@@ -101,24 +107,31 @@ def write_tensors(path: str, tensors: Mapping[str, Tuple[np.ndarray, str]],
     return size, crc
 
 
-def encode_tensors(tensors: Mapping[str, Tuple[np.ndarray, str]],
-                   metadata: Optional[Mapping[str, str]] = None) -> Tuple[np.ndarray, int]:
-    """The bytes :func:`write_tensors` would write, as one uint8 array, and their CRC-32 (one copy, one pass)."""
+def encode_tensors(tensors: Mapping[str, Tuple[np.ndarray, str]], metadata: Optional[Mapping[str, str]] = None,
+                   into: Optional[np.ndarray] = None, checksum: bool = True) -> Tuple[np.ndarray, Optional[int]]:
+    """The bytes :func:`write_tensors` would write, as one uint8 array, and their CRC-32 (one copy, one pass).
+
+    ``into``: a uint8 buffer to write them into when it is large enough (the
+    result is then a view of its first bytes): reusing one saves the page
+    faults of fresh memory, as much again as the copy.  ``checksum=False``:
+    None for the CRC-32 (the caller computes it, :func:`crc32`, later).
+    """
     head = _header(tensors, metadata)
     bodies = list(_bodies(tensors))
-    out = np.empty(len(head) + sum(len(b) for b in bodies), dtype=np.uint8)
+    size = len(head) + sum(len(b) for b in bodies)
+    out = into[:size] if into is not None and into.size >= size else np.empty(size, dtype=np.uint8)
     out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
     pos = len(head)
     for raw in bodies:
         out[pos:pos + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         pos += len(raw)
-    return out, zlib.crc32(out)
+    return out, crc32(out) if checksum else None
 
 
 class _Checksum:
     """A running CRC-32 whose large pieces are hashed on a helper thread, overlapping the file I/O.
 
-    zlib releases the GIL while it hashes, so hashing chunk k runs while the
+    crc32 releases the GIL while it hashes, so hashing chunk k runs while the
     caller writes (or reads) chunk k+1; pieces are hashed in order.  The
     caller must not modify a piece until :meth:`value` has returned.
     """
@@ -135,7 +148,7 @@ class _Checksum:
             if self._last is not None:
                 self._crc = self._last.result()
                 self._last = None
-            self._crc = zlib.crc32(piece, self._crc)
+            self._crc = crc32(piece, self._crc)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-crc")
@@ -143,7 +156,7 @@ class _Checksum:
 
         def crc(prev=prev, base=None):
             start = prev.result() if prev is not None else self._crc
-            return zlib.crc32(piece, start)
+            return crc32(piece, start)
 
         self._last = self._pool.submit(crc)
 
@@ -190,8 +203,9 @@ def decode_tensors(raw: np.ndarray, crc: int, where: str = "a committed part"
     match ``crc`` or are not a valid safetensors layout.
     """
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if zlib.crc32(raw) != crc:
-        raise CorruptFileError(f"{where} does not match its checksum (CRC-32 {zlib.crc32(raw):08x}, "
+    actual = crc32(raw)
+    if actual != crc:
+        raise CorruptFileError(f"{where} does not match its checksum (CRC-32 {actual:08x}, "
                                f"recorded {crc:08x})")
     return _parse(memoryview(raw), where)
 

@@ -1,17 +1,22 @@
 """Training state that survives a re-formed world: commit, restore, and make every rank hold the same.
 
 ``state.commit()`` (after a step, every ``k`` steps) keeps a copy of the state
-in this process's memory; after a failure :func:`hpctrain.elastic.run`
-re-forms the world and calls :meth:`State.recover`: the ranks agree on the
-newest commit every survivor has (a survivor whose step failed before its
-commit is one commit behind the others, so the last two are kept), each
-restores it, and rank 0's copy is broadcast so that every rank continues
-from the same bits.  Cost of a commit: one copy of the state in memory
+in this process's memory, in the checkpoint's encoding (a
+:class:`~hpctrain.checkpoint.storage.MemoryStorage`: the values packed as one
+safetensors buffer with its CRC-32, verified when read back); after a failure
+:func:`hpctrain.elastic.run` re-forms the world and calls :meth:`State.recover`:
+the ranks agree on the newest commit every survivor has (a survivor whose
+step failed before its commit is one commit behind the others, so the last
+two are kept), each restores it, and rank 0's copy is broadcast so that
+every rank continues from the same bits.  Cost of a commit: one copy of the
+state and one CRC-32 pass over it
 (:class:`~hpctrain.torch.elastic_state.TorchState`: the model's and the
-optimizer's tensors), no communication.  A value spread over the ranks (a
-:class:`~hpctrain.torch.ShardedOptimizer`) is committed as this rank's part
-plus a copy on a buddy rank of another node (one all-to-all of ``1/N`` of it),
-and rebuilt after a re-forming from the survivors' parts and copies
+optimizer's tensors), no communication; a value the encoding refuses (not
+data: an object of the program's own) is kept as a deep copy.  A value
+spread over the ranks (a :class:`~hpctrain.torch.ShardedOptimizer`) is
+committed as this rank's part plus a copy on a buddy rank of another node
+(one all-to-all of ``1/N`` of it), and rebuilt after a re-forming from the
+survivors' parts and copies
 (:mod:`hpctrain.checkpoint.peer_storage`).
 """
 from __future__ import annotations
@@ -46,7 +51,9 @@ class State:
         self._from_disk: Optional[Callable[[], object]] = None
 
     # -- for subclasses -------------------------------------------------------
-    def _capture(self) -> Any:
+    def _capture(self, names: Optional[Sequence[str]] = None, copy_values: bool = True) -> Dict[str, Any]:
+        """The values (all, or ``names``) as ``{name: value}``: copies, or with ``copy_values=False`` the live
+        values (a commit encodes them at once)."""
         raise NotImplementedError
 
     def _apply(self, saved: Any) -> None:
@@ -65,7 +72,7 @@ class State:
         """Keep a copy of the state (in this process's memory) that :meth:`restore` and a re-forming go back to."""
         start = time.perf_counter()
         self._number += 1
-        self._commits.save(self._number, self._capture())
+        self._commits.save(self._number, self._capture(copy_values=False))
         self.commit_s = time.perf_counter() - start
 
     def commit(self) -> None:
@@ -183,10 +190,11 @@ class ObjectState(State):
 
     ``state = ObjectState(epoch=0, batch=0, sampler=sampler)``; ``state.epoch += 1``; ``state.commit()``.
     A value with ``state_dict()`` and ``load_state_dict()`` (a sampler, an LR
-    scheduler, a torch model or optimizer) is committed as a deep copy of its
-    state dict and restored in place, so objects that hold it (a DataLoader
-    holds its sampler) see the restored state; any other value is deep-copied
-    and the attribute set again.  Values must be picklable (:meth:`sync`
+    scheduler, a torch model or optimizer) is committed as its state dict
+    (packed, module docstring) and restored in place, so objects that hold it
+    (a DataLoader holds its sampler) see the restored state; any other value
+    is committed the same way (a deep copy where it is not data) and the
+    attribute set again.  Values must be picklable (:meth:`sync`
     sends rank 0's); names in ``local`` are restored but not synced (each
     rank's own, such as its RNG streams).
     """
@@ -199,7 +207,7 @@ class ObjectState(State):
             setattr(self, name, value)
         self.save()
 
-    def _capture(self, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    def _capture(self, names: Optional[Sequence[str]] = None, copy_values: bool = True) -> Dict[str, Any]:
         out = {}
         for name in self._names:        # (a ShardedOptimizer's allgathers in flight finish before anything is read)
             wait = getattr(getattr(self, name), "wait_parameters", None)
@@ -210,7 +218,8 @@ class ObjectState(State):
             if _is_spread(value):           # (a ShardedOptimizer: its own chunks here, a copy on the buddy rank)
                 out[name] = _Spread.capture(value, self._peer_storage(name), self._number)
                 continue
-            out[name] = copy.deepcopy(value.state_dict() if _has_state_dict(value) else value)
+            value = value.state_dict() if _has_state_dict(value) else value
+            out[name] = copy.deepcopy(value) if copy_values else value
         return out
 
     def _apply(self, saved: Dict[str, Any]) -> None:
@@ -218,10 +227,10 @@ class ObjectState(State):
             current = getattr(self, name)
             if isinstance(value, _Spread):
                 value.load_own(current, strict=not getattr(self, "_recovering", False))
-            elif _has_state_dict(current):
-                current.load_state_dict(copy.deepcopy(value))     # (loading may keep the tensors it is given)
+            elif _has_state_dict(current):      # (the values are the caller's own: a commit's read or a broadcast)
+                current.load_state_dict(value)
             else:
-                setattr(self, name, copy.deepcopy(value))
+                setattr(self, name, value)
 
     def _sync(self, comm) -> None:
         self._sync_values(comm, ())
@@ -246,8 +255,8 @@ class ObjectState(State):
     def _recover_spread(self, comm) -> None:
         """Give each spread value (committed as parts) the chunks of the new world from the old world's parts:
         each old rank's own copy where it survived, else its buddy's (:func:`hpctrain.checkpoint.peer_storage.recover`)."""
-        saved = self._commits.read(self._commits.list()[-1])
-        spread = [(name, value) for name, value in saved.items() if isinstance(value, _Spread)]
+        held = self._commits.held(self._commits.list()[-1])
+        spread = [(name, value) for name, value in held.items() if isinstance(value, _Spread)]
         for name, value in spread:
             value.load_all(getattr(self, name), comm)
         if spread:      # (commit at once in the new world: its parts, and their copies, are of the new sharding)
@@ -291,6 +300,9 @@ class _Spread:
         common, own = value.shard_state_dict()
         peers.save(step, own)
         return cls(copy.deepcopy(common), peers, step)
+
+    def __deepcopy__(self, memo) -> "_Spread":
+        return self         # (a record of a commit, never changed: a commit's copy of it is itself)
 
     def load_own(self, value, strict: bool = True) -> None:
         """Put this rank's part back (the world of the commit); in another world only a recovery can

@@ -37,12 +37,13 @@ class KerasState(ObjectState):
                                 f"or a tf.Module); got {type(obj).__name__}")
         super().__init__(**held, **values)
 
-    def _capture(self, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    def _capture(self, names: Optional[Sequence[str]] = None, copy_values: bool = True) -> Dict[str, Any]:
         names = list(self._names if names is None else names)
-        out = super()._capture([n for n in names if n not in _HELD])
+        out = super()._capture([n for n in names if n not in _HELD], copy_values)
         for name in names:
             if name in _HELD:
-                out[name] = [np.array(v.numpy(), copy=True) for v in variables_of(getattr(self, name))]
+                out[name] = [np.array(v.numpy()) if copy_values else np.asarray(v.numpy())
+                             for v in variables_of(getattr(self, name))]
         return out
 
     def _apply(self, saved: Dict[str, Any]) -> None:
