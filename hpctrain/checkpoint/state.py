@@ -30,7 +30,7 @@ import numpy as np
 from .hostcopy import HostCopier
 from .tensorfile import CorruptFileError, decode_tensors, dtype_name, encode_tensors
 
-__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "variables_of", "pack", "unpack"]
+__all__ = ["encode", "decode", "snapshot_entry", "load_entry", "variables_of", "pack", "packable", "unpack"]
 
 _TENSOR, _TUPLE, _DICT, _VARS = "$tensor", "$tuple", "$dict", "$variables"
 _TREE = "hpctrain.part"     # (the metadata key of a packed tree)
@@ -249,6 +249,15 @@ def pack(tree: Dict[str, Any], into: Optional[np.ndarray] = None, checksum: bool
     enc = Encoder(copy=False)
     shape = enc.tree(dict(tree), "part")
     return encode_tensors(enc.tensors, {_TREE: json.dumps(shape, separators=(",", ":"))}, into, checksum)
+
+
+def packable(value: Any) -> bool:
+    """Whether :func:`pack` can hold ``value`` (a walk of its tree: nothing is copied)."""
+    try:
+        Encoder(copy=False).tree({"value": value}, "part")
+    except TypeError:
+        return False
+    return True
 
 
 def unpack(raw: np.ndarray, crc: int) -> Dict[str, Any]:

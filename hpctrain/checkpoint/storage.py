@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .layout import read_entries, read_spread, write_files, write_manifest
-from .state import pack, unpack
+from .state import pack, packable, unpack
 from .tensorfile import crc32
 
 __all__ = ["Storage", "FileStorage", "MemoryStorage", "step_path", "committed_steps"]
@@ -208,11 +208,9 @@ class MemoryStorage(Storage):
         data, held, spare = dict(part), {}, self.take_spare()
         try:
             raw, _ = pack(data, into=spare, checksum=False)
-        except TypeError:                   # (rare: find the values that are not data, one by one)
-            for name in list(data):
-                try:
-                    pack({name: data[name]})
-                except TypeError:
+        except TypeError:                   # (raised by the tree walk, before any copy: find the values that are
+            for name in list(data):         # not data, one by one, without copying them)
+                if not packable(data[name]):
                     held[name] = copy.deepcopy(data.pop(name))
             raw, _ = pack(data, into=spare, checksum=False)
         if self._hasher is None:
