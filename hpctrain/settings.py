@@ -166,8 +166,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "launcher's hosts this job started with (set by the launcher)", minimum=0),
     Setting("HPCTRAIN_ELASTIC_RANK_HOSTS", "text", "", "elastic mode with a discovery script: the host of each "
             "rank as the script names it, in launch-rank order (set by the launcher)"),
-    Setting("HPCTRAIN_ELASTIC_MAX_NP", "int", 0, "elastic mode with a discovery script: the most ranks to grow "
-            "to (0: as many as the hosts offer; set by `hpctrain launch --max-np`)", minimum=0),
+    Setting("HPCTRAIN_ELASTIC_MAX_NP", "int", 0, "elastic mode with a discovery script or a cooldown range: the "
+            "most ranks to grow to (0: as many as the hosts offer; set by `hpctrain launch --max-np`)", minimum=0),
     Setting("HPCTRAIN_ELASTIC_RESUME", "flag", False, "elastic mode: this job is the launcher's restart on more "
             "hosts; `hpctrain.elastic.run` first loads the commit written for it (set by the launcher)"),
     Setting("HPCTRAIN_ELASTIC_RESETS_DONE", "int", 0, "elastic mode: resets of this job before the launcher's "
@@ -176,7 +176,7 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_ELASTIC_DISCOVERY_S", "seconds", 1.0, "elastic mode: seconds between two runs of the host "
             "discovery script by the launcher"),
     Setting("HPCTRAIN_ELASTIC_TIMEOUT_S", "seconds", 600.0, "elastic mode: how long the launcher waits for the "
-            "discovery script to offer --min-np slots before it gives up"),
+            "discovery script to offer --min-np slots before it gives up (set by `hpctrain launch --elastic-timeout`)"),
     Setting("HPCTRAIN_LAUNCHER", "choice", "", "launcher of `hpctrain launch` and the sbatch scripts (empty: "
             "srun inside a Slurm allocation, else mpirun)", choices=("", "mpirun", "srun")),
     Setting("HPCTRAIN_SRUN_MPI", "text", "pmix", "the `--mpi=` plugin of srun launches"),

@@ -470,7 +470,7 @@ def test_discovered_hosts_are_parsed_and_planned_the_same_on_every_rank():
 
 
 def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_until_they_return(tmp_path):
-    from hpctrain.launcher.elastic_driver import _Watch
+    from hpctrain.launcher.elastic_driver import _Watch, script_source
     from hpctrain.launcher_protocol import read_json, write_json
 
     listing, script, control = tmp_path / "hosts.txt", tmp_path / "discover.sh", tmp_path / "control"
@@ -480,7 +480,7 @@ def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_un
     offered = lambda: (read_json(str(control / "hosts.json"))["version"],           # noqa: E731
                        [tuple(h) for h in read_json(str(control / "hosts.json"))["hosts"]])
     listing.write_text("a:2\nb:2\n")
-    watch = _Watch(str(script), 1, str(control))
+    watch = _Watch(script_source(str(script), 1), str(control))
     watch.seen, watch.launched = [("a", 2), ("b", 2)], {"a": 2, "b": 2}
     watch.post(watch.seen)
     watch.poll()
@@ -494,6 +494,49 @@ def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_un
     listing.write_text("a:2\nb:2\nc:1\n")                          # b returns: offered again
     watch.poll()
     assert offered() == (4, [("a", 2), ("b", 2), ("c", 1)])
+
+
+def test_a_host_left_out_after_a_failure_comes_back_after_its_cooldown_doubling_up_to_the_maximum(tmp_path):
+    """--blacklist-cooldown-range 10 25 on fixed hosts (a source that always lists them), on a clock of our own:
+    the k-th leave-out of a host lasts min(25, 10 * 2**(k-1)) s; a world read once is not judged again after the
+    cooldown (the host is offered again before the world has grown back onto it)."""
+    from hpctrain.launcher.cooldown import Cooldown
+    from hpctrain.launcher.elastic_driver import _Watch
+    from hpctrain.launcher_protocol import read_json, write_json
+
+    now = [0.0]
+    cooldown = Cooldown((10, 25), clock=lambda: now[0])
+    control = tmp_path / "control"
+    control.mkdir()
+    watch = _Watch(lambda: [("a", 2), ("b", 2)], str(control), cooldown)
+    watch.seen, watch.launched = [("a", 2), ("b", 2)], {"a": 2, "b": 2}
+    watch.post(watch.seen)
+    offered = lambda: [tuple(h) for h in read_json(str(control / "hosts.json"))["hosts"]]    # noqa: E731
+    write_json(str(control / "world.json"), {"size": 3, "hosts": ["a", "a", "b"]})    # a rank on b failed
+    for t, hosts in ((0, [("a", 2)]), (9.9, [("a", 2)]), (10, [("a", 2), ("b", 2)]), (11, [("a", 2), ("b", 2)])):
+        now[0] = t
+        watch.poll()
+        assert offered() == hosts, (t, offered())
+    write_json(str(control / "world.json"), {"size": 3, "hosts": ["a", "b", "b"]})    # then a rank on a failed
+    watch.poll()
+    assert offered() == [("b", 2)] and cooldown.times == {"a": 1, "b": 1}
+    cooldown.leave_out(["b"])                                      # b again (its daemon lost): 20 s this time
+    now[0] = 20.9
+    assert cooldown.left_out() == {"a", "b"}
+    now[0] = 21
+    assert cooldown.left_out() == {"b"}
+    now[0] = 31
+    assert cooldown.left_out() == set()
+    for _ in range(3):
+        cooldown.leave_out(["b"])
+        now[0] += 100
+    cooldown.leave_out(["b"])                                      # the 6th time: min(25, 10 * 32)
+    assert cooldown.until["b"] == now[0] + 25
+    forever = Cooldown()                                           # (no range: until the script drops the host)
+    forever.leave_out(["a"])
+    assert forever.left_out() == {"a"}
+    forever.forgive(["a"])
+    assert forever.left_out() == set()
 
 
 def test_after_a_node_is_lost_whole_the_launcher_goes_on_with_the_other_hosts_within_its_limits(capsys, tmp_path,
@@ -553,7 +596,17 @@ def test_a_launcher_left_stuck_after_its_last_rank_ended_is_ended_and_one_with_r
 
 @pytest.mark.parametrize("options, said", [
     (["-n", "2", "--reset-limit", "1"], "--reset-limit goes with --elastic"),
-    (["--elastic", "-n", "2", "--max-np", "3"], "--max-np needs --host-discovery-script"),
+    (["-n", "2", "--max-np", "3"], "--max-np goes with --elastic"),
+    (["--elastic", "-n", "3", "--max-np", "2"], "--max-np (2) is below -np (3)"),
+    (["--elastic", "-n", "5", "-H", "a:2,b:2", "--max-np", "8"],
+     "-np (5) is more than the 4 rank(s) the hosts' 4 slot(s) and --max-np 8 allow"),
+    (["--elastic", "-n", "2", "--blacklist-cooldown-range", "5", "10"],
+     "--blacklist-cooldown-range needs hosts to leave out and take back"),
+    (["--elastic", "-H", "a:1,b:1", "-n", "2", "--blacklist-cooldown-range", "10", "5"],
+     "--blacklist-cooldown-range takes MIN MAX seconds with 0 <= MIN <= MAX, got 10 5"),
+    (["--elastic", "-n", "2", "--elastic-timeout", "0"], "--elastic-timeout must be more than 0 seconds"),
+    (["-n", "2", "--network-interface", "eth0"], "horovodrun's --network-interface is not taken by hpctrain launch"),
+    (["-n", "2", "--fusion-threshold-mb", "32"], "set HPCTRAIN_FUSION_THRESHOLD (bytes) in the environment instead"),
     (["--elastic", "--host-discovery-script", "/nonexistent/discover.sh"], "no executable host discovery script"),
     (["--elastic", "--host-discovery-script", "/bin/true", "-H", "a:2"], "leave out -H, --hostfile and --gloo"),
     (["--elastic", "--host-discovery-script", "/bin/true", "--min-np", "3", "--max-np", "2"],

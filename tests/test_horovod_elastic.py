@@ -67,8 +67,42 @@ def test_horovod_style_elastic_script_follows_the_hosts_a_discovery_script_offer
     assert lines[-1] == {"identical": True, "ranks": 2}, lines
     assert "hpctrain: the elastic job restarts from commit" in res.stdout
     assert "restarting the elastic job on localhost:1, 127.0.0.1:2" in res.stdout
-    assert "its host localhost left the discovery script's hosts" in res.stdout
+    assert "its host localhost left the launcher's hosts" in res.stdout
     assert not (tmp_path / ".hpctrain-elastic").exists()          # (the launcher's control folder is removed)
+
+
+# horovodrun's users launch as `-np 4 --min-np 2 --max-np 4 -H ...`: the start rank 0 SIGKILLed at epoch 1 batch 0
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cooldown", [None, 5])
+def test_horovod_style_elastic_script_launched_with_horovodruns_flags_on_fixed_hosts(cooldown, tmp_path):
+    """``--max-np`` with fixed hosts (-H): the job starts on every slot up to it.  Without a cooldown range the
+    failed rank's host keeps its other rank (3 ranks go on); with ``--blacklist-cooldown-range 5 5`` the host
+    is left out as horovodrun blacklists it (its other rank leaves: 2 ranks on 127.0.0.1 from start rank 2, as
+    in Horovod's judge, test_fault_tolerance_without_scaling), and 5 s later it is offered again: the world grows
+    back to 4 by a restart from the commit (rank 0 waits 2 s before each epoch's batches, so that the news of the
+    hosts is acted on within the epoch of the failure, and the cooldown ends before the last)."""
+    log = tmp_path / "log.jsonl"
+    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "-np", "4", "--min-np", "2", "--max-np", "4", "-H",
+           "localhost:2,127.0.0.1:2", str(PROGRAM), "--exit", "1:0:0", "--exit-mode", "kill", "--log", str(log)]
+    if cooldown:
+        cmd[9:9] = ["--blacklist-cooldown-range", str(cooldown), str(cooldown)]
+        cmd += ["--epochs", "5", "--epoch-pause", "2"]
+    res = run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60, HPCTRAIN_ELASTIC_DISCOVERY_S=0.2), 150, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-4000:]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    epochs = [(r["size"], r["start_rank"]) for r in lines[:-1]]
+    assert all(r["lr"] == pytest.approx(0.01 * r["size"]) for r in lines[:-1]), lines
+    if not cooldown:
+        assert epochs == [(4, 0), (3, 1), (3, 1)], lines
+        assert lines[-1] == {"identical": True, "ranks": 3}, lines
+        return
+    assert epochs[:2] == [(4, 0), (2, 2)] and epochs[-1] == (4, 0), lines
+    sizes = [size for size, _ in epochs]
+    grown = sizes.index(4, 1)                                      # (2 ranks until the restart, then 4)
+    assert set(sizes[1:grown]) == {2} and set(sizes[grown:]) == {4}, lines
+    assert lines[-1] == {"identical": True, "ranks": 4}, lines
+    assert "its host localhost left the launcher's hosts" in res.stdout
+    assert "hpctrain launch: restarting the elastic job on 127.0.0.1:2, localhost:2 from commit" in res.stdout
 
 
 @pytest.mark.timeout(180)

@@ -123,13 +123,13 @@ def check(state) -> bool:
     if not stays[comm.rank]:
         from ..world import fail_this_rank
 
-        fail_this_rank(f"hpctrain: rank {comm.rank}: its host {hosts[comm.rank]} left the discovery script's "
-                       f"hosts (or has fewer slots now)")
+        fail_this_rank(f"hpctrain: rank {comm.rank}: its host {hosts[comm.rank]} left the launcher's hosts "
+                       f"(the discovery script's, less those left out after a failure) or has fewer slots now")
     if all(stays):
         return False
     if comm.rank == stays.index(True):
         gone = sorted({h for h, s in zip(hosts, stays) if not s})
-        _say(f"hpctrain: host(s) {', '.join(gone)} left the job (discovery script): "
+        _say(f"hpctrain: host(s) {', '.join(gone)} left the job (the launcher's hosts): "
              f"{len(stays) - sum(stays)} rank(s) leave, the others go on from commit {state.commit_number}")
     return True
 
@@ -148,7 +148,7 @@ def _restart(state, comm, doc: dict, hosts: Sequence[str]) -> None:
                     "resets": resets_done(state) + 1,
                     "save_s": time.monotonic() - start, "time": time.time()})
         sys.stdout.write(f"{ELASTIC_RESTARTING} from commit {state.commit_number} (written in "
-                         f"{time.monotonic() - start:.2f} s): the discovery script offers "
+                         f"{time.monotonic() - start:.2f} s): the launcher offers "
                          f"{sum(int(s) for _, s in doc['hosts'])} slot(s) for {comm.size} rank(s)\n")
         sys.stdout.flush()
     comm.barrier()

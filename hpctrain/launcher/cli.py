@@ -19,14 +19,15 @@ def _launch(args) -> int:
     if args.start_timeout is not None and not args.gloo:
         print("hpctrain launch: --start-timeout applies to --gloo launches (horovodrun's); mpirun and srun "
               "use their own start-up timeouts", file=sys.stderr)
-    if args.reset_limit is not None and not args.elastic:
-        raise ValueError("--reset-limit goes with --elastic")
-    if args.host_discovery_script or args.max_np is not None:
+    _check_elastic_flags(args)
+    if args.host_discovery_script:
         return _launch_discovered(args, argv)
-    if args.n is None:
+    hosts = _fixed_hosts(args) if args.elastic else None
+    n = _elastic_size(args, hosts) if args.elastic else args.n
+    if n is None:
         print("hpctrain launch: give the number of ranks, -n N", file=sys.stderr)
         return 2
-    cmd = build_command(args.n, argv, hosts=args.hosts, hostfile=args.hostfile, gloo=args.gloo,
+    cmd = build_command(n, argv, hosts=args.hosts, hostfile=args.hostfile, gloo=args.gloo,
                         start_timeout=args.start_timeout, elastic=args.elastic, min_np=args.min_np,
                         exports=_reset_limit(args))
     _check_before_launch(argv)
@@ -39,19 +40,68 @@ def _launch(args) -> int:
     if not args.gloo:
         remove_stale_session_dirs(pid=os.getpid())   # mpirun gets this pid: a killed one's folder stops it
     if args.elastic:
-        from .elastic_driver import run_fixed_hosts
+        from .elastic_driver import run_fixed_hosts, run_with_discovery
         from .launch import run_elastic
 
-        hosts = _fixed_hosts(args)
         if hosts is None:           # (one host: no remote daemon to lose)
             return run_elastic(cmd)
-        return run_fixed_hosts(args.n, argv, hosts, args.min_np or 1, build_command, run_elastic,
+        if args.cooldown_range:     # (horovodrun's blacklisting: a host left out comes back after its cooldown)
+            from .cooldown import Cooldown
+
+            return run_with_discovery(argv, lambda: list(hosts), args.min_np or 1, n, build_command, run_elastic,
+                                      exports=_reset_limit(args), cooldown=Cooldown(tuple(args.cooldown_range)))
+        return run_fixed_hosts(n, argv, hosts, args.min_np or 1, build_command, run_elastic,
                                exports=_reset_limit(args))
     if os.path.basename(cmd[0]) in ("srun", "horovodrun"):
         os.execv(cmd[0], cmd)       # (they handle Ctrl-C themselves)
     from .launch import run_forwarding_signals
 
     return run_forwarding_signals(cmd)
+
+
+def _check_elastic_flags(args) -> None:
+    """Refuse (ValueError, one line) an elastic flag without --elastic or with values that do not fit together;
+    apply ``--elastic-timeout`` (HPCTRAIN_ELASTIC_TIMEOUT_S, read by this launcher)."""
+    from .. import settings
+    from .cooldown import check_range
+
+    given = [flag for flag, value in (("--reset-limit", args.reset_limit), ("--max-np", args.max_np),
+                                      ("--elastic-timeout", args.elastic_timeout),
+                                      ("--blacklist-cooldown-range", args.cooldown_range),
+                                      ("--host-discovery-script", args.host_discovery_script))
+             if value is not None]
+    if given and not args.elastic:
+        raise ValueError(f"{given[0]} goes with --elastic")
+    if args.max_np is not None and args.max_np < 1:
+        raise ValueError(f"--max-np must be 1 or more, got {args.max_np}")
+    if args.max_np is not None and args.min_np is not None and args.max_np < args.min_np:
+        raise ValueError(f"--max-np ({args.max_np}) is below --min-np ({args.min_np})")
+    check_range(args.cooldown_range)
+    if args.cooldown_range and not (args.hosts or args.hostfile or args.host_discovery_script):
+        raise ValueError("--blacklist-cooldown-range needs hosts to leave out and take back: give -H, --hostfile "
+                         "or --host-discovery-script (on one host a failed rank's world re-forms in place)")
+    if args.elastic_timeout is not None:
+        if args.elastic_timeout <= 0:
+            raise ValueError(f"--elastic-timeout must be more than 0 seconds, got {args.elastic_timeout}")
+        os.environ[settings.setting("HPCTRAIN_ELASTIC_TIMEOUT_S").name] = str(args.elastic_timeout)
+
+
+def _elastic_size(args, hosts):
+    """The ranks an elastic launch on fixed hosts starts (None: -n missing).
+
+    As horovodrun: with ``--max-np`` every slot of ``-H``/``--hostfile`` up to
+    ``--max-np`` (at least ``-n``); without it, ``-n`` ranks (horovodrun would
+    fill every slot).  On this host alone ``--max-np`` only caps ``-n``.
+    """
+    if args.max_np is None or hosts is None:
+        if args.n is not None and args.max_np is not None and args.max_np < args.n:
+            raise ValueError(f"--max-np ({args.max_np}) is below -np ({args.n})")
+        return args.n
+    slots = sum(s for _, s in hosts)
+    if args.n is not None and args.n > min(slots, args.max_np):
+        raise ValueError(f"-np ({args.n}) is more than the {min(slots, args.max_np)} rank(s) the hosts' {slots} "
+                         f"slot(s) and --max-np {args.max_np} allow")
+    return min(slots, args.max_np)
 
 
 def _fixed_hosts(args):
@@ -83,12 +133,10 @@ def _reset_limit(args) -> dict:
 def _launch_discovered(args, argv) -> int:
     """``--elastic --host-discovery-script S``: the ranks follow the hosts S offers (hpctrain.launcher.elastic_driver)."""
     from .. import settings
-    from .elastic_driver import run_with_discovery
+    from .cooldown import Cooldown
+    from .elastic_driver import run_with_discovery, script_source
     from .launch import build_command, run_elastic
 
-    if not (args.elastic and args.host_discovery_script):
-        raise ValueError("--host-discovery-script and --max-np go with --elastic, and --max-np needs "
-                         "--host-discovery-script (without one the hosts are fixed: -n, -H, --hostfile)")
     if args.hosts or args.hostfile or args.gloo:
         raise ValueError("--host-discovery-script names the hosts: leave out -H, --hostfile and --gloo")
     if not os.access(args.host_discovery_script, os.X_OK):
@@ -103,8 +151,9 @@ def _launch_discovered(args, argv) -> int:
         return 0
     settings.mark_launch_checked()
     sys.stdout.flush()
-    return run_with_discovery(argv, args.host_discovery_script, min_np, max_np, args.slots, build_command,
-                              run_elastic, exports=_reset_limit(args))
+    cooldown = Cooldown(tuple(args.cooldown_range) if args.cooldown_range else None)
+    return run_with_discovery(argv, script_source(args.host_discovery_script, args.slots), min_np, max_np,
+                              build_command, run_elastic, exports=_reset_limit(args), cooldown=cooldown)
 
 
 def _check_before_launch(argv) -> None:
@@ -195,13 +244,20 @@ def main(argv=None) -> int:
     p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
                    help="with --elastic: the fewest ranks to go on with (default 1)")
     p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
-                   help="with --host-discovery-script: the most ranks to grow to (default: every slot offered)")
+                   help="with --elastic: the most ranks (with -H/--hostfile: start on every slot up to it; with "
+                   "--host-discovery-script: grow up to it; default: -n, or every slot the script offers)")
     p.add_argument("--host-discovery-script", help="with --elastic: an executable printing the hosts available "
                    "now, one 'host' or 'host:slots' per line; the job follows it (hosts that leave, hosts added)")
     p.add_argument("--reset-limit", type=int, help="with --elastic: end the job after this many re-formings "
                    "and restarts (as horovodrun's; default: no limit)")
-    p.add_argument("--slots", type=int, default=1, help="slots of a host the discovery script prints without "
-                   "':slots' (default 1)")
+    p.add_argument("--slots", "--slots-per-host", dest="slots", type=int, default=1, help="slots of a host the "
+                   "discovery script prints without ':slots' (default 1)")
+    p.add_argument("--elastic-timeout", type=float, help="with --elastic: seconds to wait for --min-np slots "
+                   "(HPCTRAIN_ELASTIC_TIMEOUT_S; default 600)")
+    p.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="with --elastic on several hosts: a host where a rank failed is left out for MIN seconds, "
+                   "twice as long each further time, at most MAX, then offered again (default: while the discovery "
+                   "script lists it; with -H/--hostfile for good)")
     p.add_argument("--verbose", action="store_true", help="print the command before running it")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("program", nargs=argparse.REMAINDER, help="script.py args..., or a command")
@@ -225,7 +281,15 @@ def main(argv=None) -> int:
     p.add_argument("run_dir", help="the log_dir given to StepMetrics / track_steps / StepMetricsCallback")
     p.add_argument("--out", help="folder for the plots (default: the run folder)")
     p.set_defaults(func=_report)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        from .horovodrun_flags import refusal
+
+        said = refusal(extras)
+        if said is None:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        print(f"hpctrain: error: {said}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

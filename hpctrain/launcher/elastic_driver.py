@@ -13,7 +13,9 @@ changes, and start the job again on more hosts.
    next commit (:mod:`hpctrain.elastic.hosts`: ranks on hosts that left end,
    the others re-form; more slots restart the job).  A host where a rank
    failed is left out of what is offered (its other ranks leave too, as
-   Horovod blacklists it) until ``S`` stops listing it and lists it again;
+   Horovod blacklists it) until ``S`` stops listing it and lists it again,
+   or with ``--blacklist-cooldown-range MIN MAX`` until its cooldown ends
+   (:mod:`hpctrain.launcher.cooldown`);
 3. when the job ended for a restart (``<control>/restart.json``), starts it
    again on the hosts offered now (those of the last world first, so rank 0
    keeps its host), with ``HPCTRAIN_ELASTIC_RESUME=1``;
@@ -23,7 +25,9 @@ changes, and start the job again on more hosts.
    starts it again on the other hosts: the ranks start from what the script
    loads at its start (its newest disk checkpoint), as after torchrun's
    restart.  :func:`run_fixed_hosts` does the same for ``-H`` / ``--hostfile``
-   launches.  Each such restart counts one reset towards ``--reset-limit``,
+   launches (whose failed ranks' hosts keep their other ranks); with
+   ``--blacklist-cooldown-range`` fixed hosts go through 1-3 as a script that
+   always lists them, so that a host left out comes back after its cooldown.  Each such restart counts one reset towards ``--reset-limit``,
    on top of the resets the ranks had before (rank 0 writes their count to
    ``<control>/resets.json`` after each one); the next start is told the sum
    (``HPCTRAIN_ELASTIC_RESETS_DONE``).
@@ -46,9 +50,10 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .. import settings
+from .cooldown import Cooldown
 from ..launcher_protocol import HOSTS_FILE, RESETS_FILE, RESTART_FILE, WORLD_FILE, read_json, write_json
 
-__all__ = ["parse_hosts", "discover", "DiscoveryError", "run_with_discovery", "run_fixed_hosts"]
+__all__ = ["parse_hosts", "discover", "script_source", "DiscoveryError", "run_with_discovery", "run_fixed_hosts"]
 
 Hosts = List[Tuple[str, int]]
 
@@ -89,19 +94,21 @@ def discover(script: str, default_slots: int = 1, timeout: float = 30.0) -> Host
 
 
 class _Watch:
-    """What the launcher offers the running job: the script's hosts less those where a rank failed."""
+    """What the launcher offers the running job: the source's hosts less those where a rank failed (cooldown.py)."""
 
-    def __init__(self, script: str, slots: int, control: str):
-        self.script, self.slots, self.control = script, slots, control
+    def __init__(self, source: Callable[[], Hosts], control: str, cooldown: Optional[Cooldown] = None):
+        self.source, self.control = source, control
+        self.cooldown = cooldown or Cooldown()
         self.version = 0
-        self.seen: Hosts = []             # the script's newest answer
+        self.seen: Hosts = []             # the source's newest answer
         self.posted: Hosts = []           # what the ranks were offered last (hosts.json)
         self.launched: Dict[str, int] = {}    # ranks per host at the job's start
-        self.suspect: set = set()         # hosts where a rank failed, left out until the script drops them
+        self.world: Optional[dict] = None     # the ranks' world.json last looked at
         self.warned = False
 
     def offered(self) -> Hosts:
-        return [(h, s) for h, s in self.seen if h not in self.suspect]
+        out = self.cooldown.left_out()
+        return [(h, s) for h, s in self.seen if h not in out]
 
     def post(self, hosts: Hosts) -> None:
         self.version += 1
@@ -110,24 +117,36 @@ class _Watch:
                    {"version": self.version, "hosts": [list(h) for h in hosts], "time": time.time()})
 
     def poll(self) -> None:
-        """Run the script once and post what changed (called every HPCTRAIN_ELASTIC_DISCOVERY_S while the job runs)."""
+        """Ask the source once and post what changed (called every HPCTRAIN_ELASTIC_DISCOVERY_S while the job runs).
+
+        A host with fewer ranks in the ranks' newest world than it was offered
+        and started with had a rank fail: it is left out (its other ranks leave
+        too, as horovodrun blacklists it) for its cooldown, or until the script
+        stops listing it.
+        """
         try:
-            self.seen = discover(self.script, self.slots)
+            self.seen = self.source()
         except DiscoveryError as exc:
             if not self.warned:
                 sys.stderr.write(f"hpctrain launch: {exc}; keeping the hosts of its last answer\n")
                 self.warned = True
             return
         names = {h for h, _ in self.seen}
-        self.suspect &= names                     # (a host the script dropped comes back as a new one)
+        self.cooldown.forgive(set(self.cooldown.until) - names)   # (a host the script dropped comes back as new)
         world = read_json(os.path.join(self.control, WORLD_FILE))
-        if world is not None:
+        if world is not None and world != self.world:            # (judged once: a cooldown may end before the
+            self.world = world                                     # world has grown back onto the host)
             now = Counter(world["hosts"])
             posted = dict(self.posted)
-            self.suspect |= {h for h, n in self.launched.items()
-                             if now.get(h, 0) < min(n, posted.get(h, 0)) and h in names}
+            self.cooldown.leave_out(h for h, n in self.launched.items()
+                                    if now.get(h, 0) < min(n, posted.get(h, 0)) and h in names)
         if self.offered() != self.posted:
             self.post(self.offered())
+
+
+def script_source(script: str, slots: int) -> Callable[[], Hosts]:
+    """The hosts a discovery script offers, asked anew at each call (DiscoveryError when it fails)."""
+    return lambda: discover(script, slots)
 
 
 def _order(hosts: Hosts, first: Sequence[str]) -> Hosts:
@@ -136,24 +155,27 @@ def _order(hosts: Hosts, first: Sequence[str]) -> Hosts:
     return sorted(hosts, key=lambda hs: rank.get(hs[0], len(rank)))
 
 
-def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, slots: int,
+def run_with_discovery(argv: List[str], source: Callable[[], Hosts], min_np: int, max_np: int,
                        build: Callable[..., List[str]], run: Callable[..., int],
-                       exports: Optional[Dict[str, str]] = None) -> int:
-    """Run the elastic job on the discovery script's hosts, restarting it on more (module docstring); its status.
+                       exports: Optional[Dict[str, str]] = None, cooldown: Optional[Cooldown] = None) -> int:
+    """Run the elastic job on the hosts ``source()`` offers, restarting it on more (module docstring); its status.
 
-    ``build(n, argv, hosts=..., elastic=True, min_np=..., exports=...)`` makes
-    mpirun's command (:func:`hpctrain.launcher.launch.build_command`) and
-    ``run(cmd, watch=...)`` runs it (:func:`hpctrain.launcher.launch.run_elastic`);
-    ``exports`` are more settings for the ranks.
+    ``source`` is :func:`script_source` of the discovery script, or fixed
+    hosts with ``--blacklist-cooldown-range`` (a host left out comes back
+    after its ``cooldown``).  ``build(n, argv, hosts=..., elastic=True,
+    min_np=..., exports=...)`` makes mpirun's command
+    (:func:`hpctrain.launcher.launch.build_command`) and ``run(cmd, watch=...)``
+    runs it (:func:`hpctrain.launcher.launch.run_elastic`); ``exports`` are
+    more settings for the ranks.
     """
     with _control_folder() as control:
-        watch = _Watch(script, slots, control)
+        watch = _Watch(source, control, cooldown)
         hosts = _wait_for_hosts(watch, min_np)
         resume, starts, resets = False, 0, 0
         while True:
             n = min(sum(s for _, s in hosts), max_np) if max_np else sum(s for _, s in hosts)
             names = [h for h, s in hosts for _ in range(s)][:n]
-            watch.launched = Counter(names)
+            watch.launched, watch.world = Counter(names), None
             watch.post(hosts)
             for name in (RESTART_FILE, WORLD_FILE):
                 _remove(os.path.join(control, name))
@@ -170,7 +192,7 @@ def run_with_discovery(argv: List[str], script: str, min_np: int, max_np: int, s
             starts += 1
             restart = read_json(os.path.join(control, RESTART_FILE))
             if lost and restart is None:
-                watch.suspect |= lost
+                watch.cooldown.leave_out(lost)
                 resets = _resets_before(control, resets) + 1
                 hosts = _after_node_loss(lost, watch.offered(), min_np, starts, resets, exports)
                 if hosts is None:
@@ -277,7 +299,7 @@ def _wait_for_hosts(watch: _Watch, min_np: int) -> Hosts:
     """The script's hosts once they offer ``min_np`` slots; DiscoveryError after HPCTRAIN_ELASTIC_TIMEOUT_S."""
     deadline = time.monotonic() + settings.get("HPCTRAIN_ELASTIC_TIMEOUT_S")
     while True:
-        watch.seen = discover(watch.script, watch.slots)
+        watch.seen = watch.source()
         if sum(s for _, s in watch.seen) >= min_np:
             return watch.seen
         if time.monotonic() > deadline:

@@ -9,7 +9,8 @@ rank, how many times ``train`` was entered, the learning rate), and at the end e
 gathered and rank 0 writes whether they are identical.  With ``--hosts-schedule`` (the hosts a discovery
 script offers for each epoch, as JSON lists), rank 0 waits at the end of an epoch, as Horovod's judge does,
 until the launcher has news of the next epoch's hosts (``state._host_messages``), so the commit that ends
-the epoch acts on them.
+the epoch acts on them.  ``--epoch-pause S`` makes rank 0 wait S seconds before each epoch's batches (and
+after each re-forming), so that news of the hosts is acted on within the epoch it was caused in.
 """
 import argparse
 import json
@@ -30,6 +31,7 @@ p.add_argument("--exit", default="", help="EPOCH:BATCH:START_RANKS")
 p.add_argument("--exit-mode", default="kill", choices=["kill", "exception"])
 p.add_argument("--log", required=True)
 p.add_argument("--hosts-schedule", default="[]", help="JSON: the hosts offered for epoch 0, 1, ...")
+p.add_argument("--epoch-pause", type=float, default=0.0, help="seconds rank 0 waits at the end of each epoch")
 args = p.parse_args()
 
 hvd.init()
@@ -62,6 +64,8 @@ state.register_reset_callbacks([on_reset])
 def train(state):
     state.entered += 1
     while state.epoch < args.epochs:
+        if hvd.rank() == 0:
+            time.sleep(args.epoch_pause)     # (before the epoch's batches: news of the hosts comes within it)
         order = list(state.sampler)          # (this rank's share of what the epoch has left, dealt now)
         for b in range(-(-len(order) // args.batch)):
             if exit_at and exit_at[:2] == (state.epoch, state.batch) and start_rank in exit_at[2]:
