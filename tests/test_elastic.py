@@ -594,6 +594,43 @@ def test_a_launcher_left_stuck_after_its_last_rank_ended_is_ended_and_one_with_r
             kill_tree(p)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("finished", [True, False])
+def test_the_elastic_launch_ends_with_mpirun_though_a_process_it_left_holds_its_output_open(finished, tmp_path, capfd):
+    """A lost node's remote shell (or any child that outlives mpirun) keeps mpirun's output pipe open: the launch
+    ends PIPE_DRAIN_S after mpirun, with the status the ranks' markers give, instead of waiting for the pipe's end."""
+    from hpctrain.launcher.launch import PIPE_DRAIN_S, run_elastic
+    from hpctrain.launcher_protocol import ELASTIC_FINISHED, ELASTIC_STARTED
+
+    pid = tmp_path / "holder.pid"
+    script = (f"sleep 120 & echo $! > {pid}; echo '{ELASTIC_STARTED} 2 ranks'; "
+              + (f"echo '{ELASTIC_FINISHED} with 2 ranks'; " if finished else "") + "exit 0")
+    start = time.monotonic()
+    try:
+        code = run_elastic(["sh", "-c", script])
+        took = time.monotonic() - start
+    finally:
+        os.kill(int(pid.read_text()), signal.SIGKILL)
+    assert code == (0 if finished else 1) and took < PIPE_DRAIN_S + 10, (code, took)
+    err = capfd.readouterr().err
+    assert "sh ended but a process it left still holds its output open" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_an_mpirun_still_running_after_the_job_finished_is_ended_with_the_jobs_status(tmp_path, capfd):
+    """PRRTE waits for ever for the daemon of a frozen node: once rank 0 said the job finished, mpirun gets
+    grace_s to exit, then is ended (status 0: the job finished)."""
+    from hpctrain.launcher.launch import run_elastic
+    from hpctrain.launcher_protocol import ELASTIC_FINISHED, ELASTIC_STARTED
+
+    start = time.monotonic()
+    code = run_elastic(["sh", "-c", f"echo '{ELASTIC_STARTED} 2 ranks'; echo '{ELASTIC_FINISHED} with 2 ranks'; "
+                                    f"exec sleep 60"], grace_s=1.0)
+    assert code == 0 and time.monotonic() - start < 10
+    assert "sh had not exited 1 s after the job finished (stuck, or waiting for a lost node's daemon); ended it, " \
+           "exit status 0" in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("options, said", [
     (["-n", "2", "--reset-limit", "1"], "--reset-limit goes with --elastic"),
     (["-n", "2", "--max-np", "3"], "--max-np goes with --elastic"),

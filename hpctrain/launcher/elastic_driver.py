@@ -351,6 +351,22 @@ def end_if_orphaned(proc: subprocess.Popen, grace_s: float = ORPHANED_GRACE_S) -
     return ended
 
 
+def end_if_stuck(proc: subprocess.Popen, ended: threading.Event, grace_s: float = ORPHANED_GRACE_S) -> None:
+    """Kill ``proc`` (mpirun) if it has not exited ``grace_s`` after now, when the job said it finished; set ``ended``.
+
+    Rank 0 says so at its exit, after every rank's shutdown: an mpirun still
+    running then waits for a daemon that cannot answer (a frozen or cut-off
+    node whose kernel keeps its connections: PRRTE waits for it for ever).
+    """
+    def check():
+        if proc.poll() is None:
+            ended.set()
+            proc.kill()
+    timer = threading.Timer(grace_s, check)
+    timer.daemon = True
+    timer.start()
+
+
 def poll_while(proc: subprocess.Popen, watch: Optional[Callable[[], None]]) -> Optional[threading.Thread]:
     """Call ``watch()`` every HPCTRAIN_ELASTIC_DISCOVERY_S seconds on a daemon thread until ``proc`` ends."""
     if watch is None:
