@@ -13,6 +13,11 @@
 #                                                            on NODE at once (the node stays up, empty);
 #                                                            with PATTERN only the processes whose
 #                                                            command line matches it (grep -E)
+#   scripts/cluster.sh processes NODE [PATTERN]              NODE's processes (whose command line matches)
+#   scripts/cluster.sh freeze NODE | thaw NODE               a hung node: SIGSTOP (SIGCONT) to everything on
+#                                                            NODE; its kernel still answers, nothing is closed
+#   scripts/cluster.sh cut NODE | heal NODE                  a partition: NODE's link set down (no RST, no FIN),
+#                                                            and up again
 #   scripts/cluster.sh mpirun MPIRUN-ARGS...                 mpirun (${MPIRUN:-mpirun}) on node1 with what the
 #                                                            nodes need: the launch agent, eth0 only, root
 #   scripts/cluster.sh launcher NODE CMD [ARG...]            run a launcher (hpctrain launch, mpirun,
@@ -199,6 +204,27 @@ crash() {   # SIGKILL every process on the node but its holder (or those matchin
   echo "$1: killed $(echo $pids | wc -w) processes"
 }
 
+signal_node() {   # SIGSTOP (freeze) or SIGCONT (thaw) every process on the node but its holder: a hung node
+  local sig=$1 holder pids
+  holder=$(pid_of "${2:?which node?}")
+  pids=$(ns_pids "$holder" | grep -vx "$holder" || true)
+  [ -z "$pids" ] || kill "-$sig" $pids 2>/dev/null || true
+  echo "$2: sent SIG$sig to $(echo $pids | wc -w) processes"
+}
+
+node_processes() {   # the command lines of the node's processes (but its holder) that match $2 (grep -E)
+  local holder p
+  holder=$(pid_of "${1:?which node?}")
+  for p in $(ns_pids "$holder" | grep -vx "$holder" || true); do
+    tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | grep -E -- "${2:-.}" | sed "s/^/$p /" || true
+  done
+}
+
+cut_off() {   # a partition: NODE's link down (nothing is closed; the others hear nothing more from it), or up again
+  run_on "${2:?which node?}" ip link set eth0 "$1"
+  echo "$2: link $1"
+}
+
 status() {
   [ -s "$DIR/nodes" ] || { echo "no cluster up"; return 0; }
   local n i pid
@@ -258,6 +284,11 @@ case $cmd in
   down) down ;;
   status) status ;;
   kill) crash "$@" ;;
+  freeze) signal_node STOP "$@" ;;
+  processes) node_processes "$@" ;;
+  cut) cut_off down "$@" ;;
+  heal) cut_off up "$@" ;;
+  thaw) signal_node CONT "$@" ;;
   rate) reshape "$@" ;;
   mpirun) cluster_mpirun "$@" ;;
   exec) run_on "$@" ;;
@@ -271,5 +302,5 @@ case $cmd in
     export PATH="$DIR/bin:$PATH" OMPI_MCA_btl_tcp_if_include=eth0 OMPI_MCA_oob_tcp_if_include=eth0 \
       PRTE_MCA_oob_tcp_if_include=eth0 GLOO_SOCKET_IFNAME=eth0
     run_on "$node" "$@" ;;
-  *) die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... | down | exec NODE CMD... | agent NODE CMDLINE | launcher NODE CMD... | ssh NODE CMDLINE | mpirun ARGS | rate RATE | kill NODE | status" ;;
+  *) die "usage: cluster.sh up N [--rate RATE] [--keep PATH]... | down | exec NODE CMD... | agent NODE CMDLINE | launcher NODE CMD... | ssh NODE CMDLINE | mpirun ARGS | rate RATE | kill NODE | freeze NODE | thaw NODE | cut NODE | heal NODE | processes NODE | status" ;;
 esac

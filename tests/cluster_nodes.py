@@ -60,6 +60,17 @@ class Cluster:
         subprocess.run([str(SCRIPT), "kill", node] + ([pattern] if pattern else []), env={**os.environ, **self.env},
                        check=True, capture_output=True, timeout=30)
 
+    def fault(self, action: str, node: str) -> None:
+        """``freeze`` (SIGSTOP every process), ``thaw``, ``cut`` (its link down) or ``heal`` ``node``: cluster.sh."""
+        subprocess.run([str(SCRIPT), action, node], env={**os.environ, **self.env}, check=True, capture_output=True,
+                       timeout=30)
+
+    def processes(self, node: str, pattern: str) -> list:
+        """The command lines of ``node``'s processes that match ``pattern`` (grep -E)."""
+        res = subprocess.run([str(SCRIPT), "processes", node, pattern], env={**os.environ, **self.env},
+                             capture_output=True, text=True, timeout=30, check=True)
+        return res.stdout.splitlines()
+
     def launcher(self, node: str) -> list:
         """The command prefix that runs a launcher (hpctrain launch, mpirun) on ``node``, reaching the others."""
         return [str(SCRIPT), "launcher", node]

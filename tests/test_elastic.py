@@ -496,6 +496,19 @@ def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_un
     assert offered() == (4, [("a", 2), ("b", 2), ("c", 1)])
 
 
+def test_only_the_greater_side_of_a_partition_goes_on():
+    """Heartbeats declare each side of a partition failed to the other: the side with more than half of the world's
+    ranks, or exactly half with rank 0, goes on; the other ends (tests/test_multinode.py: a cut-off node)."""
+    from hpctrain.elastic.reform import minority_side
+
+    assert not minority_side(4, [2, 3]) and minority_side(4, [0, 1])          # 2 x 2: rank 0's node goes on
+    assert not minority_side(4, [3]) and not minority_side(4, [0])             # a quarter lost: the rest go on
+    assert minority_side(6, [0, 1, 2, 3]) and minority_side(6, [2, 3, 4, 5])   # a third left, rank 0 or not
+    assert minority_side(6, [0, 1, 2]) and not minority_side(6, [3, 4, 5])     # half: the half with rank 0
+    assert not minority_side(2, [1]) and minority_side(2, [0])
+    assert not minority_side(3, [0]) and minority_side(3, [1, 2])
+
+
 def test_a_host_left_out_after_a_failure_comes_back_after_its_cooldown_doubling_up_to_the_maximum(tmp_path):
     """--blacklist-cooldown-range 10 25 on fixed hosts (a source that always lists them), on a clock of our own:
     the k-th leave-out of a host lasts min(25, 10 * 2**(k-1)) s; a world read once is not judged again after the

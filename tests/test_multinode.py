@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -180,6 +181,78 @@ def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_di
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14, err_msg=name)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault", ["freeze", "cut"])
+def test_an_elastic_job_whose_node_goes_silent_goes_on_in_process_and_ends_by_itself(fault, cluster):
+    """A node that goes silent (2 nodes x 2 ranks, after step 10): node2 frozen (every process SIGSTOPped, its
+    kernel still answering), or cut off (its link down, its ranks running on, the link up again 30 s later).
+    Nothing is closed, so only a heartbeat tells: `hpctrain launch --elastic` across hosts turns on Open MPI's
+    heartbeat detector (HPCTRAIN_ELASTIC_SILENT_S, 4 s).  node1's ranks (half of the world, with rank 0)
+    re-form in process from their newest commit (commits every 4 steps: no disk restart), naming node2 and both
+    of its ranks, and the job ends by itself (the launcher does not wait for node2's daemon nor for an output pipe
+    it holds).  A cut-off node's ranks see node1's as failed too, but half of the world without rank 0 is the
+    lesser side of a partition: they end, and do not come back when the link does.  The final model equals the
+    reference that went from 4 to 2 ranks at the commit the survivors went back to."""
+    from safetensors.numpy import load_file
+    from test_elastic import example_args, reference
+
+    where = cluster.shared / f"elastic-silent-{fault}"
+    where.mkdir()
+    out = where / "final.safetensors"
+    cmd = cluster.launcher("node1") + [str(BIN / "hpctrain"), "launch", "--elastic", "-n", "4", "-H",
+                                       "node1:2,node2:2", *example_args(out), "--step-sleep", "0.1", "--log-steps"]
+    job = subprocess.Popen(cmd, cwd=where, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=120, **cluster.env),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines, went_on, finished, on_node2, seen = [], None, None, None, []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if line.strip() == "step 10":
+                before = cluster.processes("node2", "elastic_train")
+                cluster.fault(fault, "node2")
+                fault_at = time.monotonic()
+                if fault == "cut":          # (during the partition, after both sides had time to re-form)
+                    probe = threading.Timer(22, lambda: seen.append(cluster.processes("node2", "elastic_train")))
+                    probe.start()
+                break
+        reformed = False
+        for line in job.stdout:
+            lines.append(line)
+            reformed = reformed or "the world re-formed" in line
+            if reformed and went_on is None and re.fullmatch(r"step \d+\n", line):
+                went_on = time.monotonic() - fault_at
+            if "the elastic job finished" in line:
+                finished = time.monotonic()
+        job.wait(timeout=60)
+        ended = time.monotonic() - finished if finished else None
+        if fault == "cut":
+            probe.join()
+            time.sleep(max(0.0, fault_at + 30 - time.monotonic()))
+            cluster.fault("heal", "node2")
+            time.sleep(3)
+            on_node2 = seen + [cluster.processes("node2", "elastic_train")]
+    finally:
+        kill_tree(job)
+        cluster.fault("thaw" if fault == "freeze" else "heal", "node2")
+        cluster.kill("node2")
+    log = "".join(lines)
+    assert job.returncode == 0, log[-4000:]
+    assert re.search(r"hpctrain: world ranks 2-3 on node node2 failed; the world re-formed from 4 to 2 ranks", log), \
+        log[-4000:]
+    assert went_on is not None and went_on < 30, f"{went_on} s from the fault to the next step"
+    assert ended is not None and ended < 30, f"the launch ended {ended} s after the job finished"
+    assert len(before) == 2, before                  # (the probe sees node2's ranks while they run)
+    assert not on_node2 or not any(on_node2), f"node2's ranks ran on, cut off (then healed): {on_node2}"
+    summary = json.loads(out.with_name(out.name + ".json").read_text())
+    assert summary["size"] == 2 and len(summary["resumed_at"]) == 1 and summary["resumed_at"][0] >= 8, summary
+    want, steps = reference(4, [(summary["resumed_at"][0], 2)])
+    got = load_file(str(out))
+    assert summary["steps"] == steps and sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14, err_msg=name)
+    print(f"{fault}: the next step {went_on:.1f} s after the fault; the launch ended {ended:.1f} s after the job")
 
 
 def test_cluster_sh_refuses_a_folder_the_nodes_cannot_see_and_says_which_they_can(cluster, tmp_path):

@@ -127,6 +127,7 @@ def check(state) -> bool:
                        f"(the discovery script's, less those left out after a failure) or has fewer slots now")
     if all(stays):
         return False
+    comm.life.failure_policy.planned_leave = True     # (the re-forming that follows is no partition's side)
     if comm.rank == stays.index(True):
         gone = sorted({h for h, s in zip(hosts, stays) if not s})
         _say(f"hpctrain: host(s) {', '.join(gone)} left the job (the launcher's hosts): "

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Sequence
 
 from .. import settings
 from ..errors import HpctrainError, WorldFailedError
 
-__all__ = ["reform", "Reformed", "WorldTooSmallError"]
+__all__ = ["reform", "Reformed", "WorldTooSmallError", "minority_side"]
 
 MAX_ATTEMPTS = 8         # shrinks in one re-forming when ranks keep failing while the new world is built
 FIRST_NEWS_S = 3.0      # how long a survivor waits for its library to name a failed process before it shrinks
@@ -64,7 +64,7 @@ def reform():
     would: :func:`hpctrain.elastic.run` re-forms again.
     """
     from ..comm.backends.mpi import ulfm, world_over
-    from ..world.lifecycle import _replace_world, world
+    from ..world.lifecycle import _replace_world, heartbeats_on, world
 
     old = world()
     policy = old.life.failure_policy
@@ -81,10 +81,21 @@ def reform():
     base, attempts = old.mpi_comm, 0
     while True:
         base = ulfm.shrink(base, MPI)
+        gone = _gone(old.mpi_comm, base, MPI)
         if attempts == 0:
             t1 = time.monotonic()
+            if detector is not None and not set(gone) <= set(lost):   # (a silent node's ranks, found one by one)
+                lost = sorted(set(lost) | set(gone))
+                lost_text = detector.describe(lost)
             info = Reformed(old.size, base.Get_size(), old.rank, base.Get_rank(), lost, lost_text, t1 - t0)
             _discard(old)
+        if heartbeats_on() and not policy.planned_leave and minority_side(old.size, gone):
+            from ..world import fail_this_rank
+
+            share = "half of it, without rank 0" if 2 * base.Get_size() == old.size else "fewer than half of it"
+            fail_this_rank(f"hpctrain: rank {old.rank}: the world of {old.size} ranks would re-form with "
+                           f"{base.Get_size()}, {share}: the lesser side of a partition ends (heartbeats make each "
+                           f"side see the other fail; the other side may be going on)")
         least = settings.get("HPCTRAIN_ELASTIC_MIN_NP")
         if base.Get_size() < least:
             raise WorldTooSmallError(f"hpctrain: {info.lost_text} failed and {base.Get_size()} of {old.size} ranks "
@@ -107,6 +118,26 @@ def reform():
         exc.reformed = info
         raise
     return new, info
+
+
+def minority_side(size: int, gone: Sequence[int]) -> bool:
+    """Whether the ranks left of a world of ``size`` after losing ``gone`` must end: they may be a partition's lesser side.
+
+    With heartbeats (HPCTRAIN_ELASTIC_SILENT_S) a silent rank is declared
+    failed, so both sides of a network partition see the other fail and
+    would each go on (two trainings writing the same checkpoints).  Only one
+    side can hold more than half of the old ranks, or exactly half with old
+    rank 0 (where the launcher runs): that side goes on, the other ends.
+    Cost: none (the lost ranks are known from the shrink).
+    """
+    kept = size - len(set(gone))
+    return 2 * kept < size or (2 * kept == size and 0 in gone)
+
+
+def _gone(old_comm, new_comm, MPI) -> List[int]:
+    """The ranks of ``old_comm`` that are not in ``new_comm`` (its shrink): every rank the survivors left out."""
+    kept = MPI.Group.Translate_ranks(new_comm.Get_group(), list(range(new_comm.Get_size())), old_comm.Get_group())
+    return sorted(set(range(old_comm.Get_size())) - set(kept))
 
 
 def _discard(old) -> None:

@@ -210,8 +210,8 @@ def _shutdown_at_exit() -> None:
         sys.stdout.write(f"{ELASTIC_FINISHED} with {last.size - behind} ranks after {generation()} re-forming"
                          f"{'' if generation() == 1 else 's'}{f', {behind} failed and left behind' if behind else ''}\n")
         sys.stdout.flush()
-    if generation() or (policy is not None and policy.left_behind):     # (ranks failed and the job went on)
-        _exit_without_finalize(code)
+    if generation() or (policy is not None and policy.left_behind) or heartbeats_on():
+        _exit_without_finalize(code)            # (ranks failed and the job went on, or finalize would not return)
 
 
 def _mark_restarting() -> None:
@@ -223,6 +223,12 @@ def fail_this_rank(message: str) -> None:
     """Elastic mode: print ``message`` and end this process as a failed rank (never returns; see
     :func:`hpctrain.comm.life.abort.fail_this_rank`)."""
     _fail_this_rank(message, _world.rank if _world is not None else "?")
+
+
+def heartbeats_on() -> bool:
+    """Whether Open MPI's heartbeat failure detector runs in this process (HPCTRAIN_ELASTIC_SILENT_S, set by
+    `hpctrain launch --elastic` across hosts): with it, Open MPI 5.0's ``MPI_Finalize`` does not return."""
+    return os.environ.get("OMPI_MCA_mpi_ft_detector", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _exit_without_finalize(code: int) -> None:

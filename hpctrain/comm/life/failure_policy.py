@@ -107,6 +107,7 @@ class Reform(FailurePolicy):
         super().__init__(rt)
         self.revokers: List[Callable[[], None]] = []    # each communicator's revocation
         self._failed: List[int] = []                    # world ranks known failed, once world_failed ran
+        self.planned_leave = False      # ranks leave by the launcher's plan (hosts removed), not by a fault
 
     @property
     def failed(self) -> List[int]:
