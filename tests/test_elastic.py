@@ -612,7 +612,7 @@ def test_a_launcher_left_stuck_after_its_last_rank_ended_is_ended_and_one_with_r
 def test_the_elastic_launch_ends_with_mpirun_though_a_process_it_left_holds_its_output_open(finished, tmp_path, capfd):
     """A lost node's remote shell (or any child that outlives mpirun) keeps mpirun's output pipe open: the launch
     ends PIPE_DRAIN_S after mpirun, with the status the ranks' markers give, instead of waiting for the pipe's end."""
-    from hpctrain.launcher.launch import PIPE_DRAIN_S, run_elastic
+    from hpctrain.launcher.elastic_run import PIPE_DRAIN_S, run_elastic
     from hpctrain.launcher_protocol import ELASTIC_FINISHED, ELASTIC_STARTED
 
     pid = tmp_path / "holder.pid"
@@ -633,7 +633,7 @@ def test_the_elastic_launch_ends_with_mpirun_though_a_process_it_left_holds_its_
 def test_an_mpirun_still_running_after_the_job_finished_is_ended_with_the_jobs_status(tmp_path, capfd):
     """PRRTE waits for ever for the daemon of a frozen node: once rank 0 said the job finished, mpirun gets
     grace_s to exit, then is ended (status 0: the job finished)."""
-    from hpctrain.launcher.launch import run_elastic
+    from hpctrain.launcher.elastic_run import run_elastic
     from hpctrain.launcher_protocol import ELASTIC_FINISHED, ELASTIC_STARTED
 
     start = time.monotonic()

@@ -41,7 +41,7 @@ def _launch(args) -> int:
         remove_stale_session_dirs(pid=os.getpid())   # mpirun gets this pid: a killed one's folder stops it
     if args.elastic:
         from .elastic_driver import run_fixed_hosts, run_with_discovery
-        from .launch import run_elastic
+        from .elastic_run import run_elastic
 
         if hosts is None:           # (one host: no remote daemon to lose)
             return run_elastic(cmd)
@@ -135,7 +135,8 @@ def _launch_discovered(args, argv) -> int:
     from .. import settings
     from .cooldown import Cooldown
     from .elastic_driver import run_with_discovery, script_source
-    from .launch import build_command, run_elastic
+    from .elastic_run import run_elastic
+    from .launch import build_command
 
     if args.hosts or args.hostfile or args.gloo:
         raise ValueError("--host-discovery-script names the hosts: leave out -H, --hostfile and --gloo")

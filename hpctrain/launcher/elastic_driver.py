@@ -165,7 +165,7 @@ def run_with_discovery(argv: List[str], source: Callable[[], Hosts], min_np: int
     after its ``cooldown``).  ``build(n, argv, hosts=..., elastic=True,
     min_np=..., exports=...)`` makes mpirun's command
     (:func:`hpctrain.launcher.launch.build_command`) and ``run(cmd, watch=...)``
-    runs it (:func:`hpctrain.launcher.launch.run_elastic`); ``exports`` are
+    runs it (:func:`hpctrain.launcher.elastic_run.run_elastic`); ``exports`` are
     more settings for the ranks.
     """
     with _control_folder() as control:
