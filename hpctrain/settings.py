@@ -173,10 +173,10 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_ELASTIC_RESETS_DONE", "int", 0, "elastic mode: resets of this job before the launcher's "
             "last restart (on more hosts, or after a lost node; each restart counts one; set by the launcher), "
             "counted against HPCTRAIN_ELASTIC_RESET_LIMIT", minimum=0),
-    Setting("HPCTRAIN_ELASTIC_SILENT_S", "seconds", 4.0, "elastic mode across hosts: a rank not heard from for "
+    Setting("HPCTRAIN_ELASTIC_SILENT_S", "seconds", 0.0, "elastic mode across hosts: a rank not heard from for "
             "this long is declared failed (Open MPI's heartbeat detector, beating every quarter of it on a thread of "
-            "its own, set by `hpctrain launch`), so that a frozen or cut-off node costs seconds; 0: off (such a node "
-            "then stalls the job until HPCTRAIN_STALL_TIMEOUT_S)", minimum=0),
+            "its own, set by `hpctrain launch`), so that a frozen or cut-off node costs seconds (4 is tested); 0 (the "
+            "default for now): off, such a node then stalls the job until HPCTRAIN_STALL_TIMEOUT_S", minimum=0),
     Setting("HPCTRAIN_ELASTIC_DISCOVERY_S", "seconds", 1.0, "elastic mode: seconds between two runs of the host "
             "discovery script by the launcher"),
     Setting("HPCTRAIN_ELASTIC_TIMEOUT_S", "seconds", 600.0, "elastic mode: how long the launcher waits for the "

@@ -27,7 +27,8 @@ changes, and start the job again on more hosts.
    restart.  :func:`run_fixed_hosts` does the same for ``-H`` / ``--hostfile``
    launches (whose failed ranks' hosts keep their other ranks); with
    ``--blacklist-cooldown-range`` fixed hosts go through 1-3 as a script that
-   always lists them, so that a host left out comes back after its cooldown.  Each such restart counts one reset towards ``--reset-limit``,
+   always lists them, so that a host left out comes back after its cooldown.
+   Each such restart counts one reset towards ``--reset-limit``,
    on top of the resets the ranks had before (rank 0 writes their count to
    ``<control>/resets.json`` after each one); the next start is told the sum
    (``HPCTRAIN_ELASTIC_RESETS_DONE``).
