@@ -38,6 +38,7 @@ class FailurePolicy:
 
     reforms = False             # whether the world re-forms from the survivors (elastic mode)
     polls_requests = False      # whether waits on MPI requests poll, so a failed peer ends them (elastic mode)
+    planned_leave = False       # ranks leave by the launcher's plan (hosts removed), not by a fault (set per world)
 
     def __init__(self, rt):
         self.rt = rt
@@ -107,7 +108,6 @@ class Reform(FailurePolicy):
         super().__init__(rt)
         self.revokers: List[Callable[[], None]] = []    # each communicator's revocation
         self._failed: List[int] = []                    # world ranks known failed, once world_failed ran
-        self.planned_leave = False      # ranks leave by the launcher's plan (hosts removed), not by a fault
 
     @property
     def failed(self) -> List[int]:
