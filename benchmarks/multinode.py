@@ -46,10 +46,13 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "scripts" / "cluster.sh"
 ALLREDUCE = str(REPO / "benchmarks" / "allreduce.py")
 PEERS = ("hpctrain-auto", "hpctrain-hierarchical", "hpctrain-ring", "hpctrain-native", "mpi4py", "mpi4py-flat",
-         "horovod")
+         "horovod", "hpctrain-elastic")
 # Open MPI 5's MPI_Allreduce is hierarchical itself across nodes (its coll/han component); "mpi4py-flat"
-# is the same call with han off, the flat algorithms of coll/tuned.
-PEER_ENV = {"mpi4py-flat": {"OMPI_MCA_coll": "^han"}}
+# is the same call with han off, the flat algorithms of coll/tuned.  "hpctrain-elastic" is "auto" in a world
+# that re-forms, as `hpctrain launch --elastic` starts it: the library's all-reduce left out, han off.
+PEER_ENV = {"mpi4py-flat": {"OMPI_MCA_coll": "^han"},
+            "hpctrain-elastic": {"OMPI_MCA_coll": "^han,cuda", "HPCTRAIN_ELASTIC": "1"}}
+WORKER_PEER = {"hpctrain-elastic": "hpctrain-auto"}
 COMPRESSION = {"none": None, "fp16": "fp16", "topk": "topk:ratio=0.01", "powersgd": "powersgd:rank=4,start_iter=0"}
 MIB = 1 << 20
 PER_NODE = 2
@@ -167,9 +170,10 @@ def measure(args) -> dict:
                     for peer in (args.peers if rnd % 2 == 0 else args.peers[::-1]):
                         print(f"[{rate}, {nodes} nodes, round {rnd + 1}/{args.rounds}] {peer}", file=sys.stderr,
                               flush=True)
-                        res = cluster.launch(nodes, [ALLREDUCE, "--worker", peer, "--seconds", args.seconds,
+                        res = cluster.launch(nodes, [ALLREDUCE, "--worker", WORKER_PEER.get(peer, peer),
+                                                     "--seconds", args.seconds,
                                                      "--sizes", *args.sizes], **PEER_ENV.get(peer, {}))
-                        runs[peer].append({int(k): v for k, v in res["times"].items()})
+                        runs[peer].append({int(k): v for k, v in res["times"]["allreduce"].items()})
                 entry["runs"][str(nodes)] = {p: {str(s): statistics.median(r[s] for r in runs[p]) for s in args.sizes}
                                              for p in args.peers}
             if i == 0 and args.methods:
