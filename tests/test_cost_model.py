@@ -79,8 +79,9 @@ def test_predict_adds_the_three_terms():
     assert predict(m, "hierarchical", S, 3, 2) == pytest.approx(a * 2e-5 + b * 8e-10 + c * 1e-10)
 
 
-def where(config, nodes=2, per_node=2):
-    return registry.Where(backend="mpi", size=nodes * per_node, num_nodes=nodes, shared_memory="", config=config)
+def where(config, nodes=2, per_node=2, reforms=False):
+    return registry.Where(backend="mpi", size=nodes * per_node, num_nodes=nodes, shared_memory="", config=config,
+                          reforms=reforms)
 
 
 def test_auto_across_nodes_follows_the_model_unless_a_crossover_is_set():
@@ -97,6 +98,23 @@ def test_auto_across_nodes_follows_the_model_unless_a_crossover_is_set():
     assert registry.choose("allreduce", where(measured), 64 * 2 ** 20).name == "native"
     one_node = replace(slow, hierarchical_min_bytes=0)
     assert registry.choose("allreduce", where(one_node, nodes=1), 64 * 2 ** 20).name != "hierarchical"
+
+
+def test_a_world_that_re_forms_never_runs_the_library_all_reduce_across_nodes():
+    # A rank killed inside Open MPI's han MPI_Allreduce across nodes leaves the survivors partial sums and no
+    # error (tests/test_multinode.py shows the re-forming that replaces it); one node keeps the library call.
+    slow = replace(Config(), link_gbit=1.0, link_latency_us=50.0, memory_gbps=10.0)
+    model = LinkModel.from_config(slow)
+    for nbytes in (8, 1024, 64 * 1024, 2 ** 20, 64 * 2 ** 20):
+        plain = registry.choose("allreduce", where(slow), nbytes).name
+        elastic = registry.choose("allreduce", where(slow, reforms=True), nbytes).name
+        assert elastic == ("hierarchical" if hierarchical_cost(model, nbytes, 2, 2) < 1.0 else "ring"), nbytes
+        assert elastic == plain or (plain, elastic) == ("native", "ring"), nbytes
+    assert registry.choose("allreduce", where(slow, nodes=1, reforms=True), 1024).name != "ring"
+    native = registry.lookup("allreduce", "native")
+    why = native.refusal(where(slow, reforms=True), "the world")
+    assert "not fault tolerant across nodes" in why and "use 'auto', 'ring' or 'hierarchical'" in why, why
+    assert native.refusal(where(slow), "the world") == native.refusal(where(slow, nodes=1, reforms=True), "w") == ""
 
 
 def test_small_one_node_allreduces_ride_the_check_only_while_the_node_moves_little(monkeypatch):

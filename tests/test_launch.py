@@ -43,6 +43,14 @@ def test_build_command_flags():
     elastic = build_command(3, ["x.py"], env=env, cores=2, elastic=True, min_np=2)
     assert elastic[elastic.index("--with-ft") + 1] == "ulfm" and "--with-ft" not in cmd
     assert "HPCTRAIN_ELASTIC=1" in elastic and "HPCTRAIN_ELASTIC_MIN_NP=2" in elastic
+    # Open MPI's han and cuda collectives are not fault tolerant (tests/test_multinode.py): left out unless the
+    # user chose the components; a rank that may run han in elastic mode says so (han_may_run)
+    assert elastic[elastic.index("coll") + 1] == "^han,cuda" and "coll" not in cmd
+    assert "coll" not in build_command(3, ["x.py"], env={"OMPI_MCA_coll": "^cuda"}, cores=2, elastic=True)
+    from hpctrain.world.lifecycle import han_may_run
+    assert [han_may_run({"OMPI_MCA_coll": c}) for c in ("", "^han,cuda", "^cuda", "^ cuda, han", "tuned,han",
+                                                           "tuned,basic")] == [True, False, True, False, True, False]
+    assert han_may_run({})
     for bad, said in (({"min_np": 2}, "--elastic"), ({"elastic": True, "min_np": 4}, "between 1 and"),
                       ({"elastic": True, "gloo": True}, "mpirun")):
         with pytest.raises(ValueError, match=said):

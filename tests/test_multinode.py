@@ -183,6 +183,30 @@ def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_di
         np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14, err_msg=name)
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("collective", ["auto", "broadcast", "allgather", "native"])
+def test_a_rank_killed_inside_a_64mib_collective_across_nodes_re_forms_with_right_results(collective, cluster):
+    """Rank 3 (node2) SIGKILLed inside back-to-back 64 MiB collectives across 2 nodes x 2 ranks, elastic mode:
+    every result before the failure equals its closed form on every rank (tests/programs/ring_kill.py asserts
+    it), and the 3 survivors re-form and all-reduce over the new world.  Open MPI's han (its default across nodes)
+    handed the survivors a half-written broadcast buffer and partial sums, with no error; its tuned all-reduce
+    and all-gather stalled for good after a TCP readv error in 2 of 4 tries.  So the launcher leaves han out,
+    and across nodes a world that re-forms runs hpctrain's ring for all-reduce (``auto``) and all-gather; naming
+    the library's all-reduce there is refused in one line."""
+    cmd = cluster.launcher("node1") + [str(BIN / "hpctrain"), "launch", "--elastic", "-n", "4", "-H",
+                                       "node1:2,node2:2", str(REPO / "tests" / "programs" / "ring_kill.py"), "2",
+                                       str(8 * 2 ** 20), collective]
+    proc = run(cmd, timeout=100, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=60, **cluster.env))
+    log = proc.stdout + proc.stderr
+    if collective == "native":
+        assert "algorithm='native' is not fault tolerant across nodes" in log, log[-4000:]
+        return
+    assert proc.returncode == 0, log[-4000:]
+    assert "Traceback" not in log and "warning: Open MPI's han" not in log, log[-4000:]
+    assert len(re.findall(r"^AFTER 6 3 KEPT \d+ CALLS \d+$", log, re.M)) == 3, log[-4000:]
+    assert "the elastic job finished with 3 ranks after 1 re-forming" in log, log[-4000:]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["freeze", "cut"])
 def test_an_elastic_job_whose_node_goes_silent_goes_on_in_process_and_ends_by_itself(fault, cluster):

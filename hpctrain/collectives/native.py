@@ -5,6 +5,12 @@ doubling, ``2 (n-1)/n`` of the bytes sent per rank for large buffers and
 ``log2 n`` steps for small ones.  It is the reference every other
 algorithm's cost estimate is relative to (1.0), and what ``auto`` falls back
 to where no other algorithm estimates itself cheaper.
+
+Not fault tolerant across nodes: a rank killed inside a cross-node
+``MPI_Allreduce`` leaves the survivors partial sums and no error under Open
+MPI 5.0's han (its default there), and a stall under tuned; so a world that
+re-forms after failures (elastic mode) runs hpctrain's own ring there instead
+(``Algorithm.fault_tolerant``), whose point-to-point messages fail loudly.
 """
 from __future__ import annotations
 
@@ -26,4 +32,4 @@ def native_reduce_scatter(links, acc: np.ndarray, bounds: np.ndarray, op: str) -
 
 
 register(Algorithm("native", "allreduce", run=native_allreduce, reduce_scatter=native_reduce_scatter,
-                   cost=lambda where, nbytes: 1.0, summary="the backend's library all-reduce"))
+                   cost=lambda where, nbytes: 1.0, summary="the backend's library all-reduce", fault_tolerant=False))

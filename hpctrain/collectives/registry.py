@@ -46,13 +46,16 @@ class Where:
     """What choosing an algorithm may depend on: the communicator's backend, shape and settings.
 
     ``shared_memory`` is "" where the ranks of a node can share memory
-    windows, else the reason they cannot.
+    windows, else the reason they cannot.  ``reforms``: the world goes on
+    after a rank fails (elastic mode), so an algorithm that a failure inside
+    it can leave with a wrong answer is left out (``Algorithm.fault_tolerant``).
     """
     backend: str
     size: int
     num_nodes: int
     shared_memory: str
     config: Any
+    reforms: bool = False
 
     @property
     def layout(self) -> str:
@@ -83,6 +86,11 @@ class Algorithm:
         cost: ``cost(where, nbytes) -> float or None``, relative to the
             library call (1.0); None (or no function): only when named.
         summary: one line for ``hpctrain info``.
+        fault_tolerant: a rank that fails inside it across nodes ends the
+            call on every survivor with an error.  False for the library's
+            all-reduce: Open MPI's han (its default across nodes) then hands
+            the survivors partial sums and no error; a world that re-forms
+            does not run it across nodes.
     """
     name: str
     collective: str
@@ -93,6 +101,7 @@ class Algorithm:
     shared_memory: bool = False
     cost: Optional[Callable[[Where, int], Optional[float]]] = None
     summary: str = ""
+    fault_tolerant: bool = True
 
     def runs_on(self, backend: str) -> bool:
         """Return True if this algorithm is offered on ``backend``."""
@@ -102,6 +111,10 @@ class Algorithm:
         """Return why this algorithm cannot run on a communicator at ``where`` ("" if it can)."""
         if self.shared_memory and where.shared_memory:
             return f"algorithm={self.name!r} needs shared memory, but {where.shared_memory}; use 'auto' or 'native'"
+        if where.reforms and where.num_nodes > 1 and not self.fault_tolerant:
+            return (f"algorithm={self.name!r} is not fault tolerant across nodes (a rank failing inside it can leave "
+                    f"the others a wrong result and no error), and {comm_name or 'this world'} re-forms after failures "
+                    f"(elastic mode); use 'auto', 'ring' or 'hierarchical'")
         if where.layout not in self.layouts:
             return (f"algorithm={self.name!r} needs every rank of {comm_name} on one node, but it spans "
                     f"{where.num_nodes} nodes; use 'hierarchical' (or 'auto')" if self.layouts == (ONE_NODE,)

@@ -126,7 +126,13 @@ def _reduce_scatter(links, acc: np.ndarray, bounds: np.ndarray, op: str) -> np.n
     return acc[bounds[links.rank]:bounds[links.rank + 1]]
 
 
-# Needs point-to-point messages (not on Horovod).  No cost estimate: the tuned library call or the
-# shared-memory algorithms are at least as fast where ``auto`` chooses, so the ring runs when named.
+def _cost(where, nbytes):
+    # The library's call (1.0) where it runs: the tuned library call or the shared-memory algorithms are at
+    # least as fast.  Across nodes in a world that re-forms the library's call is left out (not fault
+    # tolerant, see native.py) and the ring stands in for it.
+    return 1.0 if where.reforms and where.num_nodes > 1 else None
+
+
+# Needs point-to-point messages (not on Horovod).
 register(Algorithm("ring", "allreduce", run=_run, reduce_scatter=_reduce_scatter, backends=("mpi", "local"),
-                   summary="hpctrain's ring: reduce-scatter + all-gather, 2 (n-1)/n of the bytes per rank"))
+                   cost=_cost, summary="hpctrain's ring: reduce-scatter + all-gather, 2 (n-1)/n of the bytes per rank"))

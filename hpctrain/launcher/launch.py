@@ -13,6 +13,10 @@
   banner, one per rank) stay out, its warnings and errors do not;
 * ``--mca osc ^ucx`` keeps OpenMPI's UCX one-sided component (which prints a
   warning on every window) out of single-node runs;
+* ``--mca coll ^han,cuda`` in elastic mode (unless OMPI_MCA_coll is set): Open
+  MPI's han and cuda collective components are not fault tolerant (a rank
+  killed inside han's broadcast across nodes leaves the others a partial
+  buffer and no error; open-mpi/ompi#13915);
 * ``--with-ft ulfm`` for ranks on several hosts, where Open MPI has its
   fault-tolerance extension: a lost rank or node is then named by hpctrain
   (:mod:`hpctrain.comm.backends.mpi.failures`) before it ends the job, not left to
@@ -253,6 +257,7 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
             cmd += ["--with-ft", "ulfm"]
         if elastic:
             cmd += ["-x", "HPCTRAIN_ELASTIC=1", "-x", f"HPCTRAIN_ELASTIC_MIN_NP={min_np or 1}"]
+            cmd += [] if "OMPI_MCA_coll" in env else ["--mca", "coll", "^han,cuda"]
             cmd += _silence_detector(env) if _several_hosts(hosts, hostfile) else []
         for name, value in (exports or {}).items():
             cmd += ["-x", f"{name}={value}"]

@@ -129,6 +129,8 @@ def init(backend: str = "auto") -> Communicator:
             sys.stdout.write(f"{ELASTIC_STARTED} {w.size} ranks; a failed rank leaves the others going on down to "
                              f"{settings.get('HPCTRAIN_ELASTIC_MIN_NP')}\n")
             sys.stdout.flush()
+            if w.topology.num_nodes > 1 and han_may_run(os.environ):
+                sys.stderr.write(f"hpctrain: warning: {HAN_NOT_FAULT_TOLERANT}\n")
         if reforms:
             write_world(w)
         _install_excepthook(w)
@@ -223,6 +225,22 @@ def fail_this_rank(message: str) -> None:
     """Elastic mode: print ``message`` and end this process as a failed rank (never returns; see
     :func:`hpctrain.comm.life.abort.fail_this_rank`)."""
     _fail_this_rank(message, _world.rank if _world is not None else "?")
+
+
+HAN_NOT_FAULT_TOLERANT = ("Open MPI's han collectives may run across nodes (OMPI_MCA_coll does not leave them out), "
+                          "and they are not fault tolerant: a rank failing inside a broadcast leaves the others "
+                          "a wrong result and no error; start elastic jobs with `hpctrain launch --elastic` or add "
+                          "`--mca coll ^han,cuda` to mpirun")
+
+
+def han_may_run(env) -> bool:
+    """Whether Open MPI may pick its han collectives (its default across nodes): OMPI_MCA_coll does not leave them
+    out.  (`hpctrain launch --elastic` does: :func:`hpctrain.launcher.launch.mpirun_command`.)"""
+    coll = env.get("OMPI_MCA_coll", "").replace(" ", "")
+    if not coll:
+        return True
+    names = coll.lstrip("^").split(",")
+    return "han" not in names if coll.startswith("^") else "han" in names
 
 
 def heartbeats_on() -> bool:

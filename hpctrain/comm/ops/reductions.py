@@ -64,7 +64,8 @@ class Reductions(GroupedReductions):
     def where(self) -> registry.Where:
         """What choosing an algorithm here depends on (see :class:`hpctrain.collectives.registry.Where`)."""
         c = self._c
-        return registry.Where(c.backend, c.size, c.topology.num_nodes, c._backend.no_shared_memory(), c.config)
+        return registry.Where(c.backend, c.size, c.topology.num_nodes, c._backend.no_shared_memory(), c.config,
+                              c._rt.policy.reforms)
 
     def choose(self, algorithm: str, nbytes: int) -> str:
         """Return the name of the all-reduce algorithm to run (``auto``: the registry's cheapest here).

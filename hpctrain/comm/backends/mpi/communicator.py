@@ -26,6 +26,7 @@ from ....env import detect_launcher
 from ....errors import BackendUnavailableError, format_ranks
 from ....tensors import dtype_from_name
 from ....collectives.flat import Flat
+from ....collectives.ring import ring_allgather_segments
 from ....collectives.shm import shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
 from .direct import DIRECT_MIN_BYTES, DirectCopies
 from .requests import RequestHandle, RingTransport, Waits
@@ -72,6 +73,8 @@ class MPIBackend(Primitives):
         self._descs = np.zeros((self._size if self._rank == 0 else 1, DESC_BYTES), dtype=np.uint8)
         self._verdict = np.zeros(VERDICT_BYTES, dtype=np.uint8)
         self._ring = RingTransport(self._coll, self._waits)
+        # (a world that re-forms, across nodes: Open MPI 5.0's all-gather can stall for good when a rank dies in it)
+        self._fault_tolerant_only = runtime.policy.reforms and g.num_nodes > 1
         self._mailbox: Optional[Mailbox] = None
         self._no_windows = ""                 # why shared-memory windows cannot be used here ("" if they can)
         self._direct = DirectCopies(self._nodes, MPI, runtime)
@@ -226,6 +229,11 @@ class MPIBackend(Primitives):
 
     def allgatherv(self, raw: np.ndarray, counts: List[int]) -> np.ndarray:
         out = np.empty(sum(counts), dtype=np.uint8)
+        if self._fault_tolerant_only:
+            bounds = np.concatenate(([0], np.cumsum(counts)))
+            out[bounds[self._rank]:bounds[self._rank + 1]] = raw
+            ring_allgather_segments(out, bounds, self._ring)
+            return out
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
         self._coll.Allgatherv(raw, [out, counts, displs, self._MPI.BYTE])
         return out
