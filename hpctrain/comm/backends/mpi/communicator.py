@@ -29,7 +29,7 @@ from ....collectives.flat import Flat
 from ....collectives.ring import ring_allgather_segments
 from ....collectives.shm import shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
 from .direct import DIRECT_MIN_BYTES, DirectCopies
-from .requests import RequestHandle, RingTransport, Waits
+from .requests import RequestHandle, RingTransport, Waits, failure_classes
 from ...life.abort import abort_job
 from ...base import Communicator, Handle, CarriedByCheck, Topology
 from ..primitives import Primitives
@@ -392,8 +392,7 @@ def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> 
     """
     from mpi4py import MPI
 
-    codes = {getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
-             if hasattr(MPI, n)}
+    codes = failure_classes(MPI)
     departures = failures = None
     if comm.Get_size() > 1:
         notices = MPINotices(comm, MPI)

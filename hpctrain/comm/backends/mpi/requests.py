@@ -23,7 +23,7 @@ import numpy as np
 from ...call.handle import Handle
 from ....waiting import wait_until
 
-__all__ = ["Waits", "RingTransport", "RequestHandle", "TAG_RING"]
+__all__ = ["Waits", "RingTransport", "RequestHandle", "TAG_RING", "failure_classes"]
 
 TAG_RING = 3        # (the MPI backend's call check uses tags 1 and 2 on another communicator)
 _FAILURE_POLL_S = 0.01    # elastic mode: how often a wait asks whether a rank failed
@@ -51,10 +51,26 @@ class Waits:
         return self._rt is not None and self._rt.policy.polls_requests
 
     def all(self, reqs, statuses=None) -> None:
-        """Wait until every request of ``reqs`` completed (``MPI_Waitall``)."""
-        if self._polls():
-            self._poll(reqs, every=True)
-        self._MPI.Request.Waitall(reqs, statuses)
+        """Wait until every request of ``reqs`` completed (``MPI_Waitall``).
+
+        In elastic mode a request that a peer's failure completed makes
+        ``MPI_Waitall`` fail with ``MPI_ERR_IN_STATUS``, the failure in its
+        status: that is raised as ``MPI_ERR_PROC_FAILED`` (a rank failed), not
+        as an error of the program's own.
+        """
+        if not self._polls():
+            self._MPI.Request.Waitall(reqs, statuses)
+            return
+        self._poll(reqs, every=True)
+        MPI = self._MPI
+        statuses = [MPI.Status() for _ in reqs] if statuses is None else statuses
+        try:
+            MPI.Request.Waitall(reqs, statuses)
+        except MPI.Exception as exc:
+            if exc.Get_error_class() == MPI.ERR_IN_STATUS and any(
+                    MPI.Get_error_class(st.Get_error()) in failure_classes(MPI) for st in statuses):
+                raise MPI.Exception(MPI.ERR_PROC_FAILED) from exc
+            raise
 
     def some(self, reqs) -> List[int]:
         """Wait until at least one request of ``reqs`` completed; the indices of those that did (``MPI_Waitsome``)."""
@@ -96,6 +112,11 @@ class Waits:
         if self._rt.policy.failure_known():
             _KEPT.extend(r for r in reqs if r)
             raise self._MPI.Exception(self._MPI.ERR_PROC_FAILED)
+
+
+def failure_classes(MPI) -> set:
+    """The error classes that say a rank failed (Open MPI's fault-tolerance extension)."""
+    return {getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED") if hasattr(MPI, n)}
 
 
 class RingTransport:
