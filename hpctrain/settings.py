@@ -175,8 +175,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "counted against HPCTRAIN_ELASTIC_RESET_LIMIT", minimum=0),
     Setting("HPCTRAIN_ELASTIC_SILENT_S", "seconds", 0.0, "elastic mode across hosts: a rank not heard from for "
             "this long is declared failed (Open MPI's heartbeat detector, beating every quarter of it on a thread of "
-            "its own, set by `hpctrain launch`), so that a frozen or cut-off node costs seconds (4 is tested); 0 (the "
-            "default for now): off, such a node then stalls the job until HPCTRAIN_STALL_TIMEOUT_S", minimum=0),
+            "its own, set by `hpctrain launch`), so that a frozen or cut-off node costs seconds (4 is tested); not safe on "
+            "congested links (the heartbeats queue behind the data); 0 (the default): off, such a node then stalls the "
+            "job until HPCTRAIN_STALL_TIMEOUT_S", minimum=0),
     Setting("HPCTRAIN_ELASTIC_DISCOVERY_S", "seconds", 1.0, "elastic mode: seconds between two runs of the host "
             "discovery script by the launcher"),
     Setting("HPCTRAIN_ELASTIC_TIMEOUT_S", "seconds", 600.0, "elastic mode: how long the launcher waits for the "
