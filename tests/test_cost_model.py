@@ -15,6 +15,7 @@ import pytest
 
 from hpctrain.collectives import registry
 from hpctrain.collectives.cost_model import LinkModel, hierarchical_cost, predict, terms
+from hpctrain.collectives.doubling import DOUBLING_MAX_BYTES
 from hpctrain.comm.life.runtime import Config
 
 LAYOUTS = [(2, 1), (2, 2), (3, 2), (4, 4), (8, 2), (5, 3)]
@@ -105,12 +106,13 @@ def test_a_world_that_re_forms_never_runs_the_library_all_reduce_across_nodes():
     # error (tests/test_multinode.py shows the re-forming that replaces it); one node keeps the library call.
     slow = replace(Config(), link_gbit=1.0, link_latency_us=50.0, memory_gbps=10.0)
     model = LinkModel.from_config(slow)
-    for nbytes in (8, 1024, 64 * 1024, 2 ** 20, 64 * 2 ** 20):
+    for nbytes in (8, 1024, 64 * 1024, 64 * 1024 + 8, 2 ** 20, 64 * 2 ** 20):
         plain = registry.choose("allreduce", where(slow), nbytes).name
         elastic = registry.choose("allreduce", where(slow, reforms=True), nbytes).name
-        assert elastic == ("hierarchical" if hierarchical_cost(model, nbytes, 2, 2) < 1.0 else "ring"), nbytes
-        assert elastic == plain or (plain, elastic) == ("native", "ring"), nbytes
-    assert registry.choose("allreduce", where(slow, nodes=1, reforms=True), 1024).name != "ring"
+        instead, cost = ("doubling", 0.9) if nbytes <= DOUBLING_MAX_BYTES else ("ring", 1.0)   # (the library's way)
+        assert elastic == ("hierarchical" if hierarchical_cost(model, nbytes, 2, 2) < cost else instead), nbytes
+        assert elastic == plain or (plain, elastic) == ("native", instead), nbytes
+    assert registry.choose("allreduce", where(slow, nodes=1, reforms=True), 1024).name not in ("ring", "doubling")
     native = registry.lookup("allreduce", "native")
     why = native.refusal(where(slow, reforms=True), "the world")
     assert "not fault tolerant across nodes" in why and "use 'auto', 'ring' or 'hierarchical'" in why, why

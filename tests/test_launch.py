@@ -74,7 +74,7 @@ def test_hpctrain_info_lists_versions_and_layout():
     assert "horovod  installed" in out and "mpi      installed" in out
     assert not re.search(r"\bworks\b", out), "info only looks; `hpctrain check` says what works"
     assert out.count("hpctrain info (hpctrain ") == 1, "only rank 0 prints"
-    for name in ("native", "ring", "shm", "hierarchical"):
+    for name in ("native", "ring", "shm", "hierarchical", "doubling"):
         assert re.search(rf"^    \* {name} ", out, re.M), f"algorithm {name} not listed:\n{out}"
     # one node, two ranks: the shared-memory all-reduce up to HPCTRAIN_SHM_SMALL_BYTES (default 256 KiB)
     assert re.search(r"^  auto picks here: 1 KiB -> shm, ", out, re.M), out

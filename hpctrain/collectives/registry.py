@@ -4,7 +4,7 @@ An algorithm is an :class:`Algorithm`: its name, the collective it performs,
 the backends it runs on, the layouts it accepts, a cost estimate and the
 function that runs it on a flat numpy buffer.  The built-in all-reduce
 algorithms register themselves in their own modules (``native.py``,
-``ring.py``, ``shm.py``); adding one is one new module with one
+``ring.py``, ``shm.py``, ``doubling.py``); adding one is one new module with one
 ``register(Algorithm(...))`` line, imported before use:
 
     def gather_sum_broadcast(links, acc, op): ...        # -> the reduced flat buffer
@@ -37,8 +37,9 @@ __all__ = ["Algorithm", "Where", "register", "unregister", "algorithms", "lookup
 
 ONE_NODE, SEVERAL_NODES = "one node", "several nodes"
 # The modules whose import registers the built-in algorithms (each holds its own registration line).
-_BUILTIN_MODULES = ("hpctrain.collectives.native", "hpctrain.collectives.ring", "hpctrain.collectives.shm")
-_BUILTIN_ORDER = ("native", "ring", "shm", "hierarchical")
+_BUILTIN_MODULES = ("hpctrain.collectives.native", "hpctrain.collectives.ring", "hpctrain.collectives.shm",
+                    "hpctrain.collectives.doubling")
+_BUILTIN_ORDER = ("native", "ring", "shm", "hierarchical", "doubling")
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def test_nodes_have_their_own_shared_memory_and_tmp(comm):
 def test_allreduce(comm, dtype, op, size):
     n = comm.size
     count = {"0": 0, "1": 1, "n-1": n - 1}.get(size) if size != "1000003" else 1_000_003
-    for alg in algorithms(comm):
+    for alg in algorithms(comm, count):
         x = data(comm.rank, count, dtype, op)
         if not valid(dtype, op):
             with pytest.raises((TypeError, ValueError)):
@@ -101,7 +101,7 @@ def test_allreduce_real_floats_bit_identical(comm):
 
 def test_allreduce_64mib(comm):
     count = BIG // 4
-    for alg in algorithms(comm):
+    for alg in algorithms(comm, count):
         x = np.full(count, comm.rank + 1, dtype=np.float32)
         x[::4097] = -comm.rank
         out = comm.allreduce(x, algorithm=alg)
@@ -157,7 +157,7 @@ def test_broadcast_64mib(comm):
 def test_reduce_scatter(comm, dtype, op, size):
     n, r = comm.size, comm.rank
     rows = {"0": 0, "1": 1, "n-1": n - 1}.get(size) if size != "1000003" else 1_000_003 // 2
-    for alg in algorithms(comm):
+    for alg in algorithms(comm, rows * 2):
         x = data(r, rows * 2, dtype, op, shape=(rows, 2))
         if not valid(dtype, op):
             with pytest.raises((TypeError, ValueError)):
@@ -172,7 +172,7 @@ def test_reduce_scatter(comm, dtype, op, size):
 
 def test_reduce_scatter_64mib(comm):
     rows = BIG // 4
-    for alg in algorithms(comm):
+    for alg in algorithms(comm, rows):
         out = comm.reduce_scatter(np.full(rows, comm.rank + 1, dtype=np.float32), algorithm=alg)
         b = segment_bounds(rows, comm.size)
         assert out.shape == (b[comm.rank + 1] - b[comm.rank],)
