@@ -9,8 +9,9 @@ to where no other algorithm estimates itself cheaper.
 Not fault tolerant across nodes: a rank killed inside a cross-node
 ``MPI_Allreduce`` leaves the survivors partial sums and no error under Open
 MPI 5.0's han (its default there), and a stall under tuned; so a world that
-re-forms after failures (elastic mode) runs hpctrain's own ring there instead
-(``Algorithm.fault_tolerant``), whose point-to-point messages fail loudly.
+re-forms after failures (elastic mode) runs hpctrain's own algorithms there
+instead (``Algorithm.fault_tolerant``: ``doubling`` for small buffers, the
+ring or ``hierarchical`` above), whose point-to-point messages fail loudly.
 """
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ HAN_NOT_FAULT_TOLERANT = ("Open MPI's han collectives may run across nodes (OMPI
 
 def han_may_run(env) -> bool:
     """Whether Open MPI may pick its han collectives (its default across nodes): OMPI_MCA_coll does not leave them
-    out.  (`hpctrain launch --elastic` does: :func:`hpctrain.launcher.launch.mpirun_command`.)"""
+    out.  (`hpctrain launch --elastic` does: :func:`hpctrain.launcher.launch.build_command`.)"""
     coll = env.get("OMPI_MCA_coll", "").replace(" ", "")
     if not coll:
         return True
