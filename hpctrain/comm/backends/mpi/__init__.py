@@ -1,7 +1,8 @@
 """The MPI backend: its primitives and the one-node machinery under them.
 
-- ``communicator.py``: :class:`MPIBackend` and ``init_world`` (collectives through mpi4py, the
-  call check, hpctrain's algorithms over MPI messages and windows);
+- ``communicator.py``: :class:`MPIBackend` (collectives through mpi4py, the call check, hpctrain's
+  algorithms over MPI messages and windows);
+- ``world.py``: ``init_world`` and ``world_over`` (MPI initialised, the world's runtime and backend);
 - ``node.py``: the ranks of each node and their shared-memory windows (the arena, shared buffers);
 - ``mailbox.py`` (+ ``_mailbox_kernel.c``): the one-node call check and the small inputs it carries;
 - ``mailbox_collectives.py``: the collectives whose inputs the call check carries;
@@ -17,6 +18,6 @@ __all__ = ["MPIBackend", "init_world", "world_over"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from . import communicator
-        return getattr(communicator, name)
+        from . import world         # (which has MPIBackend from communicator.py)
+        return getattr(world, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,33 +17,27 @@ shared-memory arena (:mod:`hpctrain.collectives.shm`).
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ....env import detect_launcher
-from ....errors import BackendUnavailableError, format_ranks
+from ....errors import format_ranks
 from ....tensors import dtype_from_name
 from ....collectives.flat import Flat
 from ....collectives.ring import ring_allgather_segments
 from ....collectives.shm import shm_allgather, shm_allreduce, shm_allreduce_shared_buffer, shm_reduce_scatter
 from .direct import DIRECT_MIN_BYTES, DirectCopies
-from .requests import RequestHandle, RingTransport, Waits, failure_classes
-from ...life.abort import abort_job
+from .requests import RequestHandle, RingTransport, Waits
 from ...base import Communicator, Handle, CarriedByCheck, Topology
 from ..primitives import Primitives
-from ...life.departures import Departures
-from ..notices import MPINotices
-from .failures import FailureDetector
 from .mailbox import Mailbox
 from .mailbox_collectives import MailboxCollectives
 from . import ulfm
 from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
-from ...life.runtime import Config, Runtime
+from ...life.runtime import Runtime
 from ...call.signature import DESC_BYTES, Call, encoded, judge
 
-__all__ = ["MPIBackend", "init_world", "world_over"]
+__all__ = ["MPIBackend"]
 
 VERDICT_BYTES = 1 << 16
 _TAG_CALL, _TAG_VERDICT = 1, 2
@@ -355,53 +349,3 @@ class MPIBackend(Primitives):
                 c.Free()
         self._owns = False
 
-
-def init_world(config: Config) -> Communicator:
-    """Initialise MPI (if needed) and return the world communicator.
-
-    Raises BackendUnavailableError when mpi4py is missing or when the launcher
-    started N tasks but MPI sees a world of size 1 (a launcher/MPI mismatch,
-    e.g. ``srun --mpi=pmi2`` with OpenMPI 5, that would otherwise run N
-    independent copies of the job).
-    """
-    # Open MPI's UCX one-sided component prints an error on machines without UCX transports when a
-    # shared window is created; the shared-memory algorithms only need osc/sm. A user setting wins.
-    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise BackendUnavailableError(f"the MPI backend needs mpi4py: {exc}") from exc
-    if not MPI.Is_initialized():  # mpi4py.rc.initialize may have been turned off
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    world = MPI.COMM_WORLD
-    launch = detect_launcher()
-    if launch is not None and launch.size > 1 and world.Get_size() == 1:
-        raise BackendUnavailableError(
-            f"the launcher ({launch.launcher}) started {launch.size} tasks but MPI sees a world of size 1 "
-            f"in each: the MPI library does not speak this launcher's protocol (e.g. srun --mpi=pmi2 with "
-            f"OpenMPI 5; use srun --mpi=pmix or mpirun). Refusing to run {launch.size} independent copies.")
-
-    return world_over(world, config, "world", owns=False)
-
-
-def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> Communicator:
-    """A world communicator over the MPI communicator ``comm`` (``MPI.COMM_WORLD``, or the survivors' one
-    after a failure: :mod:`hpctrain.elastic`), with its own runtime (lanes, watchdog, departures, failures).
-
-    Collective over ``comm``.
-    """
-    from mpi4py import MPI
-
-    codes = failure_classes(MPI)
-    departures = failures = None
-    if comm.Get_size() > 1:
-        notices = MPINotices(comm, MPI)
-        departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
-        failures = FailureDetector(comm, comm.allgather(MPI.Get_processor_name()), MPI)
-    runtime = Runtime(config, comm.Get_rank(), abort_job, departures, failures,
-                      is_failure=lambda exc: isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes)
-    try:
-        return Communicator(MPIBackend(runtime, comm, name, range(comm.Get_size()), owns=owns))
-    except BaseException:
-        runtime.discard()       # (its watchdog must not outlive a world that was never made)
-        raise
