@@ -178,6 +178,17 @@ SETTINGS: Tuple[Setting, ...] = (
             "its own, set by `hpctrain launch`), so that a frozen or cut-off node costs seconds (4 is tested); not safe on "
             "congested links (the heartbeats queue behind the data); 0 (the default): off, such a node then stalls the "
             "job until HPCTRAIN_STALL_TIMEOUT_S", minimum=0),
+    Setting("HPCTRAIN_NODE_COMMITS", "flag", True, "`hpctrain.elastic.run`: keep each commit also in a file of "
+            "the node's memory (HPCTRAIN_NODE_COMMIT_DIR), so that the restart after a lost node, or a rerun of a "
+            "job killed whole, goes on from the newest commit instead of the disk checkpoint; off: memory only"),
+    Setting("HPCTRAIN_NODE_COMMIT_DIR", "text", "/dev/shm", "where node-local commits go (a memory file system of "
+            "each node; a folder `hpctrain-<uid>` of the user's alone is made in it)"),
+    Setting("HPCTRAIN_NODE_COMMITS_STALE_S", "seconds", 600.0, "node-local commits of a job whose processes on "
+            "the node are all gone are removed by the next job's start once their newest file is this old",
+            minimum=0),
+    Setting("HPCTRAIN_JOB_ID", "text", "", "the job's name for its node-local commits (empty: the Slurm job id with "
+            "a digest of the folder and command line, or that digest alone: a rerun of the same command in the "
+            "same folder finds them)"),
     Setting("HPCTRAIN_ELASTIC_DISCOVERY_S", "seconds", 1.0, "elastic mode: seconds between two runs of the host "
             "discovery script by the launcher"),
     Setting("HPCTRAIN_ELASTIC_TIMEOUT_S", "seconds", 600.0, "elastic mode: how long the launcher waits for the "

@@ -59,12 +59,12 @@ def launch(n, tmp_path, kills=(), *options, in_recovery=(), example=(), timeout=
     return run(cmd, base_env(HPCTRAIN_STALL_TIMEOUT_S=60, HPCTRAIN_TIMELINE=str(tmp_path / "trace.json")), timeout), out
 
 
-def schedule(n, resumes):
+def schedule(n, resumes, epochs=EPOCHS):
     """The steps of training at ``n`` ranks, then from each ``(step, size)`` of ``resumes`` on at that size (the
     steps of the commits the survivors went back to: the steps after them are done again at the new size): for
     each step, every rank's rows of the batch, in rank order."""
     size, step, pending = n, 0, sorted(resumes, key=lambda resume: resume[0])    # (stable: in order at one step)
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         order = np.random.RandomState(SEED + epoch).permutation(SAMPLES)
         processed, dealt = 0, False
         while not dealt:
@@ -81,7 +81,7 @@ def schedule(n, resumes):
                 step += 1
 
 
-def reference(n, resumes, at_step=None, fp16=False):
+def reference(n, resumes, at_step=None, fp16=False, epochs=EPOCHS):
     """The final parameters of the example's training along :func:`schedule`; the number of steps; and the
     parameters after step ``at_step``.  ``fp16``: each rank's gradient rounded to float16, the sum of those taken
     in float32 and rounded to float16 once (the all-reduce of the fp16 compressor), then divided in float32."""
@@ -95,7 +95,7 @@ def reference(n, resumes, at_step=None, fp16=False):
     model, opt = make_model()
     params = list(model.parameters())
     step = 0
-    for batches in schedule(n, resumes):
+    for batches in schedule(n, resumes, epochs):
         grads = []
         for rows in batches:
             opt.zero_grad()

@@ -12,7 +12,7 @@ bit-identical from the newest committed checkpoint (in elastic mode the
 other node's ranks re-form the world and finish instead:
 tests/test_slurm_nodes.py, under slurm/elastic.sbatch).  In elastic mode a
 whole node lost, Open MPI's daemon with its ranks, ends Open MPI's job: the
-launcher starts it again on the other node from the disk checkpoint.
+launcher starts it again on the other node, from the newest commit that node kept in its memory (/dev/shm).
 Skipped, with the reason, where namespaces cannot be made.
 """
 import json
@@ -121,15 +121,18 @@ def test_sigkill_of_a_whole_node_ends_the_job_naming_it_and_a_restart_resumes_bi
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("hosts_from", ["-H", "discovery", "-H, a rank lost before, --reset-limit 1"])
-def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_disk_checkpoint(hosts_from, cluster):
-    """A node crash under ``hpctrain launch --elastic`` (2 nodes x 2 ranks; every process of node2 SIGKILLed at once,
-    Open MPI's daemon with the ranks): Open MPI's runtime then ends the whole job, so the launcher names the node
-    and starts the job again on node1, where the ranks resume from the newest disk checkpoint (step 8; the kill
-    comes after step 10).  The final model equals the single-process reference that went from 4 to 2 ranks at
-    step 8 (to 1e-12: the sums before ran across nodes).  With fixed hosts (-H) and with a discovery script that
-    still lists node2 (the launcher leaves it out).  And the reset limit across that restart: rank 3 (node2)
-    dies at step 4 and the others re-form (reset 1), so with ``--reset-limit 1`` the restart after node2's loss
-    would be reset 2: the launcher ends the job instead, saying so."""
+def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_newest_commit(hosts_from, cluster):
+    """A node crash under ``hpctrain launch --elastic`` (2 nodes x 2 ranks, 3 epochs of 12 steps; every process of
+    node2 SIGKILLed at once after step 30, Open MPI's daemon with the ranks): Open MPI's runtime then ends the whole
+    job, so the launcher names the node and starts the job again on node1, where the ranks first load the newest
+    disk checkpoint (step 20: one every 20 steps) and then the newest commit their node's memory kept (step 28:
+    commits every 4 steps, so step 28 or a later one that the ranks reached before the kill landed; /dev/shm is
+    each node's own).  The final model equals the single-process reference that went from 4 to 2 ranks at that
+    step (to 1e-12: the sums before ran across nodes), and the job's node-local
+    commits are gone at its end.  With fixed hosts (-H) and with a discovery script that still lists node2 (the
+    launcher leaves it out).  And the reset limit across that restart: rank 3 (node2) dies at step 4 and the
+    others re-form (reset 1), so with ``--reset-limit 1`` the restart after node2's loss would be reset 2: the
+    launcher ends the job instead, saying so."""
     from safetensors.numpy import load_file
     from test_elastic import example_args, reference
 
@@ -144,21 +147,23 @@ def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_di
         script.write_text("#!/bin/sh\necho node1:2\necho node2:2\n")
         script.chmod(0o755)
         hosts = ["--min-np", "2", "--host-discovery-script", str(script)]
+    kill_after = 10 if limited else 30
     cmd = cluster.launcher("node1") + [str(BIN / "hpctrain"), "launch", "--elastic", *hosts, *example_args(out),
-                                       "--step-sleep", "0.1", "--log-steps"] + (["--kill", "3:4"] if limited else [])
+                                       "--step-sleep", "0.1", "--log-steps", "--epochs", "3", "--checkpoint-every",
+                                       "20"] + (["--kill", "3:4"] if limited else [])
     job = subprocess.Popen(cmd, cwd=where, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=60, **cluster.env),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, resumed_after = [], None
     try:
         for line in job.stdout:
             lines.append(line)
-            if line.strip() == "step 10":
+            if line.strip() == f"step {kill_after}":
                 cluster.kill("node2")
                 killed_at = time.monotonic()
                 break
         for line in job.stdout:
             lines.append(line)
-            if "resumed from step" in line:
+            if "resumed from node-local commit" in line:
                 resumed_after = time.monotonic() - killed_at
         job.wait(timeout=120)
     finally:
@@ -173,14 +178,22 @@ def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_di
     assert job.returncode == 0, log[-4000:]
     assert re.search(r"hpctrain launch: node node2 was lost with Open MPI's daemon on it, .*restarting the elastic "
                      r"job on node1:2 \(start 2\)", log), log[-4000:]
-    assert "hpctrain: resumed from step 8" in log and "the elastic job finished with 2 ranks" in log, log[-4000:]
+    assert "hpctrain: resumed from step 20" in log and "the elastic job finished with 2 ranks" in log, log[-4000:]
+    assert re.search(r"hpctrain: resumed from node-local commit \d+ \(made by 4 ranks", log), log[-4000:]
     assert resumed_after is not None and resumed_after < 20, f"{resumed_after:.1f} s from the loss of node2 to the resumed job"
-    want, steps = reference(4, [(8, 2)])
+    summary = json.loads(out.with_name(out.name + ".json").read_text())
+    before = [int(m) for m in re.findall(r"^step (\d+)$", log[:log.index("node node2 was lost")], re.M)]
+    (resumed,) = summary["resumed_at"]      # (the newest commit: at most one interval before the last step done)
+    assert resumed % 4 == 0 and 28 <= resumed and before[-1] - 4 <= resumed <= before[-1], (resumed, before[-3:])
+    want, steps = reference(4, [(resumed, 2)], epochs=3)
     got = load_file(str(out))
-    assert json.loads(out.with_name(out.name + ".json").read_text())["steps"] == steps
+    assert summary["steps"] == steps
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14, err_msg=name)
+    left = subprocess.run(cluster.launcher("node1") + ["sh", "-c", "ls -A /dev/shm/hpctrain-$(id -u) 2>/dev/null; true"],
+                          env={**base_env(), **cluster.env}, capture_output=True, text=True, timeout=30)
+    assert left.stdout.strip() == "", f"node-local commits left on node1: {left.stdout}"
 
 
 @pytest.mark.timeout(150)

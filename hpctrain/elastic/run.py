@@ -41,6 +41,9 @@ class Recovery:
     def recover(self, state, failure: Exception) -> None:
         """Bring the world and ``state`` back after ``failure`` (or end the job, naming what was lost)."""
 
+    def finish(self, state) -> None:
+        """After the training function returned."""
+
 
 def retry(func: Callable, recovery: Callable[[], Recovery]) -> Callable:
     """Wrap ``func(state, ...)``: call it, and after each failure ``recovery`` recognises, recover and call it
@@ -52,12 +55,15 @@ def retry(func: Callable, recovery: Callable[[], Recovery]) -> Callable:
         while True:
             how.before_attempt(state)
             try:
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - the program's own errors propagate below
                 failure = how.failure(exc)
                 if failure is None:
                     raise
                 how.recover(state, failure)
+                continue
+            how.finish(state)
+            return result
     return wrapper
 
 
@@ -115,10 +121,22 @@ class CommitRecovery(Recovery):
     """hpctrain's recovery: re-form the world from the survivors and go back to the newest commit all kept."""
 
     def start(self, state) -> None:
-        if resume(state) is not None:     # (the launcher's restart on more hosts: a new size)
+        from ..world import world
+        from . import node_resume
+
+        resumed = resume(state) is not None     # (the launcher's restart on more hosts: a new size)
+        state.recoveries = getattr(state, "recoveries", [])
+        from_node = node_resume.start(state, world(), resumed)
+        if resumed or from_node is not None:
             state.on_reset()
         state.sync()
-        state.recoveries = getattr(state, "recoveries", [])
+        state.drop_older_node_commits()
+
+    def finish(self, state) -> None:
+        from ..world import world
+        from . import node_resume
+
+        node_resume.finish(state, world())
 
     def failure(self, exc: Exception) -> Optional[Exception]:
         return exc if isinstance(exc, WorldFailedError) else wrapped_world_failure(exc)

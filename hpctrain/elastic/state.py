@@ -110,6 +110,43 @@ class State:
             for later in [step for step in peers.list() if step > n]:
                 peers.remove(later)
 
+    def set_commit_number(self, number: int) -> None:
+        """Number the next commit ``number + 1`` (what was loaded from elsewhere was commit ``number``)."""
+        self._number = int(number)
+
+    def keep_on_node(self, folder, generation: int) -> None:
+        """From the next commit on, keep commits also as files of ``folder`` (the node's memory), named by
+        ``generation``, the re-formings since (``epoch``) and the world's rank and size at each commit
+        (:class:`~hpctrain.checkpoint.node_storage.NodeLocalStorage`; the commits kept so far are not written)."""
+        from ..checkpoint.node_storage import NodeLocalStorage
+        from ..world import world
+
+        def where():
+            w = world()
+            return generation, len(getattr(self, "recoveries", ())), w.rank, w.size
+
+        self.leave_node()
+        self._commits = NodeLocalStorage(KEPT_COMMITS, folder, where)
+        self._node = (folder, generation)
+
+    def leave_node(self):
+        """Keep commits in memory only from now on, once the node-local writes under way are done; return the
+        folder they went to (None if none)."""
+        node, self._node = getattr(self, "_node", None), None
+        if node is None:
+            return None
+        self._commits.wait()
+        kept, self._commits = self._commits, MemoryStorage(KEPT_COMMITS)
+        for number in kept.list():      # (the same parts, without their files' life)
+            self._commits._parts[number] = kept._parts[number]
+        return node[0]
+
+    def drop_older_node_commits(self) -> None:
+        """Remove this job's node-local commits of earlier starts (once this start has committed)."""
+        node = getattr(self, "_node", None)
+        if node is not None:
+            node[0].drop_older(node[1])
+
     def sync(self, comm=None) -> None:
         """Make every rank's state rank 0's (collective), then commit it."""
         from ..world import comm_or_world
