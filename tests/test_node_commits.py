@@ -114,11 +114,13 @@ def example(out, *more):
 
 
 @pytest.mark.timeout(180)
-def test_a_job_killed_whole_and_run_again_goes_on_from_its_newest_node_local_commit(tmp_path):
+@pytest.mark.parametrize("options", [(), ("--zero", "2")], ids=["replicated", "zero2"])
+def test_a_job_killed_whole_and_run_again_goes_on_from_its_newest_node_local_commit(options, tmp_path):
     """Every process of a 2-rank elastic job SIGKILLed after step 30, then the same command run again in the same
     folder: it loads the disk checkpoint of step 20, then the newest commit the node's memory kept (at most one
     commit interval before the last step done), and ends with the model of an uninterrupted run (bit-identical:
-    one node, the same sizes), its node-local commits removed."""
+    one node, the same sizes), its node-local commits removed.  With ZeRO-2 the momentum is each rank's own
+    chunk, kept as a part and a copy on the other rank: both parts come back."""
     from safetensors.numpy import load_file
     from test_elastic import reference
 
@@ -126,7 +128,8 @@ def test_a_job_killed_whole_and_run_again_goes_on_from_its_newest_node_local_com
     user_dir = f"/dev/shm/hpctrain-{os.getuid()}"
     before = set(os.listdir(user_dir)) if os.path.isdir(user_dir) else set()
     env = base_env(HPCTRAIN_STALL_TIMEOUT_S=60)
-    job = subprocess.Popen(example(out, "--step-sleep", "0.05", "--log-steps"), cwd=tmp_path, env=env,
+    command = example(out, "--step-sleep", "0.05", "--log-steps", *options)
+    job = subprocess.Popen(command, cwd=tmp_path, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     try:
@@ -143,8 +146,11 @@ def test_a_job_killed_whole_and_run_again_goes_on_from_its_newest_node_local_com
     left = set(os.listdir(user_dir)) - before
     assert len(left) == 1, (left, "".join(lines)[-2000:])
     (folder,) = left
-    assert any(name.endswith(".part") for name in os.listdir(os.path.join(user_dir, folder)))
-    again = run(example(out, "--step-sleep", "0.05", "--log-steps"), env, 120, cwd=tmp_path)    # (the same command)
+    names = os.listdir(os.path.join(user_dir, folder))
+    assert any(name.endswith(".part") for name in names), names
+    if options:         # (each rank's own part and the other rank's copy)
+        assert any(re.search(r"-soptimizer-by\d\.part$", name) for name in names), names
+    again = run(command, env, 120, cwd=tmp_path)    # (the same command)
     log = again.stdout + again.stderr
     assert again.returncode == 0, log[-4000:]
     assert "hpctrain: resumed from step 20" in log and re.search(r"resumed from node-local commit \d+ \(made by 2 "

@@ -46,7 +46,7 @@ from .tensorfile import crc32
 
 __all__ = ["NodeFolder", "NodeLocalStorage", "job_id"]
 
-_STEM = re.compile(r"^g(\d+)-e(\d+)-c(\d+)-r(\d+)of(\d+)$")
+_STEM = re.compile(r"^g(\d+)-e(\d+)-c(\d+)-r(\d+)of(\d+)(?:-s(\w+?)(?:-by(\d+))?)?$")
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -151,8 +151,9 @@ class NodeFolder:
                 continue
             if not isinstance(doc, dict) or doc.get("job") != self.job:
                 continue
-            g, e, c, r, s = map(int, m.groups())
-            doc.update(stem=stem, generation=g, epoch=e, number=c, rank=r, size=s)
+            g, e, c, r, s = map(int, m.groups()[:5])
+            doc.update(stem=stem, generation=g, epoch=e, number=c, rank=r, size=s, value=m.group(6) or "",
+                       by=int(m.group(7)) if m.group(7) else -1)
             out.append(doc)
         return out
 
@@ -212,13 +213,14 @@ class NodeLocalStorage(MemoryStorage):
         g, e, r, s = self.where()
         self._stems[step] = f"g{g}-e{e}-c{step}-r{r}of{s}"
 
-    def _seal(self, step: int, raw: np.ndarray, held: List[str]) -> int:
+    def _seal(self, step: int, raw: np.ndarray, held: Dict[str, Any]) -> int:
         crc = crc32(raw)
         stem = self._stems.get(step)
-        if held:        # (values that are not data cannot outlive the process: a sharded optimizer's parts, say)
-            self.folder.turn_off(f"the state holds values that are not data: {', '.join(held)}")
-        elif stem is not None:
-            self.folder.write(stem, raw, crc, {})
+        other = sorted(name for name, value in held.items() if not getattr(value, "on_peers", False))
+        if other:       # (values that are not data cannot outlive the process)
+            self.folder.turn_off(f"the state holds values that are not data: {', '.join(other)}")
+        elif stem is not None:      # (a value spread over the ranks: its parts are written by its PeerStorage)
+            self.folder.write(stem, raw, crc, {"spread": sorted(held)})
         return crc
 
     def abort(self, step: int) -> None:

@@ -21,7 +21,8 @@ bytes (``1/N`` of the spread state per rank).  Memory: two parts per rank
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -107,9 +108,41 @@ class PeerStorage(MemoryStorage):
     every old rank's part on a re-formed world.
     """
 
-    def __init__(self, comm, kept: int):
+    def __init__(self, comm, kept: int, node: Optional[Tuple[Any, Callable, str]] = None):
         super().__init__(kept)
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
+        self.node = node        # (NodeFolder, where(), value name): also write each commit's parts there
+        self._writes: Dict[int, Tuple[Future, List[str], Any]] = {}
+
+    def commit(self, step: int, world_size: int = 1, receipts: Optional[List[Any]] = None) -> None:
+        """Keep ``step``'s parts; with a node folder also write them there, on the helper thread: this rank's own
+        (``...-r<rank>of<size>-s<name>``) and its wards' (``...-r<ward>of<size>-s<name>-by<rank>``)."""
+        super().commit(step, world_size, receipts)
+        if self.node is None or step not in self._parts:
+            return
+        folder, where, name = self.node
+        g, e, rank, size = where()
+        own, wards = self._parts[step]
+        jobs = [(f"g{g}-e{e}-c{step}-r{rank}of{size}-s{name}", own)]
+        jobs += [(f"g{g}-e{e}-c{step}-r{r}of{size}-s{name}-by{rank}", part) for r, part in sorted(wards.items())]
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-commit-crc")
+        self._writes[step] = (self._hasher.submit(lambda: [folder.write(stem, raw, crc, {})
+                                                           for stem, (raw, crc) in jobs]),
+                              [stem for stem, _ in jobs], folder)
+
+    def remove(self, step: int) -> None:
+        write, stems, folder = self._writes.pop(step, (None, [], None))
+        if write is not None:
+            write.result()          # (it reads the buffers the next step may reuse)
+            for stem in stems:
+                folder.delete(stem)
+        super().remove(step)
+
+    def wait(self) -> None:
+        """Wait until every commit's node-local writes have finished."""
+        for write, _, _ in self._writes.values():
+            write.result()
 
     def write_part(self, step: int, part: Dict[str, Any], meta: Any = None) -> int:
         """Pack ``part``, keep it and send its copy to the buddy (collective); return its CRC-32."""

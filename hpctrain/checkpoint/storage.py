@@ -215,9 +215,9 @@ class MemoryStorage(Storage):
             raw, _ = pack(data, into=spare, checksum=False)
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-commit-crc")
-        self._open[step] = ((raw, self._hasher.submit(self._seal, step, raw, sorted(held))), held)
+        self._open[step] = ((raw, self._hasher.submit(self._seal, step, raw, held)), held)
 
-    def _seal(self, step: int, raw: np.ndarray, held: List[str]) -> int:
+    def _seal(self, step: int, raw: np.ndarray, held: Dict[str, Any]) -> int:
         """On the helper thread: the CRC-32 of ``step``'s bytes (a subclass also keeps them elsewhere)."""
         return crc32(raw)
 

@@ -14,13 +14,17 @@ rank's own (``local``: its RNG streams), which it takes from its own old
 rank's part when its node holds it.  What the program loaded before (a disk
 checkpoint) is replaced: a commit is made at least as often as a disk
 checkpoint is saved in any sensible setting, so the newest commit is newer, or
-older by less than the commit interval.  Parts of values that are not data
-(a sharded optimizer's parts, held as objects) are not written, so such a
-state starts from what the program loaded, as before.
+older by less than the commit interval.  A value spread over the ranks (a
+sharded optimizer) is kept as each rank's part and its copy on the buddy
+rank (of another node): a commit counts only when a part of every rank of
+the world that made it is on some node, and every rank gathers them all to
+take its chunks of the new world.  A state holding values that are not data
+writes nothing there (one warning), and starts from what the program loaded.
 
 Cost at a start: one all-gather of the parts' names, and when one is loaded
 one read of it, one broadcast of its bytes (the state's size) and a
-CRC-32 pass on each rank.
+CRC-32 pass on each rank; a spread value's parts pass through every rank
+once (an all-gather).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import numpy as np
 from .. import settings
 from ..checkpoint.node_storage import NodeFolder
 from ..checkpoint.state import unpack
+from .state import SPREAD_COMMON
 from ..errors import HpctrainError, WorldFailedError
 
 __all__ = ["start", "finish"]
@@ -73,17 +78,38 @@ def finish(state, comm) -> None:
         folder.remove()
 
 
-def _key(record: Dict[str, Any]) -> Tuple[int, int, int, int, int]:
-    return record["generation"], record["epoch"], record["number"], record["rank"], record["size"]
+def _key(record: Dict[str, Any]) -> Tuple[int, int, int, int, int, str, int]:
+    return (record["generation"], record["epoch"], record["number"], record["rank"], record["size"], record["value"],
+            record["by"])
+
+
+def _complete(cid: Id, keys: List[Tuple[int, ...]], spread: List[str]) -> bool:
+    """Whether ``keys`` (every rank's) hold the main part of commit ``cid`` and, for each spread value, a part of
+    every rank of the world that made it (its own or its buddy's copy)."""
+    mains = [k for k in keys if tuple(k[:3]) == cid and not k[5]]
+    if not mains:
+        return False
+    size = mains[0][4]
+    return all({k[3] for k in keys if tuple(k[:3]) == cid and k[5] == name} >= set(range(size)) for name in spread)
 
 
 def _load_newest(state, comm, folder: NodeFolder, records: List[Dict[str, Any]],
                  seen: List[List[Tuple[int, ...]]]) -> Optional[Dict[str, Any]]:
-    """Load the newest commit some rank's node holds an intact part of (module docstring); None if none."""
-    ids = sorted({tuple(k[:3]) for keys in seen for k in keys}, reverse=True)
+    """Load the newest commit whose every needed part is intact on some node (module docstring); None if none."""
+    everything = [tuple(k) for keys in seen for k in keys]
+    spread_of = {}          # commit -> its spread values (the main parts' records say)
+    for rec in records:
+        if not rec["value"]:
+            spread_of[_key(rec)[:3]] = list(rec.get("spread", []))
+    spread_of = {tuple(k): v for k, v in _merge(comm.allgather_object(sorted(spread_of.items())))}
+    ids = sorted((cid for cid in spread_of if _complete(cid, everything, spread_of[cid])), reverse=True)
     for cid in ids:
-        holders = [r for r, keys in enumerate(seen) if any(tuple(k[:3]) == cid for k in keys)]
-        mine = {rec["rank"]: rec for rec in records if _key(rec)[:3] == cid}
+        parts = {name: _gather_parts(comm, folder, records, cid, name) for name in spread_of[cid]}
+        size = next(k[4] for k in everything if tuple(k[:3]) == cid and not k[5])
+        if any(set(got) != set(range(size)) for got in parts.values()):
+            continue        # (a copy failed its CRC-32 and no other was left: an older commit)
+        holders = [r for r, keys in enumerate(seen) if any(tuple(k[:3]) == cid and not k[5] for k in keys)]
+        mine = {rec["rank"]: rec for rec in records if _key(rec)[:3] == cid and not rec["value"]}
         for root in holders:
             raw, record = None, None
             if comm.rank == root:
@@ -92,14 +118,17 @@ def _load_newest(state, comm, folder: NodeFolder, records: List[Dict[str, Any]],
                     raw = folder.read(record)
                 except (OSError, ValueError) as exc:
                     sys.stderr.write(f"hpctrain: node-local commit part {record['stem']} is not used: {exc}\n")
-            head = comm.broadcast_object(None if raw is None else (record["rank"], record["size"], record["crc"],
-                                                                   int(raw.size)), root=root)
+            head = comm.broadcast_object(None if raw is None else (record["rank"], record["crc"], int(raw.size)),
+                                         root=root)
             if head is None:
                 continue
-            sent_rank, size, crc, nbytes = head
+            sent_rank, crc, nbytes = head
             raw = comm.broadcast(raw if comm.rank == root else np.empty(nbytes, dtype=np.uint8), root=root)
-            _apply(state, folder, unpack(raw, crc), mine.get(comm.rank) if sent_rank != comm.rank else None,
+            values = unpack(raw, crc)
+            _apply(state, folder, values, mine.get(comm.rank) if sent_rank != comm.rank else None,
                    own_sent=sent_rank == comm.rank)
+            for name, got in parts.items():
+                _load_spread(state, folder, name, values[SPREAD_COMMON + name], got)
             state.set_commit_number(cid[2])
             if comm.rank == 0:
                 sys.stderr.write(f"hpctrain: resumed from node-local commit {cid[2]} (made by {size} ranks; job "
@@ -108,6 +137,48 @@ def _load_newest(state, comm, folder: NodeFolder, records: List[Dict[str, Any]],
                 sys.stderr.flush()
             return {"number": cid[2], "generation": cid[0], "size": size}
     return None
+
+
+def _merge(lists: List[List[Tuple[Any, Any]]]) -> List[Tuple[Any, Any]]:
+    out: Dict[Any, Any] = {}
+    for items in lists:
+        for key, value in items:
+            out.setdefault(tuple(key), value)
+    return list(out.items())
+
+
+def _gather_parts(comm, folder: NodeFolder, records: List[Dict[str, Any]], cid: Id, name: str) -> Dict[int, Any]:
+    """Every old rank's part of spread value ``name`` of commit ``cid``, on every rank (collective): each rank reads
+    its share of its node's copies (own or a buddy's), all are gathered, and the first intact one of each old rank
+    is taken (checked against its CRC-32)."""
+    local = comm.topology
+    offer = {}
+    for rec in sorted(records, key=lambda r: (r["rank"], r["by"])):
+        if _key(rec)[:3] != cid or rec["value"] != name or rec["rank"] in offer:
+            continue
+        if rec["rank"] % max(local.local_size, 1) != local.local_rank:
+            continue        # (another rank of this node reads it)
+        try:
+            offer[rec["rank"]] = (folder.read(rec).tobytes(), rec["crc"])
+        except (OSError, ValueError):
+            continue
+    got: Dict[int, Any] = {}
+    for offered in comm.allgather_object(offer):
+        for r, (raw, crc) in offered.items():
+            if r not in got:
+                try:
+                    got[r] = unpack(np.frombuffer(raw, dtype=np.uint8), crc)
+                except ValueError:
+                    continue
+    return got
+
+
+def _load_spread(state, folder: NodeFolder, name: str, common: Any, parts: Dict[int, Any]) -> None:
+    """Give spread value ``name`` (a sharded optimizer) the chunks of this world from the old world's parts."""
+    try:
+        getattr(state, name).load_shard_state_dict(common, parts.__getitem__)
+    except Exception as exc:        # noqa: BLE001 - the program's objects refused the commit: say where it is
+        raise _misfit(folder, exc) from exc
 
 
 def _apply(state, folder: NodeFolder, values: Dict[str, Any], own: Optional[Dict[str, Any]], own_sent: bool) -> None:
@@ -125,6 +196,10 @@ def _apply(state, folder: NodeFolder, values: Dict[str, Any], own: Optional[Dict
     try:
         state._apply(values)
     except Exception as exc:        # noqa: BLE001 - the program's objects refused the commit: say where it is
-        raise HpctrainError(f"a node-local commit of this job ({folder.path}) does not fit the program's state "
-                            f"({type(exc).__name__}: {exc}); remove that folder, or set HPCTRAIN_NODE_COMMITS=0, "
-                            f"or HPCTRAIN_JOB_ID to another name") from exc
+        raise _misfit(folder, exc) from exc
+
+
+def _misfit(folder: NodeFolder, exc: Exception) -> HpctrainError:
+    return HpctrainError(f"a node-local commit of this job ({folder.path}) does not fit the program's state "
+                         f"({type(exc).__name__}: {exc}); remove that folder, or set HPCTRAIN_NODE_COMMITS=0, "
+                         f"or HPCTRAIN_JOB_ID to another name")

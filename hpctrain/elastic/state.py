@@ -33,6 +33,7 @@ from ..errors import HpctrainError
 __all__ = ["State", "ObjectState"]
 
 KEPT_COMMITS = 2
+SPREAD_COMMON = "__spread_common__."      # (+ a spread value's name: its common part, kept as data in a commit)
 
 
 class State:
@@ -127,7 +128,9 @@ class State:
 
         self.leave_node()
         self._commits = NodeLocalStorage(KEPT_COMMITS, folder, where)
-        self._node = (folder, generation)
+        self._node = (folder, generation, where)
+        for name, peers in self._peers.items():
+            peers.node = (folder, where, name)
 
     def leave_node(self):
         """Keep commits in memory only from now on, once the node-local writes under way are done; return the
@@ -136,6 +139,9 @@ class State:
         if node is None:
             return None
         self._commits.wait()
+        for peers in self._peers.values():
+            peers.wait()
+            peers.node = None
         kept, self._commits = self._commits, MemoryStorage(KEPT_COMMITS)
         for number in kept.list():      # (the same parts, without their files' life)
             self._commits._parts[number] = kept._parts[number]
@@ -189,7 +195,8 @@ class State:
         comm = world()
         peers = self._peers.get(name)
         if peers is None or peers.comm is not comm:
-            peers = self._peers[name] = PeerStorage(comm, KEPT_COMMITS)
+            node = getattr(self, "_node", None)
+            peers = self._peers[name] = PeerStorage(comm, KEPT_COMMITS, node and (node[0], node[2], name))
         return peers
 
     def register_disk_fallback(self, load: Callable[[], object]) -> None:
@@ -254,6 +261,8 @@ class ObjectState(State):
             value = getattr(self, name)
             if _is_spread(value):           # (a ShardedOptimizer: its own chunks here, a copy on the buddy rank)
                 out[name] = _Spread.capture(value, self._peer_storage(name), self._number)
+                if getattr(self, "_node", None) is not None:    # (data, for a start from the node's memory)
+                    out[SPREAD_COMMON + name] = out[name].common
                 continue
             value = value.state_dict() if _has_state_dict(value) else value
             out[name] = copy.deepcopy(value) if copy_values else value
@@ -261,6 +270,8 @@ class ObjectState(State):
 
     def _apply(self, saved: Dict[str, Any]) -> None:
         for name, value in saved.items():
+            if name.startswith(SPREAD_COMMON):
+                continue
             current = getattr(self, name)
             if isinstance(value, _Spread):
                 value.load_own(current, strict=not getattr(self, "_recovering", False))
@@ -325,6 +336,8 @@ def _is_spread(value: Any) -> bool:
 class _Spread:
     """The commit of a value spread over the ranks: the common part, and the step of its parts in a
     :class:`~hpctrain.checkpoint.peer_storage.PeerStorage` (this rank's own, a copy on the buddy rank)."""
+
+    on_peers = True         # (its parts are in its PeerStorage: a node-local commit holds them there)
 
     def __init__(self, common, peers: PeerStorage, step: int):
         self.common, self.peers, self.step = common, peers, step
