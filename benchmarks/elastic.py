@@ -28,11 +28,18 @@ reaches node2 through ``cluster.sh ssh``, ssh's place); torchrun: one ``torchrun
 agent a node (c10d rendezvous on node1), the survivors' agent restarts its workers at the smaller size
 from the newest checkpoint; Horovod: ``horovodrun`` on node1 with a discovery script naming both nodes,
 reaching node2 through the same ``ssh``.  Open MPI's runtime ends the whole job when a node's daemon is lost,
-so hpctrain's launcher starts it again on node1 and the ranks resume from the newest disk checkpoint
-(``--checkpoint-every``; their in-memory commits went with the job).
+so hpctrain's launcher starts it again on node1 and the ranks load the newest disk checkpoint
+(``--disk-every``), then the newest commit node1's memory kept (``--commit-every``; /dev/shm outlives the
+processes).
+
+``--fault silent`` cuts node2's link (its processes run on) and ``--fault frozen`` stops every process on it
+(SIGSTOP; its kernel still answers): nothing is closed, so only a timeout or a heartbeat tells.  hpctrain runs
+with heartbeats on (``HPCTRAIN_ELASTIC_SILENT_S``, ``--silent-s``; off by default) and re-forms in process;
+a peer that has not recovered within ``--timeout`` is ended and counted as not recovered.
 
     python benchmarks/elastic.py --ranks 4 --repeats 3 --out results/elastic
     python benchmarks/elastic.py --fault node --ranks 4 --repeats 3 --out results/elastic-node
+    python benchmarks/elastic.py --fault frozen --ranks 4 --repeats 1 --timeout 120 --out results/elastic-frozen
 """
 from __future__ import annotations
 
@@ -69,18 +76,19 @@ HOROVOD_WORKER = str(REPO / "benchmarks" / "elastic_horovod_worker.py")
 
 def command(peer: str, args, work: Path) -> list:
     """The command lines of ``peer``'s job (the first one's output is read; on nodes, one a node for torchrun)."""
+    nodes = args.fault != "rank"
     hosts = [("localhost", args.ranks - args.ranks // 2), ("127.0.0.1", args.ranks // 2)]
-    if args.fault == "node":
+    if nodes:
         hosts = [("node1", args.ranks - args.ranks // 2), ("node2", args.ranks // 2)]
-    on = (lambda argv: args.nodes.on("node1", argv)) if args.fault == "node" else (lambda argv: argv)
+    on = (lambda argv: args.nodes.on("node1", argv)) if nodes else (lambda argv: argv)
     launch = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", str(args.ranks)]
-    if args.fault == "node":
+    if nodes:
         launch += ["-H", ",".join(f"{h}:{s}" for h, s in hosts)]
     if peer == "hpctrain":
         # (on nodes, also disk checkpoints at torchrun's interval: a lost daemon ends Open MPI's whole job)
-        disk = ["--checkpoint-dir", str(work / "ckpt"), "--checkpoint-every", str(args.commit_every)]
+        disk = ["--checkpoint-dir", str(work / "ckpt"), "--checkpoint-every", str(args.disk_every)]
         return [on([*launch, str(REPO / "examples" / "elastic_train.py"), *training_args(args), "--log-steps",
-                    "--out", str(work / "final.safetensors"), *(disk if args.fault == "node" else [])])]
+                    "--out", str(work / "final.safetensors"), *(disk if nodes else [])])]
     if peer == "hpctrain.horovod":
         return [on([*launch, HOROVOD_WORKER, "--api", "hpctrain.horovod", *training_args(args)])]
     if peer == "horovod":
@@ -89,13 +97,13 @@ def command(peer: str, args, work: Path) -> list:
         script = work / "discover.sh"
         script.write_text("#!/bin/sh\n" + "".join(f"echo {h}:{s}\n" for h, s in hosts))
         script.chmod(0o755)
-        extra = ["--network-interface", "eth0"] if args.fault == "node" else []
+        extra = ["--network-interface", "eth0"] if nodes else []
         return [on([str(BIN / "horovodrun"), "-np", str(args.ranks), "--min-np", "1", "--max-np", str(args.ranks),
                     "--host-discovery-script", str(script), *extra, sys.executable,
                     HOROVOD_WORKER, "--api", "horovod", *training_args(args)])]
     worker = [str(REPO / "benchmarks" / "elastic_torchrun_worker.py"), *training_args(args),
               "--ckpt", str(work / "ckpt.pt")]
-    if args.fault != "node":
+    if not nodes:
         return [[str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(args.ranks), "--max-restarts", "1",
                  *worker]]
     # One agent a node, rendezvous on node1; the survivors' agent restarts its workers at the smaller size.
@@ -121,11 +129,13 @@ def victim_pid(marker: str, rank: int) -> int:
 
 def one_run(peer: str, args, attempt: int = 0) -> dict:
     """Launch, kill the victim at the kill step, and time the recovery."""
-    node = args.fault == "node"
+    node = args.fault != "rank"
     with tempfile.TemporaryDirectory(prefix=f"elastic-{peer}-", dir=args.nodes.shared if node else None) as tmp:
         work = Path(tmp)
         env = dict(args.nodes.env if node else os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    HPCTRAIN_STALL_TIMEOUT_S="120")
+        if args.fault in ("silent", "frozen") and peer.startswith("hpctrain"):
+            env["HPCTRAIN_ELASTIC_SILENT_S"] = str(args.silent_s)     # (heartbeats: off by default)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")     # (torchrun --standalone: gloo on the loopback it rendezvouses on)
         first, *others = command(peer, args, work)
         helpers = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(work / f"other{i}.log", "w"),
@@ -152,7 +162,9 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
                     before = int(m.group(1))
                     if node:
                         killed_at = time.time()
-                        args.nodes.kill("node2")
+                        act = {"node": args.nodes.kill, "silent": lambda n: args.nodes.fault("cut", n),
+                               "frozen": lambda n: args.nodes.fault("freeze", n)}[args.fault]
+                        act("node2")
                     else:
                         pid = victim_pid(marker, args.victim)
                         killed_at = time.time()
@@ -160,16 +172,16 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
                     continue
                 if killed_at is None:
                     continue
-                if m and resumed is None:       # (steps done until the job noticed: lost work too)
-                    before = max(before, int(m.group(1)))
                 for key, said in (("lost", "was lost with Open MPI's daemon"), ("restarted", "hpctrain: elastic mode:")):
                     if said in text:
                         seen.setdefault(key, now)
                 r = re.search(r"resumed (?:at|from) step (\d+)", text) or re.search(r"re-formed", text)
-                if r and resumed is None:
+                if r and recovered_at is None:      # (the last one before a step: the disk, then the commit)
                     seen["resumed"] = now
-                    resumed = int(r.group(1)) if r.groups() else -1
+                    resumed = int(r.group(1)) if r.groups() else (-1 if resumed is None else resumed)
                     continue
+                if m and resumed is None:       # (steps done until the job noticed: lost work too)
+                    before = max(before, int(m.group(1)))
                 if m and resumed is not None:
                     step = int(m.group(1))
                     if recovered_at is None:
@@ -184,6 +196,8 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
             if node:
+                if args.fault in ("silent", "frozen"):
+                    args.nodes.fault("heal" if args.fault == "silent" else "thaw", "node2")
                 args.nodes.kill("node1")       # (what a launcher left behind on the nodes)
                 args.nodes.kill("node2")
         text = "".join(log)
@@ -191,12 +205,15 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
             # (torchrun's gloo start-up on an oversubscribed machine sometimes times out connecting: say so, retry)
             print(f"{peer}: the run failed before the kill (exit status {proc.returncode}); retrying", flush=True)
             return one_run(peer, args, attempt + 1)
+        if recovered_at is None and args.fault in ("silent", "frozen") and killed_at is not None:
+            return {"peer": peer, "recovered_s": None, "caught_up_s": None, "before": before, "new_size": None,
+                    "lost_steps": None, "resumed": None, "status": proc.returncode}
         if "finished:" not in text or recovered_at is None:
             raise RuntimeError(f"{peer}: exit status {proc.returncode}, no recovery seen (within --timeout "
                                f"{args.timeout:g} s):\n{text[-3000:]}")
         row = {"peer": peer, "recovered_s": recovered_at - killed_at, "caught_up_s": caught_up_at - killed_at,
                "before": before}
-        if peer == "hpctrain" and node:
+        if peer == "hpctrain" and args.fault == "node":
             # (the launcher's restart: detection = kill -> its message, re-forming = -> the new job's start,
             # state recovery = -> the checkpoint loaded)
             row.update(detect_s=seen["lost"] - killed_at, reform_s=seen["restarted"] - seen["lost"],
@@ -220,8 +237,13 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--fault", choices=["rank", "node"], default="rank",
-                   help="kill one rank (--victim), or every process of one of two namespace nodes (needs root)")
+    p.add_argument("--fault", choices=["rank", "node", "silent", "frozen"], default="rank",
+                   help="kill one rank (--victim); or, on two namespace nodes (needs root), kill every process of "
+                        "node2, cut its link (silent: its ranks run on), or SIGSTOP every process on it (frozen)")
+    p.add_argument("--disk-every", type=int, default=20,
+                   help="on nodes, hpctrain's disk checkpoints every this many steps (its commits: --commit-every)")
+    p.add_argument("--silent-s", type=float, default=4.0,
+                   help="silent and frozen nodes: HPCTRAIN_ELASTIC_SILENT_S for hpctrain (heartbeats, off by default)")
     p.add_argument("--victim", type=int, default=None, help="rank to kill (default: the last)")
     p.add_argument("--kill-step", type=int, default=30)
     p.add_argument("--commit-every", type=int, default=4)
@@ -240,7 +262,7 @@ def main() -> None:
         args.victim = args.ranks - 1
     if args.peers is None:
         args.peers = ["hpctrain", "torchrun", "horovod"] + (["hpctrain.horovod"] if args.fault == "rank" else [])
-    args.nodes = Nodes(2, "1gbit") if args.fault == "node" else None
+    args.nodes = Nodes(2, "1gbit") if args.fault != "rank" else None
     runs = []
     try:
         for r in range(args.repeats):
@@ -258,39 +280,56 @@ def write_outputs(runs, args) -> None:
     keys = ("recovered_s", "caught_up_s", "lost_steps", "detect_s", "reform_s", "recover_s", "redo_s")
     rows = []
     for peer in args.peers:
-        mine = [r for r in runs if r["peer"] == peer]
-        row = {"peer": peer, "new_size": mine[0]["new_size"]}
+        every = [r for r in runs if r["peer"] == peer]
+        mine = [r for r in every if r["recovered_s"] is not None]      # (a silent node may never be recovered from)
+        row = {"peer": peer, "new_size": mine[0]["new_size"] if mine else None, "recovered": len(mine),
+               "runs": len(every)}
         for k in keys:
-            vals = [r[k] for r in mine if k in r]
+            vals = [r[k] for r in mine if r.get(k) is not None]
             if vals:
                 row[k] = statistics.median(vals)
         rows.append(row)
     base = {r["peer"]: r for r in rows}
-    # each peer's time to the first step after recovery over hpctrain's
-    over = ({peer: r["recovered_s"] / base["hpctrain"]["recovered_s"] for peer, r in base.items() if peer != "hpctrain"}
-            if "hpctrain" in base else {})
+    # each peer's time to the first step after recovery over hpctrain's (a peer that never recovered: at least the
+    # time it was given)
+    over = ({peer: r.get("recovered_s", args.timeout) / base["hpctrain"]["recovered_s"] for peer, r in base.items()
+             if peer != "hpctrain"} if base.get("hpctrain", {}).get("recovered_s") else {})
     data = {"rows": rows, "runs": runs, "cores": CORES, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                                     for k, v in vars(args).items()},
             "over_hpctrain": over}
-    lost = (f"node2 of 2 namespace nodes ({args.ranks // 2} of {args.ranks} ranks, every process on it)"
-            if args.fault == "node" else f"rank {args.victim} of {args.ranks}")
-    lines = [f"Recovery from SIGKILL of {lost} at step {args.kill_step}, commits or "
-             f"checkpoints every {args.commit_every} steps, {args.step_sleep * 1e3:.0f} ms of sleep a step; medians "
-             f"of {args.repeats} runs ({CORES}-core machine{', oversubscribed' if args.ranks > CORES else ''}).\n",
+    node2 = f"node2 of 2 namespace nodes ({args.ranks // 2} of {args.ranks} ranks"
+    lost = {"rank": f"SIGKILL of rank {args.victim} of {args.ranks}",
+            "node": f"SIGKILL of {node2}, every process on it)",
+            "silent": f"{node2}) cut off (its link down, its processes running)",
+            "frozen": f"{node2}) frozen (SIGSTOP of every process on it)"}[args.fault]
+    heartbeats = (f"; hpctrain with heartbeats on (HPCTRAIN_ELASTIC_SILENT_S={args.silent_s:g}), a run that had not "
+                  f"recovered within {args.timeout:g} s was ended" if args.fault in ("silent", "frozen") else "")
+    disk = f", hpctrain's disk checkpoints every {args.disk_every}" if args.fault != "rank" else ""
+    lines = [f"Recovery from {lost} at step {args.kill_step}, commits or "
+             f"checkpoints every {args.commit_every} steps{disk}, {args.step_sleep * 1e3:.0f} ms of sleep a step; "
+             f"medians of {args.repeats} runs ({CORES}-core machine{', oversubscribed' if args.ranks > CORES else ''})"
+             f"{heartbeats}.\n",
              "| peer | goes on at | kill -> first step after recovery | kill -> back at the pre-kill step | "
              f"steps lost | detection | {'restart (new job)' if args.fault == 'node' else 're-forming'} | "
              f"state recovery{' (disk)' if args.fault == 'node' else ''} | redone steps |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "recovered_s" not in r:
+            lines.append(f"| {r['peer']} | - | not within {args.timeout:g} s (0 of {r['runs']} runs) | - | - | - | - | - "
+                         f"| - |")
+            continue
         split = " | ".join(f"{r[k]:.3f} s" if k in r else "-" for k in ("detect_s", "reform_s", "recover_s",
                                                                          "redo_s"))
-        lines.append(f"| {r['peer']} | {r['new_size']} ranks | {r['recovered_s']:.2f} s | {r['caught_up_s']:.2f} s | "
-                     f"{r['lost_steps']:g} | {split} |")
+        some = f" ({r['recovered']} of {r['runs']} runs)" if r["recovered"] < r["runs"] else ""
+        lines.append(f"| {r['peer']} | {r['new_size']} ranks | {r['recovered_s']:.2f} s{some} | {r['caught_up_s']:.2f} s "
+                     f"| {r['lost_steps']:g} | {split} |")
     if over:
         lines.append("")
     for peer, ratio in over.items():
-        lines.append(f"{peer}'s time to the first step after recovery / hpctrain's: {ratio:.1f}x")
-    spread = {peer: [round(r["recovered_s"], 2) for r in runs if r["peer"] == peer] for peer in args.peers}
+        never = "" if "recovered_s" in base[peer] else f" at least (it had not recovered at {args.timeout:g} s)"
+        lines.append(f"{peer}'s time to the first step after recovery / hpctrain's: {ratio:.1f}x{never}")
+    spread = {peer: [None if r["recovered_s"] is None else round(r["recovered_s"], 2) for r in runs
+                     if r["peer"] == peer] for peer in args.peers}
     lines.append("\nEach run's kill -> first step after recovery (s): "
                  + "; ".join(f"{peer} {', '.join(map(str, v))}" for peer, v in spread.items()))
     table = "\n".join(lines)
@@ -298,7 +337,9 @@ def write_outputs(runs, args) -> None:
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 3.5))
         for i, r in enumerate(rows):
-            if r["peer"] == "hpctrain":
+            if "caught_up_s" not in r:
+                ax.barh(i, args.timeout, color="lightgrey", hatch="//", label=f"{r['peer']} (not recovered)")
+            elif r["peer"] == "hpctrain" and "detect_s" in r:
                 left = 0.0
                 for k, label in (("detect_s", "detection"), ("reform_s", "re-forming"),
                                  ("recover_s", "state recovery"), ("redo_s", "redone steps")):

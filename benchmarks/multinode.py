@@ -121,6 +121,10 @@ class Nodes:
         """A node crash: SIGKILL to everything running on ``node`` at once."""
         self.script([CLUSTER, "kill", node])
 
+    def fault(self, action: str, node: str) -> None:
+        """``cut`` (its link down), ``heal``, ``freeze`` (SIGSTOP of every process on it) or ``thaw`` ``node``."""
+        self.script([CLUSTER, action, node])
+
     def launch(self, nodes: int, argv, timeout: float = 1800, per_node: int = PER_NODE, **env) -> dict:
         hosts = ",".join(f"node{i}:{per_node}" for i in range(1, nodes + 1))
         cmd = [str(CLUSTER), "mpirun", "-H", hosts, sys.executable, *map(str, argv)]

@@ -108,7 +108,12 @@ def main() -> None:
 
         metrics = StepMetrics(log_dir=args.metrics_dir, samples_per_step=args.batch, interval=4, tensorboard=False)
     resumed_at = []         # the step each re-forming went back to
-    state.register_reset_callbacks([lambda: resumed_at.append(state.step)])
+    def went_back():
+        resumed_at.append(state.step)
+        if args.log_steps and hpctrain.world().rank == 0:
+            print(f"resumed at step {state.step} (a reset)", flush=True)
+
+    state.register_reset_callbacks([went_back])
 
     @hpctrain.elastic.run
     def train(state):

@@ -38,18 +38,21 @@ def test_node_local_storage_keeps_the_newest_commits_as_private_files_checked_wh
         [(3, 1, 2, 0, 1), (3, 1, 3, 0, 1)]
     assert stat.S_IMODE(os.stat(folder.user_dir).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(folder.path).st_mode) == 0o700
-    assert sorted(os.listdir(folder.path)) == sorted(f"g3-e1-c{n}-r0of1.{ext}" for n in (2, 3) for ext in ("json", "part"))
-    for name in os.listdir(folder.path):
+    names = os.listdir(folder.path)     # (the records, and the buffers the commits are packed into: 2 + a spare)
+    assert sorted(n for n in names if n.endswith(".json")) == ["g3-e1-c2-r0of1.json", "g3-e1-c3-r0of1.json"]
+    assert len([n for n in names if n.startswith("buf-")]) == 3 and len(names) == 5, names
+    for name in names:
         assert stat.S_IMODE(os.stat(os.path.join(folder.path, name)).st_mode) == 0o600, name
     for record in records:
         got, want = unpack(folder.read(record), record["crc"]), values(record["number"])
         assert sorted(got) == sorted(want) and got["step"] == want["step"]
         np.testing.assert_array_equal(got["w"], want["w"])
         np.testing.assert_array_equal(got["b"], want["b"])
-    path = os.path.join(folder.path, records[1]["stem"] + ".part")
-    raw = bytearray(open(path, "rb").read())
-    raw[-3] ^= 0x40
-    open(path, "wb").write(bytes(raw))
+    with open(os.path.join(folder.path, records[1]["data"]), "r+b") as f:     # (one bit of its bytes flipped)
+        f.seek(records[1]["nbytes"] - 3)
+        byte = f.read(1)[0]
+        f.seek(records[1]["nbytes"] - 3)
+        f.write(bytes([byte ^ 0x40]))
     with pytest.raises(ValueError, match="does not match its record"):
         folder.read(records[1])
     # a record of another job copied into this job's folder is not read
@@ -58,6 +61,7 @@ def test_node_local_storage_keeps_the_newest_commits_as_private_files_checked_wh
     assert max(r["number"] for r in folder.parts()) == 3
     store.remove(3)
     assert [r["number"] for r in folder.parts()] == [2]
+    assert len([n for n in os.listdir(folder.path) if n.startswith("buf-")]) == 2     # (2's, and 3's as the spare)
 
 
 def test_a_user_folder_that_others_may_enter_is_refused_with_one_warning_and_commits_stay_in_memory(tmp_path, capfd):
@@ -147,7 +151,7 @@ def test_a_job_killed_whole_and_run_again_goes_on_from_its_newest_node_local_com
     assert len(left) == 1, (left, "".join(lines)[-2000:])
     (folder,) = left
     names = os.listdir(os.path.join(user_dir, folder))
-    assert any(name.endswith(".part") for name in names), names
+    assert any(name.endswith(".json") for name in names) and any(name.startswith("buf-") for name in names), names
     if options:         # (each rank's own part and the other rank's copy)
         assert any(re.search(r"-soptimizer-by\d\.part$", name) for name in names), names
     again = run(command, env, 120, cwd=tmp_path)    # (the same command)

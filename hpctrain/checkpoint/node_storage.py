@@ -9,21 +9,24 @@ the same nodes) finds it: :mod:`hpctrain.elastic.node_resume`.
 
 Layout: ``<HPCTRAIN_NODE_COMMIT_DIR>/hpctrain-<uid>/<job>/`` (:func:`job_id`;
 the user's folder is ``0700`` and must be the user's own, not a link, or
-nothing is written there), one pair of files a part:
-``g<generation>-e<epoch>-c<number>-r<rank>of<size>.part`` (the part's bytes in
-the checkpoint's encoding, :func:`~hpctrain.checkpoint.state.pack`) and
-``.json`` (what it is, its CRC-32, the job, the writing process), ``0600``.
-The ``.json`` is renamed into place after the bytes are written: a part
-exists only once all of it does.  *Generation*: one more than any found when
+nothing is written there), files ``0600``: a part's bytes in the
+checkpoint's encoding (:func:`~hpctrain.checkpoint.state.pack`), in a
+``buf-<id>.bin`` the process packs into through a mapping (no copy), or a
+``.part`` file (a peer's copy), and its record
+``g<generation>-e<epoch>-c<number>-r<rank>of<size>[-s<value>[-by<rank>]].json``
+(what it is, the file, its size and CRC-32, the job, the writing process),
+renamed into place once the bytes are complete: a part exists only once all
+of it does, and its record is deleted before its buffer is used again.  *Generation*: one more than any found when
 the job (re)started; *epoch*: re-formings of the world in this start; with
 *number* they order the commits of a job (newest: the largest triple).
 
-Space: before a part is written its bytes are reserved
-(``posix_fallocate``); a full file system turns the node-local copies off
-with one warning (commits stay in memory; never a crash).  Cost of a commit:
-one write of the part into the node's memory, on the storage's helper thread
-beside the caller (the caller waits for it only when that buffer is reused,
-two commits later); memory: the files of ``kept`` commits.
+Space: a buffer's bytes are reserved before use (``posix_fallocate``: a
+mapped write past a full tmpfs would be a SIGBUS); a full file system turns
+the node-local copies off with one warning (commits stay in memory; never a
+crash).  Cost of a commit: none beyond the in-memory commit's for its own
+part (the buffers are the files; one small JSON record a commit, on the
+helper thread), one write a peer's copy; memory: the same ``kept`` + 1
+buffers, in the node's memory instead of the process's.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import socket
 import stat
 import sys
 import time
+import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -126,6 +130,36 @@ class NodeFolder:
             self.turn_off(f"{type(exc).__name__}: {exc}")
             return False
 
+    def buffer(self, size: int) -> Optional[np.ndarray]:
+        """A new file of ``size`` bytes here, reserved and mapped into this process (``np.memmap``: its
+        ``filename`` names it); None, with one warning, when the space or the file system refuses."""
+        if not self.usable:
+            return None
+        path = os.path.join(self.path, f"buf-{uuid.uuid4().hex}.bin")
+        try:
+            free = shutil.disk_usage(self.path).free
+            if free < size:
+                raise OSError(f"{free} bytes free, a part needs {size}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)     # (a mapped write past a full tmpfs would be a SIGBUS)
+            finally:
+                os.close(fd)
+            return np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+        except OSError as exc:
+            _unlink(path)
+            self.turn_off(f"{type(exc).__name__}: {exc}")
+            return None
+
+    def record(self, stem: str, raw: np.ndarray, crc: int, meta: Dict[str, Any]) -> None:
+        """Write the record of part ``stem`` whose bytes are ``raw``, a view of a :meth:`buffer`."""
+        try:
+            doc = dict(meta, **self._identity, crc=int(crc), nbytes=int(raw.size), time=time.time(),
+                       data=os.path.basename(raw.filename))
+            _write_json(os.path.join(self.path, stem + ".json"), doc)
+        except OSError as exc:
+            self.turn_off(f"{type(exc).__name__}: {exc}")
+
     def delete(self, stem: str) -> None:
         """Remove part ``stem`` (its ``.json`` first: never a record without its bytes)."""
         for ext in (".json", ".part"):
@@ -159,7 +193,10 @@ class NodeFolder:
 
     def read(self, record: Dict[str, Any]) -> np.ndarray:
         """The bytes of part ``record`` (from :meth:`parts`), checked against its size and CRC-32 (ValueError)."""
-        raw = np.fromfile(os.path.join(self.path, record["stem"] + ".part"), dtype=np.uint8)
+        data = record.get("data") or record["stem"] + ".part"
+        if os.path.basename(data) != data:
+            raise ValueError(f"node-local part {record['stem']} names a file elsewhere: {data}")
+        raw = np.fromfile(os.path.join(self.path, data), dtype=np.uint8, count=int(record["nbytes"]))
         if raw.size != record["nbytes"] or crc32(raw) != record["crc"]:
             raise ValueError(f"node-local part {record['stem']} does not match its record (size or CRC-32)")
         return raw
@@ -169,6 +206,8 @@ class NodeFolder:
         for record in self.parts():
             if record["generation"] < generation:
                 self.delete(record["stem"])
+                if record.get("data"):
+                    _unlink(os.path.join(self.path, os.path.basename(str(record["data"]))))
 
     def remove(self) -> None:
         """Remove the job's folder (the job ended)."""
@@ -195,23 +234,40 @@ class NodeFolder:
 
 
 class NodeLocalStorage(MemoryStorage):
-    """:class:`~hpctrain.checkpoint.storage.MemoryStorage` whose parts are also written to a :class:`NodeFolder`.
+    """:class:`~hpctrain.checkpoint.storage.MemoryStorage` whose buffers are files of a :class:`NodeFolder`.
 
-    ``where()`` gives ``(generation, epoch, rank, size)`` at each commit (the
-    file's name); ``meta`` goes into each record.  The write runs on the
-    helper thread after the CRC-32 (:meth:`_seal`); :meth:`remove` waits for it
-    before deleting the files.
+    A step's bytes are packed straight into a file of the node's memory
+    mapped into this process (:meth:`NodeFolder.buffer`; the buffer a removed
+    step freed is written into by the next, as in memory): keeping them on
+    the node costs no copy.  ``where()`` gives ``(generation, epoch, rank,
+    size)`` at each commit (the record's name); the record, naming the file,
+    its size and CRC-32, is written on the helper thread once the CRC-32 is
+    known (:meth:`_seal`); :meth:`remove` deletes it, after the write, before
+    the buffer is used again.  Where the folder cannot be used the buffers are
+    plain memory.
     """
 
     def __init__(self, kept: int, folder: NodeFolder, where: Callable[[], Tuple[int, int, int, int]]):
         super().__init__(kept)
         self.folder, self.where = folder, where
         self._stems: Dict[int, str] = {}
+        self._taken: Optional[np.ndarray] = None
 
     def begin(self, step: int) -> None:
         super().begin(step)
         g, e, r, s = self.where()
         self._stems[step] = f"g{g}-e{e}-c{step}-r{r}of{s}"
+
+    def take_spare(self) -> Optional[np.ndarray]:
+        self._taken = super().take_spare()
+        return self._taken
+
+    def _allocate(self, size: int) -> np.ndarray:
+        old, self._taken = self._taken, None
+        if getattr(old, "filename", None):      # (the spare was too small: its file goes)
+            _unlink(old.filename)
+        buf = self.folder.buffer(size)
+        return buf if buf is not None else np.empty(size, dtype=np.uint8)
 
     def _seal(self, step: int, raw: np.ndarray, held: Dict[str, Any]) -> int:
         crc = crc32(raw)
@@ -219,8 +275,8 @@ class NodeLocalStorage(MemoryStorage):
         other = sorted(name for name, value in held.items() if not getattr(value, "on_peers", False))
         if other:       # (values that are not data cannot outlive the process)
             self.folder.turn_off(f"the state holds values that are not data: {', '.join(other)}")
-        elif stem is not None:      # (a value spread over the ranks: its parts are written by its PeerStorage)
-            self.folder.write(stem, raw, crc, {"spread": sorted(held)})
+        elif stem is not None and getattr(raw, "filename", None):   # (spread values: their PeerStorage's files)
+            self.folder.record(stem, raw, crc, {"spread": sorted(held)})
         return crc
 
     def abort(self, step: int) -> None:
@@ -229,14 +285,18 @@ class NodeLocalStorage(MemoryStorage):
 
     def remove(self, step: int) -> None:
         kept = self._parts.get(step)
-        super().remove(step)
         stem = self._stems.pop(step, None)
         if kept is not None and stem is not None:
-            _value(kept[0][1])          # (its write may still be running)
+            _value(kept[0][1])          # (its record may still be being written)
             self.folder.delete(stem)
+        before = self._spare
+        super().remove(step)
+        if before is not None and self._spare is not before and getattr(before[0], "filename", None):
+            _value(before[1])
+            _unlink(before[0].filename)     # (a spare replaced by a newer one: its file goes)
 
     def wait(self) -> None:
-        """Wait until every commit's node-local write has finished."""
+        """Wait until every commit's record has been written."""
         for (raw, crc), _ in self._parts.values():
             _value(crc)
 

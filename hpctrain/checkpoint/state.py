@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -235,20 +235,20 @@ def _is_object(obj: Any) -> bool:
             or variables_of(obj) is not None)
 
 
-def pack(tree: Dict[str, Any], into: Optional[np.ndarray] = None, checksum: bool = True
-         ) -> Tuple[np.ndarray, Optional[int]]:
+def pack(tree: Dict[str, Any], into: Optional[np.ndarray] = None, checksum: bool = True,
+         allocate: Optional[Callable[[int], np.ndarray]] = None) -> Tuple[np.ndarray, Optional[int]]:
     """A part (a tree of dicts, lists, numbers and arrays or tensors, any dtype) as bytes and their CRC-32.
 
     The checkpoint's encoding (:func:`encode`'s tree in the metadata, the
     tensors in safetensors layout, :func:`~hpctrain.checkpoint.tensorfile.encode_tensors`,
-    written into ``into`` when it is large enough; ``checksum=False``: no
-    CRC-32 yet, None): torch tensors come back as torch tensors of their
+    written into ``into`` when it is large enough, else into ``allocate(size)``;
+    ``checksum=False``: no CRC-32 yet, None): torch tensors come back as torch tensors of their
     dtype, bfloat16 included.  TypeError names a value that is not data.
     Cost: one copy of the tensors and one CRC-32 pass.
     """
     enc = Encoder(copy=False)
     shape = enc.tree(dict(tree), "part")
-    return encode_tensors(enc.tensors, {_TREE: json.dumps(shape, separators=(",", ":"))}, into, checksum)
+    return encode_tensors(enc.tensors, {_TREE: json.dumps(shape, separators=(",", ":"))}, into, checksum, allocate)
 
 
 def packable(value: Any) -> bool:

@@ -207,12 +207,12 @@ class MemoryStorage(Storage):
         """Pack ``part`` (values that are not data: deep copies) and start its CRC-32 on the helper thread."""
         data, held, spare = dict(part), {}, self.take_spare()
         try:
-            raw, _ = pack(data, into=spare, checksum=False)
+            raw, _ = pack(data, into=spare, checksum=False, allocate=self._allocate)
         except TypeError:                   # (raised by the tree walk, before any copy: find the values that are
             for name in list(data):         # not data, one by one, without copying them)
                 if not packable(data[name]):
                     held[name] = copy.deepcopy(data.pop(name))
-            raw, _ = pack(data, into=spare, checksum=False)
+            raw, _ = pack(data, into=spare, checksum=False, allocate=self._allocate)
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-commit-crc")
         self._open[step] = ((raw, self._hasher.submit(self._seal, step, raw, held)), held)
@@ -220,6 +220,10 @@ class MemoryStorage(Storage):
     def _seal(self, step: int, raw: np.ndarray, held: Dict[str, Any]) -> int:
         """On the helper thread: the CRC-32 of ``step``'s bytes (a subclass also keeps them elsewhere)."""
         return crc32(raw)
+
+    def _allocate(self, size: int) -> np.ndarray:
+        """A buffer of ``size`` bytes for a step's bytes when the spare one is too small (fresh memory here)."""
+        return np.empty(size, dtype=np.uint8)
 
     def take_spare(self) -> Optional[np.ndarray]:
         """The buffer of the step removed last (None if none), for a new step's bytes."""

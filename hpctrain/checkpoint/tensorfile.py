@@ -25,7 +25,7 @@ import json
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -108,18 +108,24 @@ def write_tensors(path: str, tensors: Mapping[str, Tuple[np.ndarray, str]],
 
 
 def encode_tensors(tensors: Mapping[str, Tuple[np.ndarray, str]], metadata: Optional[Mapping[str, str]] = None,
-                   into: Optional[np.ndarray] = None, checksum: bool = True) -> Tuple[np.ndarray, Optional[int]]:
+                   into: Optional[np.ndarray] = None, checksum: bool = True,
+                   allocate: Optional[Callable[[int], np.ndarray]] = None) -> Tuple[np.ndarray, Optional[int]]:
     """The bytes :func:`write_tensors` would write, as one uint8 array, and their CRC-32 (one copy, one pass).
 
     ``into``: a uint8 buffer to write them into when it is large enough (the
     result is then a view of its first bytes): reusing one saves the page
     faults of fresh memory, as much again as the copy.  ``checksum=False``:
     None for the CRC-32 (the caller computes it, :func:`crc32`, later).
+    ``allocate(size)``: where the bytes go when ``into`` is too small or None
+    (a uint8 array of at least ``size``; default: fresh memory).
     """
     head = _header(tensors, metadata)
     bodies = list(_bodies(tensors))
     size = len(head) + sum(len(b) for b in bodies)
-    out = into[:size] if into is not None and into.size >= size else np.empty(size, dtype=np.uint8)
+    if into is not None and into.size >= size:
+        out = into[:size]
+    else:
+        out = allocate(size)[:size] if allocate is not None else np.empty(size, dtype=np.uint8)
     out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
     pos = len(head)
     for raw in bodies:
