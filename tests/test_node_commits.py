@@ -118,7 +118,9 @@ def example(out, *more):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("options", [(), ("--zero", "2")], ids=["replicated", "zero2"])
+# (ZeRO-2 only: a replicated state's restart from the node's memory runs in tests/test_slurm.py's requeue and
+# tests/test_multinode.py's node loss; this one adds each rank's part and its copy)
+@pytest.mark.parametrize("options", [("--zero", "2")], ids=["zero2"])
 def test_a_job_killed_whole_and_run_again_goes_on_from_its_newest_node_local_commit(options, tmp_path):
     """Every process of a 2-rank elastic job SIGKILLed after step 30, then the same command run again in the same
     folder: it loads the disk checkpoint of step 20, then the newest commit the node's memory kept (at most one
@@ -194,3 +196,38 @@ def test_a_full_node_file_system_turns_node_local_commits_off_with_one_warning_a
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     assert os.listdir(small) == []      # (the host's folder under the private tmpfs was never written)
+
+
+@pytest.fixture
+def world_of_one():
+    import hpctrain
+
+    hpctrain.shutdown()
+    yield hpctrain.init("local")
+    hpctrain.shutdown()
+
+
+def test_a_node_local_commit_that_does_not_fit_the_program_is_refused_in_one_line_naming_its_folder(
+        world_of_one, tmp_path, monkeypatch):
+    """A commit left by the same job name whose model had other shapes: the start refuses it with a CheckpointError
+    (one line on rank 0, alike on every rank) naming the folder and how to start afresh; one that fits is taken."""
+    import torch
+
+    from hpctrain.elastic import node_resume
+    from hpctrain.errors import CheckpointError
+    from hpctrain.torch import TorchState
+
+    monkeypatch.setenv("HPCTRAIN_NODE_COMMIT_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCTRAIN_JOB_ID", "same-name")
+    first = TorchState(torch.nn.Linear(4, 3), None, step=7)
+    assert node_resume.start(first, world_of_one, False) is None      # (nothing kept yet)
+    first.save()
+    first.leave_node()
+    fits = TorchState(torch.nn.Linear(4, 3), None, step=0)
+    loaded = node_resume.start(fits, world_of_one, False)
+    assert loaded is not None and loaded["size"] == 1 and fits.step == 7
+    assert torch.equal(fits.model.weight, first.model.weight)
+    fits.leave_node()
+    other = TorchState(torch.nn.Linear(5, 3), None, step=0)
+    with pytest.raises(CheckpointError, match=r"node-local commit of this job \(.*same-name\) does not fit"):
+        node_resume.start(other, world_of_one, False)

@@ -3,10 +3,12 @@
 If Slurm cannot be installed or started here these tests fail with the
 reason; they do not skip.
 """
+import json
 import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from harness import RANK_COUNTS, REPO, assert_bit_identical, base_env, mpirun_cmd, run, saved_arrays
@@ -132,6 +134,38 @@ def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted
         assert "preempted (SIGUSR2)" in text or "preempted (a signal on another rank)" in text, text[-5000:]
         assert "requeued Slurm job" in text and starts[1] >= 6, text[-5000:]
     assert_bit_identical(saved_arrays(tmp_path / "out.npz"), ref)
+
+
+@pytest.mark.timeout(400)
+def test_a_requeued_job_goes_on_from_the_newest_commit_its_node_kept_in_memory(slurm, tmp_path):
+    """examples/elastic_train.py (hpctrain.elastic.run; commits every 4 steps, disk checkpoints every 20) under
+    slurm/preemptible.sbatch at 2 tasks, `scontrol requeue` after step 30: the job runs again with the same Slurm
+    job id on the same node, loads the disk checkpoint of step 20, then the newest commit the node's memory kept
+    (at most one interval before the last step done), and ends bit-identical to an uninterrupted run."""
+    from safetensors.numpy import load_file
+    from test_elastic import example_args, reference
+
+    log, out = tmp_path / "job.log", tmp_path / "final.safetensors"
+    args = ["python", *example_args(out), "--epochs", "3", "--checkpoint-every", "20", "--step-sleep", "0.05",
+            "--log-steps"]
+    job = slurm.submit(["--ntasks=2", f"--output={log}", str(REPO / "slurm" / "preemptible.sbatch"), *args],
+                       cwd=REPO, env=job_env())
+    slurm.wait_for_line(log, r"^step 30$", 180)
+    res = slurm.scontrol("requeue", job)
+    assert res.returncode == 0, res.stderr
+    slurm.release_after_requeue(job)
+    info = slurm.wait(job, 240)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-5000:]}"
+    again = text.index("hpctrain: resumed from step 20")
+    assert re.search(rf"resumed from node-local commit \d+ \(made by 2 ranks; job slurm-{job}-", text), text[-4000:]
+    done = [int(m) for m in re.findall(r"^step (\d+)$", text[:again], re.M)]
+    (resumed,) = json.loads(out.with_name(out.name + ".json").read_text())["resumed_at"]
+    assert resumed % 4 == 0 and done[-1] - 4 <= resumed <= done[-1], (resumed, done[-3:])
+    want, _ = reference(2, [], epochs=3)
+    got = load_file(str(out))
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 @pytest.mark.timeout(400)

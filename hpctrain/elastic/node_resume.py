@@ -37,7 +37,7 @@ from .. import settings
 from ..checkpoint.node_storage import NodeFolder
 from ..checkpoint.state import unpack
 from .state import SPREAD_COMMON
-from ..errors import HpctrainError, WorldFailedError
+from ..errors import CheckpointError, WorldFailedError
 
 __all__ = ["start", "finish"]
 
@@ -199,7 +199,8 @@ def _apply(state, folder: NodeFolder, values: Dict[str, Any], own: Optional[Dict
         raise _misfit(folder, exc) from exc
 
 
-def _misfit(folder: NodeFolder, exc: Exception) -> HpctrainError:
-    return HpctrainError(f"a node-local commit of this job ({folder.path}) does not fit the program's state "
+def _misfit(folder: NodeFolder, exc: Exception) -> CheckpointError:
+    """The one-line error, alike on every rank, of a node-local commit the program's objects refused."""
+    return CheckpointError(f"a node-local commit of this job ({folder.path}) does not fit the program's state "
                          f"({type(exc).__name__}: {exc}); remove that folder, or set HPCTRAIN_NODE_COMMITS=0, "
                          f"or HPCTRAIN_JOB_ID to another name")
