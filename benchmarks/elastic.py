@@ -149,7 +149,16 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
         before = resumed = None
         log = []
         # (a job that hangs silently writes nothing more: end it at the limit, so the loop below ends too)
-        limit = threading.Timer(args.timeout, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
+        def give_up():          # (and what holds its output open: workers in sessions of their own, node1's all)
+            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            if node:
+                args.nodes.kill("node1")
+
+        limit = threading.Timer(args.timeout, lambda: proc.poll() is None and give_up())
         limit.start()
         seen = {}         # (node loss, hpctrain: when the launcher said so, restarted, loaded the checkpoint)
         try:
@@ -230,6 +239,7 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
             sizes = re.findall(r"finished: \d+ steps, world of (\d+)", text)
             row["new_size"] = int(sizes[-1]) if sizes else args.ranks
         row["resumed"] = resumed
+        row["before"] = before = max(before, resumed)   # (a commit of step s: s was done, though its line was lost)
         row["lost_steps"] = before - resumed
         return row
 
@@ -311,7 +321,7 @@ def write_outputs(runs, args) -> None:
              f"{heartbeats}.\n",
              "| peer | goes on at | kill -> first step after recovery | kill -> back at the pre-kill step | "
              f"steps lost | detection | {'restart (new job)' if args.fault == 'node' else 're-forming'} | "
-             f"state recovery{' (disk)' if args.fault == 'node' else ''} | redone steps |",
+             f"state recovery{' (disk, then node memory)' if args.fault == 'node' else ''} | redone steps |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "recovered_s" not in r:
