@@ -225,6 +225,13 @@ class MemoryStorage(Storage):
         """A buffer of ``size`` bytes for a step's bytes when the spare one is too small (fresh memory here)."""
         return np.empty(size, dtype=np.uint8)
 
+    def in_memory(self) -> "MemoryStorage":
+        """A :class:`MemoryStorage` holding this storage's committed steps (the same buffers), without whatever
+        else a subclass does with them."""
+        plain = MemoryStorage(self.kept)
+        plain._parts.update(self._parts)
+        return plain
+
     def take_spare(self) -> Optional[np.ndarray]:
         """The buffer of the step removed last (None if none), for a new step's bytes."""
         if self._spare is None:

@@ -142,9 +142,7 @@ class State:
         for peers in self._peers.values():
             peers.wait()
             peers.node = None
-        kept, self._commits = self._commits, MemoryStorage(KEPT_COMMITS)
-        for number in kept.list():      # (the same parts, without their files' life)
-            self._commits._parts[number] = kept._parts[number]
+        self._commits = self._commits.in_memory()      # (the same parts, without their files' life)
         return node[0]
 
     def drop_older_node_commits(self) -> None:
