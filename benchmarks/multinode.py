@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import result_of, write_results  # noqa: E402
+from hpctrain.launcher.launch import TCP_FLAGS_WITHOUT_PUT  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "scripts" / "cluster.sh"
@@ -49,9 +50,11 @@ PEERS = ("hpctrain-auto", "hpctrain-hierarchical", "hpctrain-ring", "hpctrain-na
          "horovod", "hpctrain-elastic")
 # Open MPI 5's MPI_Allreduce is hierarchical itself across nodes (its coll/han component); "mpi4py-flat"
 # is the same call with han off, the flat algorithms of coll/tuned.  "hpctrain-elastic" is "auto" in a world
-# that re-forms, as `hpctrain launch --elastic` starts it: the library's all-reduce left out, han off.
+# that re-forms, as `hpctrain launch --elastic` starts it: the library's all-reduce left out, han off, and the
+# TCP transport's emulated put off (hpctrain/launcher/launch.py says why).
 PEER_ENV = {"mpi4py-flat": {"OMPI_MCA_coll": "^han"},
-            "hpctrain-elastic": {"OMPI_MCA_coll": "^han,cuda", "HPCTRAIN_ELASTIC": "1"}}
+            "hpctrain-elastic": {"OMPI_MCA_coll": "^han,cuda", "HPCTRAIN_ELASTIC": "1",
+                                 "OMPI_MCA_btl_tcp_flags": TCP_FLAGS_WITHOUT_PUT}}
 WORKER_PEER = {"hpctrain-elastic": "hpctrain-auto"}
 COMPRESSION = {"none": None, "fp16": "fp16", "topk": "topk:ratio=0.01", "powersgd": "powersgd:rank=4,start_iter=0"}
 MIB = 1 << 20

@@ -51,6 +51,13 @@ def test_build_command_flags():
     assert [han_may_run({"OMPI_MCA_coll": c}) for c in ("", "^han,cuda", "^cuda", "^ cuda, han", "tuned,han",
                                                            "tuned,basic")] == [True, False, True, False, True, False]
     assert han_may_run({})
+    # nor is the TCP transport's emulated put (a survivor deadlocked in it: tests/test_multinode.py); the same
+    from hpctrain.world.lifecycle import tcp_put_may_run
+    assert elastic[elastic.index("btl_tcp_flags") + 1] == "send,inplace,need-ack,need-csum" and "btl_tcp_flags" not in cmd
+    assert "btl_tcp_flags" not in build_command(3, ["x.py"], env={"OMPI_MCA_btl_tcp_flags": "send"}, cores=2,
+                                                elastic=True)
+    assert [tcp_put_may_run({"OMPI_MCA_btl_tcp_flags": f}) for f in ("", "send,put", "send,inplace,need-ack,need-csum",
+                                                                     "1", "3")] == [True, True, False, False, True]
     for bad, said in (({"min_np": 2}, "--elastic"), ({"elastic": True, "min_np": 4}, "between 1 and"),
                       ({"elastic": True, "gloo": True}, "mpirun")):
         with pytest.raises(ValueError, match=said):

@@ -199,13 +199,10 @@ def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_ne
 
 
 @pytest.mark.timeout(150)
-# ("auto" hangs now and then: 2 of 11 runs by hand on 2026-12-07 and once in a fresh CI run of dd5234d, with no
-# re-forming and no line from the survivors within 100 s; cause not known (issue 67, point 6). Skipped, saying so,
-# until it is found; the other three cases run. To run it: remove the mark.)
-@pytest.mark.parametrize("collective", [
-    pytest.param("auto", marks=pytest.mark.skip(reason="hangs in about 1 of 6 runs (no re-forming within 100 s): "
-                                                        "issue 67 point 6, under investigation")),
-    "broadcast", "allgather", "native"])
+# ("auto" hung in about 1 run of 6 until the launcher turned off the TCP transport's emulated put in elastic mode: a
+# survivor deadlocked inside Open MPI, its failed put's callback sending a FIN down the connection whose lock the
+# failing send held; 0 hangs in 34 runs after, hpctrain/launcher/launch.py.)
+@pytest.mark.parametrize("collective", ["auto", "broadcast", "allgather", "native"])
 def test_a_rank_killed_inside_a_64mib_collective_across_nodes_re_forms_with_right_results(collective, cluster):
     """Rank 3 (node2) SIGKILLed inside back-to-back 64 MiB collectives across 2 nodes x 2 ranks, elastic mode:
     every result before the failure equals its closed form on every rank (tests/programs/ring_kill.py asserts
@@ -223,7 +220,7 @@ def test_a_rank_killed_inside_a_64mib_collective_across_nodes_re_forms_with_righ
         assert "algorithm='native' is not fault tolerant across nodes" in log, log[-4000:]
         return
     assert proc.returncode == 0, log[-4000:]
-    assert "Traceback" not in log and "warning: Open MPI's han" not in log, log[-4000:]
+    assert "Traceback" not in log and "warning: Open MPI's" not in log, log[-4000:]
     assert len(re.findall(r"^AFTER 6 3 KEPT \d+ CALLS \d+$", log, re.M)) == 3, log[-4000:]
     assert "the elastic job finished with 3 ranks after 1 re-forming" in log, log[-4000:]
 

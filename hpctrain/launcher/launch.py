@@ -17,6 +17,13 @@
   MPI's han and cuda collective components are not fault tolerant (a rank
   killed inside han's broadcast across nodes leaves the others a partial
   buffer and no error; open-mpi/ompi#13915);
+* ``--mca btl_tcp_flags send,inplace,need-ack,need-csum`` in elastic mode (unless
+  OMPI_MCA_btl_tcp_flags is set): without it Open MPI's TCP transport sends a message
+  of 192 KiB or more by its emulated put, and a put to a rank that dies fails into a
+  callback that sends a FIN down the connection whose lock the failing send holds,
+  so the survivor deadlocks in the library (issue 67, point 6: 1 run in 6 of a
+  rank killed inside a 64 MiB all-reduce across nodes; tests/test_multinode.py);
+  plain sends cost the same bytes on the socket;
 * ``--with-ft ulfm`` for ranks on several hosts, where Open MPI has its
   fault-tolerance extension: a lost rank or node is then named by hpctrain
   (:mod:`hpctrain.comm.backends.mpi.failures`) before it ends the job, not left to
@@ -46,6 +53,7 @@ from ..errors import EXIT_PREEMPTED
 __all__ = ["build_command", "find_mpirun", "mpi_vendor", "ulfm_supported", "remove_stale_session_dirs"]
 
 _LAUNCHERS = {"prterun", "mpirun", "mpiexec", "orterun", "prte", "prted"}
+TCP_FLAGS_WITHOUT_PUT = "send,inplace,need-ack,need-csum"     # (Open MPI 5's default less put and hetero-rdma)
 
 
 def _gloo_command(n: int, argv: List[str], hosts, hostfile, start_timeout) -> List[str]:
@@ -258,6 +266,7 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
         if elastic:
             cmd += ["-x", "HPCTRAIN_ELASTIC=1", "-x", f"HPCTRAIN_ELASTIC_MIN_NP={min_np or 1}"]
             cmd += [] if "OMPI_MCA_coll" in env else ["--mca", "coll", "^han,cuda"]
+            cmd += [] if "OMPI_MCA_btl_tcp_flags" in env else ["--mca", "btl_tcp_flags", TCP_FLAGS_WITHOUT_PUT]
             cmd += _silence_detector(env) if _several_hosts(hosts, hostfile) else []
         for name, value in (exports or {}).items():
             cmd += ["-x", f"{name}={value}"]

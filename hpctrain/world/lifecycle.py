@@ -131,6 +131,8 @@ def init(backend: str = "auto") -> Communicator:
             sys.stdout.flush()
             if w.topology.num_nodes > 1 and han_may_run(os.environ):
                 sys.stderr.write(f"hpctrain: warning: {HAN_NOT_FAULT_TOLERANT}\n")
+            if w.topology.num_nodes > 1 and tcp_put_may_run(os.environ):
+                sys.stderr.write(f"hpctrain: warning: {TCP_PUT_MAY_DEADLOCK}\n")
         if reforms:
             write_world(w)
         _install_excepthook(w)
@@ -231,6 +233,18 @@ HAN_NOT_FAULT_TOLERANT = ("Open MPI's han collectives may run across nodes (OMPI
                           "and they are not fault tolerant: a rank failing inside a broadcast leaves the others "
                           "a wrong result and no error; start elastic jobs with `hpctrain launch --elastic` or add "
                           "`--mca coll ^han,cuda` to mpirun")
+
+
+TCP_PUT_MAY_DEADLOCK = ("Open MPI's TCP transport may send large messages by its emulated put (OMPI_MCA_btl_tcp_flags "
+                        "does not leave it out), and a put to a rank that dies can deadlock a survivor inside the "
+                        "library; start elastic jobs with `hpctrain launch --elastic` or add `--mca btl_tcp_flags "
+                        "send,inplace,need-ack,need-csum` to mpirun")
+
+
+def tcp_put_may_run(env) -> bool:
+    """Whether Open MPI's TCP transport may use its emulated put: OMPI_MCA_btl_tcp_flags is unset or names put."""
+    flags = env.get("OMPI_MCA_btl_tcp_flags", "").replace(" ", "")
+    return not flags or "put" in flags.split(",") or (flags.isdigit() and bool(int(flags) & 0x2))
 
 
 def han_may_run(env) -> bool:
