@@ -25,10 +25,11 @@ def test_horovod_is_installed_with_mpi_and_gloo():
 SMALL = "not 1000003 and not 64mib and not copying_between"
 
 
-# The two launchers of the Horovod backend share the rank counts (mpirun at 2 and 4, horovodrun --gloo at
-# 1 and 3): hpctrain's side of the backend is the same under both; what each launcher brings is tested at two.
+# The two launchers of the Horovod backend share the rank counts (horovodrun --gloo at 1 and 2, mpirun at 3 and
+# 4): hpctrain's side of the backend is the same under both; what each launcher brings is tested at two.  (Gloo
+# at 3 oversubscribed ranks took 75 s of CI, mpirun at 4 33 s: Gloo's busy polls take the cores.)
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [3, 4])
 def test_collectives_on_horovod_under_mpirun(n, rank_suites):
     rank_suites.get("horovod-mpirun", n, COLLECTIVE_FILES, select="" if n <= 2 else SMALL,
                     HPCTRAIN_BACKEND="horovod",
@@ -44,7 +45,7 @@ def horovodrun_gloo(n):
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, 2])
 def test_collectives_under_horovodrun_gloo_pick_horovod(n, rank_suites):
     # No MPI launcher variables exist here, so backend "auto" must choose Horovod.
     rank_suites.get("horovodrun-gloo", n, COLLECTIVE_FILES, launcher=horovodrun_gloo,

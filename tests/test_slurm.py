@@ -108,8 +108,9 @@ def reference(n, tmp_path_factory):
 
 @pytest.mark.timeout(400)
 # One count each (the USR2 path across two nodes in test_slurm_nodes.py; SIGUSR2 at 1 and 4 ranks without Slurm in
-# test_checkpoint_restart.py): 1 and 2 cost 90 s of CI on a slow 2-core machine.
-@pytest.mark.parametrize("interrupt, n", [("usr2", 3), ("scontrol requeue", 4)])
+# test_checkpoint_restart.py): 1 and 2 cost 90 s of CI on a slow 2-core machine.  `scontrol requeue` of the same
+# script runs at 4 tasks in the next test (a requeue that resumes from disk, then from the node's memory).
+@pytest.mark.parametrize("interrupt, n", [("usr2", 3)])
 def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(slurm, tmp_path, n,
                                                                                      interrupt, tmp_path_factory):
     ref = reference(n, tmp_path_factory)
@@ -139,7 +140,7 @@ def test_preemptible_job_checkpoints_requeues_and_finishes_like_an_uninterrupted
 @pytest.mark.timeout(400)
 def test_a_requeued_job_goes_on_from_the_newest_commit_its_node_kept_in_memory(slurm, tmp_path):
     """examples/elastic_train.py (hpctrain.elastic.run; commits every 4 steps, disk checkpoints every 20) under
-    slurm/preemptible.sbatch at 2 tasks, `scontrol requeue` after step 30: the job runs again with the same Slurm
+    slurm/preemptible.sbatch at 4 tasks, `scontrol requeue` after step 30: the job runs again with the same Slurm
     job id on the same node, loads the disk checkpoint of step 20, then the newest commit the node's memory kept
     (at most one interval before the last step done), and ends bit-identical to an uninterrupted run."""
     from safetensors.numpy import load_file
@@ -148,7 +149,7 @@ def test_a_requeued_job_goes_on_from_the_newest_commit_its_node_kept_in_memory(s
     log, out = tmp_path / "job.log", tmp_path / "final.safetensors"
     args = ["python", *example_args(out), "--epochs", "3", "--checkpoint-every", "20", "--step-sleep", "0.05",
             "--log-steps"]
-    job = slurm.submit(["--ntasks=2", f"--output={log}", str(REPO / "slurm" / "preemptible.sbatch"), *args],
+    job = slurm.submit(["--ntasks=4", f"--output={log}", str(REPO / "slurm" / "preemptible.sbatch"), *args],
                        cwd=REPO, env=job_env())
     slurm.wait_for_line(log, r"^step 30$", 180)
     res = slurm.scontrol("requeue", job)
@@ -158,11 +159,11 @@ def test_a_requeued_job_goes_on_from_the_newest_commit_its_node_kept_in_memory(s
     text = log.read_text(errors="replace")
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-5000:]}"
     again = text.index("hpctrain: resumed from step 20")
-    assert re.search(rf"resumed from node-local commit \d+ \(made by 2 ranks; job slurm-{job}-", text), text[-4000:]
+    assert re.search(rf"resumed from node-local commit \d+ \(made by 4 ranks; job slurm-{job}-", text), text[-4000:]
     done = [int(m) for m in re.findall(r"^step (\d+)$", text[:again], re.M)]
     (resumed,) = json.loads(out.with_name(out.name + ".json").read_text())["resumed_at"]
     assert resumed % 4 == 0 and done[-1] - 4 <= resumed <= done[-1], (resumed, done[-3:])
-    want, _ = reference(2, [], epochs=3)
+    want, _ = reference(4, [], epochs=3)
     got = load_file(str(out))
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)

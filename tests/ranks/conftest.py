@@ -8,6 +8,36 @@ import numpy as np
 import pytest
 
 import hpctrain
+from hpctrain.env import detect_launcher
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "share_counts(counts=(1, 2, 3, 4)): the variants of a parametrized test "
+                            "share the rank counts instead of each running at every one (CONTRIBUTING, the budget)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the variants of a ``share_counts`` test that are not this launch's share.
+
+    With counts ``c_0 .. c_{k-1}`` and variants ``v_0 .. v_{m-1}`` (in collection order), variant ``i`` runs at
+    count ``c_j`` when ``j mod m == i mod k``: every variant runs at one count at least, and every count runs one
+    variant at least.  At a count not listed the first variant runs, so every count still runs the test.
+    """
+    launch = detect_launcher()
+    size = launch.size if launch else 1
+    groups = {}
+    for item in items:
+        mark = item.get_closest_marker("share_counts")
+        if mark is not None and hasattr(item, "callspec"):
+            groups.setdefault((item.module.__name__, item.originalname), (mark, []))[1].append(item)
+    for mark, group in groups.values():
+        counts = tuple(mark.kwargs.get("counts", (1, 2, 3, 4)))
+        j = counts.index(size) if size in counts else None
+        for i, item in enumerate(group):
+            runs = i == 0 if j is None else j % len(group) == i % len(counts)
+            if not runs:
+                at = sorted(c for jj, c in enumerate(counts) if jj % len(group) == i % len(counts))
+                item.add_marker(pytest.mark.skip(reason=f"variants share the rank counts: this one runs at {at}"))
 
 
 @pytest.fixture(scope="session")

@@ -248,6 +248,7 @@ def test_distributed_gradient_tape_in_tf_function_equals_one_process():
     assert_weights_close(model.get_weights(), reference_weights(keras, data, 0.1))
 
 
+@pytest.mark.share_counts
 @pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
 def test_fit_with_distributed_optimizer_equals_one_process(keras_name):
     """Keras 3 and Keras 2 (tf-keras): model.fit with hvd.DistributedOptimizer and the broadcast callback."""
@@ -334,6 +335,7 @@ def test_load_model_wraps_the_saved_optimizer_again(tmp_path_factory):
     assert len({w.tobytes() for w in hvd.allgather_object(loaded.get_weights()[0])}) == 1
 
 
+@pytest.mark.share_counts
 @pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
 def test_fit_with_adasum_optimizer_combines_the_ranks_updates(keras_name):
     """``hvd.DistributedOptimizer(op=hvd.Adasum)`` in model.fit: each rank's SGD-with-momentum step, then Adasum of

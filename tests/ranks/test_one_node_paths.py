@@ -71,6 +71,7 @@ def test_shared_memory_arena_reused_across_changing_sizes(comm):
             np.testing.assert_array_equal(comm.reduce_scatter(y, algorithm=alg), sums[count, "f8"])
 
 
+@pytest.mark.share_counts
 @pytest.mark.parametrize("op", ["sum", "avg", "max"])
 def test_grouped_allreduce_equals_one_allreduce_per_tensor(comm, op):
     n = comm.size

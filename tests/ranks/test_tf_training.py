@@ -93,6 +93,7 @@ def resumes_bit_for_bit(comm, ckdir, optimizer, **wrapper):
 
 
 
+@pytest.mark.share_counts
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_gradient_tape_loop_matches_single_process_with_n_times_the_batch(comm, name, graph):
@@ -147,6 +148,7 @@ def fit_both(comm, model, ref, steps):
     return check.steps
 
 
+@pytest.mark.share_counts
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_keras_fit_matches_single_process_with_n_times_the_batch(comm, name):
     n, r = comm.size, comm.rank
@@ -158,6 +160,7 @@ def test_keras_fit_matches_single_process_with_n_times_the_batch(comm, name):
     assert_close(model.trainable_variables, ref.trainable_variables, n)
 
 
+@pytest.mark.share_counts
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_keras_fit_with_backward_passes_per_step_matches_keras_own_accumulation_of_the_whole_batch(comm, name):
     """k passes summed locally, one reduction: the same updates as one process with Keras's own

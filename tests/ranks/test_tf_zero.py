@@ -43,6 +43,7 @@ def train(model, ref, n, rank, steps):
         ref.train_on_batch(x, y)
 
 
+@pytest.mark.share_counts
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_sharded_keras_training_equals_the_plain_optimizer_on_the_whole_batch(comm, name):
     n, r = comm.size, comm.rank
