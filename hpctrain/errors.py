@@ -17,8 +17,14 @@ class CollectiveMismatchError(HpctrainError, ValueError, TypeError):
     """Ranks made incompatible collective calls; raised on every rank with each rank's call.
 
     It is also a ValueError and a TypeError, so code that catches the error a
-    single process raises for the same bad argument catches it too.
+    single process raises for the same bad argument catches it too.  ``every_rank``: raised alike on every
+    rank (the call check's verdict, which every rank builds from every rank's call): uncaught, it is then one
+    message on rank 0 and the ranks leave together (:mod:`hpctrain.run`), not a traceback each.
     """
+
+    def __init__(self, message: str = "", every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class InvalidCollectiveError(CollectiveMismatchError):

@@ -153,6 +153,27 @@ def test_under_the_horovod_api_a_rank_that_exits_early_is_named_with_its_status(
     assert result.returncode == (3 if launcher == "mpirun" else 1)     # (horovodrun exits 1 whatever failed)
 
 
+# (the three launches share the counts 2-4; a world of one has nobody to disagree with)
+@pytest.mark.parametrize("launch, n", [("hpctrain launch", 2), ("hpctrain launch --elastic", 3), ("mpirun", 4)])
+def test_a_call_the_ranks_disagree_on_ends_the_job_with_one_message_naming_each_ranks_call(launch, n):
+    """The last rank all-reduces 1001 values where the others all-reduce 1000, uncaught: the call check's error is
+    raised alike on every rank, so it is one message on rank 0 (each rank's call on a line of its own), no
+    traceback, and every rank leaves at once with status 1, in elastic mode too (not a failed rank each)."""
+    die = [sys.executable, str(PROGRAMS / "die.py"), "mismatch", str(n - 1)]
+    cmd = (mpirun_cmd(n) + die if launch == "mpirun"
+           else [str(BIN / "hpctrain"), *launch.split()[1:], "-n", str(n), *die])
+    start = time.monotonic()
+    result = run(cmd, base_env(), 90)
+    took = time.monotonic() - start
+    out = result.stdout
+    assert result.returncode == 1 and "steps done" in out and took < 30, out[-3000:]
+    assert "Traceback" not in out and "leaves the job as a failed rank" not in out, out[-3000:]
+    assert out.count("hpctrain: error: ranks of world disagree on collective call #21") == 1, out[-3000:]
+    others = "rank 0" if n == 2 else f"ranks 0-{n - 2}"
+    for who, size in ((others, 1000), (f"rank {n - 1}", 1001)):     # (mpirun_cmd tags each line with its rank)
+        assert re.search(rf"^(\[1,0\]<stderr>: )?  {who}: allreduce\(float64\[{size}\]", out, re.M), out[-3000:]
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ranks_whose_algorithm_settings_differ_stop_at_init_with_one_line_naming_each_setting_and_rank(n):
     """Settings that decide which collective runs must be alike on every rank (else a hang, or one rank's

@@ -281,8 +281,8 @@ def _exit_without_finalize(code: int) -> None:
 def _install_excepthook(comm: Communicator, previous=None) -> None:
     """Make an uncaught exception print its traceback and abort every rank.
 
-    A :class:`~hpctrain.settings.SettingError` or :class:`~hpctrain.errors.CheckpointError`
-    is the exception (``every_rank``): hpctrain raises it on every rank alike,
+    A :class:`~hpctrain.settings.SettingError`, a :class:`~hpctrain.errors.CheckpointError` or the call
+    check's :class:`~hpctrain.errors.CollectiveMismatchError` is the exception (``every_rank``): hpctrain raises it on every rank alike,
     so it is one line on rank 0 and the ranks leave together (exit status 1)
     instead of a traceback and an abort per rank.  A
     KeyboardInterrupt (Ctrl-C) makes rank 0 say what survives it (the
@@ -296,7 +296,7 @@ def _install_excepthook(comm: Communicator, previous=None) -> None:
     previous = _saved_excepthook = sys.excepthook if previous is None else previous
 
     def hook(kind, value, tb):
-        if getattr(value, "every_rank", False):        # (a SettingError, a CheckpointError: alike on every rank)
+        if getattr(value, "every_rank", False):        # (a SettingError, a CheckpointError, a mismatch: alike)
             if comm.rank == 0:
                 sys.stderr.write(f"hpctrain: error: {value}\n")
                 sys.stderr.flush()

@@ -1,5 +1,5 @@
-"""Misbehave on one rank: ``die.py sigkill|raise|stall|return|exit|exit3|shutdown VICTIM``; the others keep calling
-allreduce.
+"""Misbehave on one rank: ``die.py sigkill|raise|stall|return|exit|exit3|shutdown|mismatch VICTIM``; the others keep
+calling allreduce (``mismatch``: the victim too, with one value more).
 
 ``return``, ``exit`` and ``shutdown`` leave early without an error (the script ends, ``sys.exit(0)``,
 ``hpctrain.shutdown()``), ``exit3`` with ``sys.exit(3)``; VICTIM -1: nobody misbehaves and every rank finishes the
@@ -24,6 +24,8 @@ if comm.rank == 0:
 if comm.rank == victim:
     if mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "mismatch":
+        x = np.ones(1001)
     elif mode == "raise":
         raise RuntimeError(f"boom on rank {comm.rank}")
     elif mode == "stall":

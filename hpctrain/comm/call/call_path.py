@@ -83,7 +83,7 @@ class CallPath:
             if self._size > 1 and (rt.config.check or carried is not None):
                 verdict = self._backend.exchange_calls(call, carried)
                 if verdict:
-                    raise CollectiveMismatchError(verdict)
+                    raise CollectiveMismatchError(verdict, every_rank=True)
                 rt.note_waiting("all ranks joined; the data transfer has not finished")
             if checked is not None:
                 checked.append(time.perf_counter())

@@ -91,7 +91,7 @@ class MailboxCollectives:
 
         def body(a: np.ndarray, seq: int) -> np.ndarray:
             if not (mb.post(key_hash, desc, a, note) if raw else mb.exchange(key_hash, desc, a, acc, note)):
-                raise CollectiveMismatchError(self._b._mismatch(seq))
+                raise CollectiveMismatchError(self._b._mismatch(seq), every_rank=True)
             return own()
         return body
 
@@ -110,7 +110,7 @@ class MailboxCollectives:
             fits = post and a.nbytes <= capacity
             if not mb.post(key_hash, desc, (a.reshape(-1).view(u8) if as_bytes else a) if fits else None, note,
                            a.nbytes):
-                raise CollectiveMismatchError(self._b._mismatch(seq))
+                raise CollectiveMismatchError(self._b._mismatch(seq), every_rank=True)
             joined = mb.gathered() if post else None
             if joined is None:
                 return then(a, mb.sizes(), None)
@@ -140,10 +140,10 @@ class MailboxCollectives:
         def exchange(x: np.ndarray, out: np.ndarray, seq: int) -> None:
             if code is not None:
                 if not mb.sum_small(key_hash, desc, x, out, code, note):
-                    raise CollectiveMismatchError(self._b._mismatch(seq))
+                    raise CollectiveMismatchError(self._b._mismatch(seq), every_rank=True)
                 return
             if not mb.exchange(key_hash, desc, x, acc, note):
-                raise CollectiveMismatchError(self._b._mismatch(seq))
+                raise CollectiveMismatchError(self._b._mismatch(seq), every_rank=True)
             shm_allreduce_small(mb.payloads(shape, acc), out, op)
         return exchange
 
@@ -155,7 +155,7 @@ class MailboxCollectives:
 
         def exchange(x: np.ndarray, out: np.ndarray, seq: int) -> None:
             if not mb.post(key_hash, desc, None, note):
-                raise CollectiveMismatchError(self._b._mismatch(seq))
+                raise CollectiveMismatchError(self._b._mismatch(seq), every_rank=True)
             if out is not x:
                 np.copyto(out, x)
             coll.Allreduce(in_place, out, op=mpi_op)
