@@ -9,8 +9,11 @@ same machine under a second name, as Horovod's own elastic tests do), and measur
   after the reset callback's ``resumed at step``);
 * ``lost steps``: the last step printed before the growth minus the step the larger world resumed from.
 
-Peers: ``hpctrain.horovod`` under ``hpctrain launch --elastic --host-discovery-script`` (the ranks write the
-commit, the job restarts on both hosts and loads it: a process start and the imports, for every rank);
+Peers: ``hpctrain``, examples/elastic_train.py itself (the same model and training; ``hpctrain.elastic.run``:
+the world grows in place, new ranks spawned on the added host and merged in at a commit, the running ones
+waiting meanwhile); ``hpctrain.horovod`` under ``hpctrain launch --elastic --host-discovery-script`` (Horovod's
+API: the ranks write the commit, the job restarts on both hosts and loads it: a process start and the imports,
+for every rank);
 ``horovod``: ``horovodrun --host-discovery-script`` (Gloo; the running workers stay, new ones start on the
 added host and everyone meets at a new rendezvous).  Medians over ``--repeats``, the peers alternating.
 
@@ -35,12 +38,16 @@ from common import CORES, write_results  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 WORKER = str(REPO / "benchmarks" / "elastic_horovod_worker.py")
+EXAMPLE = str(REPO / "examples" / "elastic_train.py")
 
 
 def command(peer: str, args, script: Path) -> list:
     training = ["--samples", str(args.samples), "--epochs", "1", "--batch", str(args.batch),
                 "--commit-every", str(args.commit_every), "--step-sleep", str(args.step_sleep)]
     n, most = str(args.ranks), str(2 * args.ranks)
+    if peer == "hpctrain":      # (hpctrain.elastic's own API, the same model: the world grows in place)
+        return [str(BIN / "hpctrain"), "launch", "--elastic", "--min-np", n, "--max-np", most,
+                "--host-discovery-script", str(script), EXAMPLE, *training, "--log-steps"]
     if peer == "horovod":
         return [str(BIN / "horovodrun"), "-np", n, "--min-np", n, "--max-np", most, "--network-interface", "lo",
                 "--host-discovery-script",
@@ -99,7 +106,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--peers", nargs="+", default=["hpctrain.horovod", "horovod"], choices=["hpctrain.horovod", "horovod"])
+    p.add_argument("--peers", nargs="+", default=["hpctrain", "hpctrain.horovod", "horovod"],
+                   choices=["hpctrain", "hpctrain.horovod", "horovod"])
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", type=Path, default=REPO / "results" / "elastic_grow")
     args = p.parse_args()

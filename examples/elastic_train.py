@@ -41,7 +41,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=1024)
     p.add_argument("--commit-every", type=int, default=1, help="steps between commits")
     p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP",
-                   help="the rank (of the first world) that kills itself at this global step")
+                   help="the rank (of the first world it trains in: ranks that join a running world number on "
+                        "from its ranks) that kills itself at this global step")
     p.add_argument("--kill-in-recovery", type=int, action="append", default=[], metavar="RANK",
                    help="the rank (of the first world) that kills itself during the first recovery it takes part in "
                         "(in its on_reform callback, while the others rebuild and agree on the commit)")
@@ -65,8 +66,8 @@ def main() -> None:
     stalls = {int(r): int(s) for r, s in (k.split(":") for k in args.stall)}
 
     torch.use_deterministic_algorithms(True)
-    world = hpctrain.init()
-    first_rank = world.rank
+    hpctrain.init()
+    first_rank = []     # (the rank in the first world this process trains in: ranks that join later count on from it)
     x, y = make_data(args.samples)
     model, opt = make_model()
     if args.zero:       # (ZeRO: each rank holds its chunk of the momentum; a re-forming reshards it)
@@ -75,7 +76,7 @@ def main() -> None:
         opt = ht.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=args.compression)
     sampler = hpctrain.elastic.ElasticSampler(args.samples, shuffle=True, seed=3)
     state = ht.TorchState(model, opt, sampler=sampler, epoch=0, step=0)
-    if first_rank in args.kill_in_recovery:
+    if hpctrain.world().rank in args.kill_in_recovery and not hpctrain.elastic.joining():
         hpctrain.elastic.on_reform(lambda new_world: os.kill(os.getpid(), signal.SIGKILL))
     if args.sleep_in_recovery:
         def linger(new_world):
@@ -117,12 +118,14 @@ def main() -> None:
 
     @hpctrain.elastic.run
     def train(state):
+        if not first_rank:
+            first_rank.append(hpctrain.world().rank)
         for state.epoch in range(state.epoch, args.epochs):
             idx = list(state.sampler)
             for b in range(len(idx) // args.batch):
-                if kills.get(first_rank) == state.step:
+                if kills.get(first_rank[0]) == state.step:
                     os.kill(os.getpid(), signal.SIGKILL)
-                if stalls.get(first_rank) == state.step:
+                if stalls.get(first_rank[0]) == state.step:
                     os.kill(os.getpid(), signal.SIGSTOP)
                 rows = idx[b * args.batch:(b + 1) * args.batch]
                 opt.zero_grad()

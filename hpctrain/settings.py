@@ -21,10 +21,10 @@ import difflib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["Setting", "SettingError", "SETTINGS", "setting", "default", "get", "markdown_table", "unknown_names",
-           "warn_unknown", "mark_launch_checked", "TEST_PREFIX"]
+           "warn_unknown", "mark_launch_checked", "TEST_PREFIX", "present"]
 
 TEST_PREFIX = "HPCTRAIN_TEST_"      # variables of hpctrain's own test suite: not settings, never warned about
 
@@ -170,6 +170,12 @@ SETTINGS: Tuple[Setting, ...] = (
             "most ranks to grow to (0: as many as the hosts offer; set by `hpctrain launch --max-np`)", minimum=0),
     Setting("HPCTRAIN_ELASTIC_RESUME", "flag", False, "elastic mode: this job is the launcher's restart on more "
             "hosts; `hpctrain.elastic.run` first loads the commit written for it (set by the launcher)"),
+    Setting("HPCTRAIN_ELASTIC_GROW", "choice", "spawn", "elastic mode with a discovery script: how the world "
+            "grows onto added hosts; spawn: the new ranks are started with MPI_Comm_spawn and merged into the running "
+            "world (a state spread over the ranks grows by a restart); restart: every rank writes the commit and the "
+            "launcher starts the job again on all hosts", choices=("spawn", "restart")),
+    Setting("HPCTRAIN_ELASTIC_JOINING", "flag", False, "elastic mode: this process was spawned to join a running "
+            "world, which it merges with at the start of `hpctrain.elastic.run` (set by the ranks that spawn it)"),
     Setting("HPCTRAIN_ELASTIC_RESETS_DONE", "int", 0, "elastic mode: resets of this job before the launcher's "
             "last restart (on more hosts, or after a lost node; each restart counts one; set by the launcher), "
             "counted against HPCTRAIN_ELASTIC_RESET_LIMIT", minimum=0),
@@ -257,6 +263,13 @@ def refuse_under_elastic(what: str, why: str, instead: str) -> None:
     if get("HPCTRAIN_ELASTIC"):
         raise SettingError(f"{what} does not follow a re-formed world yet ({why}), so HPCTRAIN_ELASTIC "
                            f"(hpctrain launch --elastic) cannot be combined with it: {instead}")
+
+
+def present(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The HPCTRAIN_* variables set in ``env`` (default ``os.environ``), as they are: what a process that hpctrain
+    starts for this job (a rank spawned into it) must see again."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if k.startswith("HPCTRAIN_")}
 
 
 def unknown_names(env: Optional[Mapping[str, str]] = None) -> List[str]:

@@ -307,6 +307,57 @@ def test_peer_copies_go_to_another_node_and_a_damaged_one_is_refused():
         peer_storage.unpack(damaged, crc)
 
 
+@pytest.mark.timeout(180)
+def test_added_hosts_grow_the_world_in_place_and_a_joined_rank_fails_like_any_other(tmp_path):
+    """A discovery script offers localhost:2, then, once step 12 is done, also 127.0.0.1:2 (the same machine under a
+    second name, as Horovod's elastic tests do): at the next commit the two ranks spawn two more there and merge
+    them in (MPI_Comm_spawn: the launcher starts the job once), the new ranks take rank 0's state and all four go
+    on from that commit (no step lost or done twice).  At step 30 rank 3, a joined one, dies and the other three
+    re-form; its host is then left out as after any failure (the other joined rank leaves at a commit, if the
+    launcher's news comes before training ends).  The final model equals the reference that went through the
+    same sizes at the same steps (bit for bit: one node)."""
+    from safetensors.numpy import load_file
+
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    out = tmp_path / "final.safetensors"
+    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "--min-np", "2", "--host-discovery-script", str(script),
+           *example_args(out), "--log-steps", "--step-sleep", "0.25", "--kill", "3:30"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=60, HPCTRAIN_NODE_COMMITS=0),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if line.strip() == "step 12":
+                hosts.write_text("localhost:2\n127.0.0.1:2\n")
+        job.wait(timeout=60)
+    finally:
+        kill_tree(job)
+    log = "".join(lines)
+    assert job.returncode == 0, log[-4000:]
+    assert log.count("hpctrain: elastic mode:") == 1 and "restart" not in log, log[-4000:]    # (started once)
+    assert re.search(r"^hpctrain: the world grew in place from 2 to 4 ranks in [\d.]+ s \(2 on 127\.0\.0\.1\)",
+                     log, re.M), log[-4000:]
+    summary = json.loads(out.with_name(out.name + ".json").read_text())
+    grew, back, *left = summary["resumed_at"]
+    assert 12 <= grew < 28 and grew % COMMIT_EVERY == 0 and back == 28, summary["resumed_at"]
+    done = [int(m) for m in re.findall(r"^step (\d+)$", log, re.M)]
+    assert done[:30] == list(range(1, 31)), done       # (the growth neither lost a step nor did one again)
+    sizes = [(r["old_size"], r["new_size"]) for r in summary["recoveries"]]
+    assert sizes == [(2, 4), (4, 3), (3, 2)][:len(sizes)] and len(sizes) >= 2, summary
+    assert f"the elastic job finished with {sizes[-1][1]} ranks after {len(sizes)} re-formings" in log, log[-4000:]
+    want, steps = reference(2, list(zip([grew, back, *left], [4, 3, 2])))
+    assert summary["steps"] == steps and summary["size"] == sizes[-1][1], summary
+    got = load_file(str(out))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), (name, np.abs(got[name] - want[name]).max())
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_that_stalls_without_dying_ends_the_job_naming_it(tmp_path):
     """A rank stopped (SIGSTOP: alive, never answering) is not a failure ULFM reports: the stall watchdog ends the

@@ -43,6 +43,9 @@ def test_build_command_flags():
     elastic = build_command(3, ["x.py"], env=env, cores=2, elastic=True, min_np=2)
     assert elastic[elastic.index("--with-ft") + 1] == "ulfm" and "--with-ft" not in cmd
     assert "HPCTRAIN_ELASTIC=1" in elastic and "HPCTRAIN_ELASTIC_MIN_NP=2" in elastic
+    # (ranks spawned into the running world may fail or end without ending the job: hpctrain.elastic.grow)
+    at = elastic.index("--prtemca")
+    assert elastic[at + 1:at + 3] == ["state_base_recoverable", "1"] and "--prtemca" not in cmd
     # Open MPI's han and cuda collectives are not fault tolerant (tests/test_multinode.py): left out unless the
     # user chose the components; a rank that may run han in elastic mode says so (han_may_run)
     assert elastic[elastic.index("coll") + 1] == "^han,cuda" and "coll" not in cmd

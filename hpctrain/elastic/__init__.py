@@ -25,14 +25,19 @@ commit they all kept (:mod:`hpctrain.elastic.state`), the sampler re-deals
 the epoch's unseen samples over the new size (:mod:`hpctrain.elastic.sampler`),
 and training goes on.  What holds the world communicator follows it:
 ``hpctrain.torch.DistributedOptimizer`` (made without ``comm=``) rebuilds its
-buckets on the new world (:func:`hpctrain.world.on_reform`).
+buckets on the new world (:func:`hpctrain.world.on_reform`).  When a host
+discovery script offers more slots, the world grows in place at a commit: new
+ranks are spawned on the added hosts and merged in (:mod:`hpctrain.elastic.grow`);
+their program runs from the top (:func:`joining` is True there until
+:func:`run` merges them) and the running ranks hand them the state.
 """
 from ..errors import WorldFailedError
 from ..world import generation, on_reform
+from .grow import joining
 from .reform import Reformed, WorldTooSmallError, reform
 from .run import run
 from .sampler import ElasticSampler
 from .state import ObjectState, State
 
-__all__ = ["run", "reform", "generation", "on_reform", "Reformed", "State", "ObjectState", "ElasticSampler",
+__all__ = ["run", "reform", "generation", "on_reform", "joining", "Reformed", "State", "ObjectState", "ElasticSampler",
            "WorldFailedError", "WorldTooSmallError"]

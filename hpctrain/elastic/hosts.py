@@ -13,15 +13,15 @@ world's ranks (an allgather, only then):
 * a rank whose host is gone, or beyond its host's new slot count (the last
   ones of the host go first), leaves: it ends as a failed rank and the others
   re-form without it, from the commit just made (no step lost);
-* when the hosts offer more slots than the ranks that stay (up to
-  ``--max-np``), the world grows by a restart: every rank writes the commit
+* when the hosts offer more slots than the ranks (up to ``--max-np``) and
+  none leaves, the world grows in place: the new ranks are spawned on the
+  added hosts and merged in (:mod:`hpctrain.elastic.grow`); a state spread
+  over the ranks (a sharded optimizer), a change that also removes ranks,
+  and ``HPCTRAIN_ELASTIC_GROW=restart`` grow by a restart instead: every rank writes the commit
   just made (:class:`~hpctrain.checkpoint.CheckpointManager`, into
   ``<control>/commit``), rank 0 marks ``<control>/restart.json`` and every
   rank exits; the launcher starts the job again on the offered hosts and
-  :func:`resume` loads that commit before training goes on.  (Open MPI's
-  ``MPI_Comm_spawn`` adds ranks in about a second, but processes it spawned
-  cannot end without an ``MPI_Finalize`` that hangs once a node was lost: see
-  README's elastic section.)
+  :func:`resume` loads that commit before training goes on.
 
 Cost of a commit in discovery mode: one ``stat`` on rank 0 and one broadcast of
 a small object; nothing without a discovery script.
@@ -102,9 +102,11 @@ def check(state) -> bool:
     """Act on the launcher's newest hosts (collective over the world; module docstring); True when ranks left.
 
     Returns False when nothing changed.  A rank that must leave ends here (as
-    a failed rank); when the world must grow every rank writes ``state`` and
-    exits for the launcher's restart (neither returns).  True: other ranks are
-    leaving, and the caller re-forms the world (from the commit just made).
+    a failed rank); when the world must grow it grows in place and every rank
+    raises :class:`~hpctrain.elastic.grow.WorldGrew` (:func:`in_place`), else
+    every rank writes ``state`` and exits for the launcher's restart.  True:
+    other ranks are leaving, and the caller re-forms the world (from the commit
+    just made).
     """
     reader = news()
     if reader is None:
@@ -117,7 +119,12 @@ def check(state) -> bool:
         return False
     reader.known = doc["version"]
     hosts = state.allgather_value(comm, rank_host())
-    stays, grow = plan([tuple(h) for h in doc["hosts"]], hosts, settings.get("HPCTRAIN_ELASTIC_MAX_NP"))
+    offered = [tuple(h) for h in doc["hosts"]]
+    stays, grow = plan(offered, hosts, settings.get("HPCTRAIN_ELASTIC_MAX_NP"))
+    if grow and all(stays) and in_place(state, comm):
+        from .grow import additions, grow as grow_in_place
+
+        grow_in_place(state, comm, additions(offered, hosts, settings.get("HPCTRAIN_ELASTIC_MAX_NP")))
     if grow:
         _restart(state, comm, doc, hosts)
     if not stays[comm.rank]:
@@ -133,6 +140,14 @@ def check(state) -> bool:
         _say(f"hpctrain: host(s) {', '.join(gone)} left the job (the launcher's hosts): "
              f"{len(stays) - sum(stays)} rank(s) leave, the others go on from commit {state.commit_number}")
     return True
+
+
+def in_place(state, comm) -> bool:
+    """Whether the world grows in place (:mod:`hpctrain.elastic.grow`) rather than by the launcher's restart: on the
+    MPI backend, for a state with no value spread over the ranks, unless HPCTRAIN_ELASTIC_GROW=restart (and not
+    under hpctrain.horovod's elastic API, whose reset starts its negotiation again on every rank)."""
+    return (settings.get("HPCTRAIN_ELASTIC_GROW") == "spawn" and comm.backend == "mpi"
+            and getattr(state, "grows_in_place", True) and not getattr(state, "spans_ranks", lambda: True)())
 
 
 def _restart(state, comm, doc: dict, hosts: Sequence[str]) -> None:

@@ -122,10 +122,13 @@ class CommitRecovery(Recovery):
 
     def start(self, state) -> None:
         from ..world import world
-        from . import node_resume
+        from . import grow, node_resume
 
-        resumed = resume(state) is not None     # (the launcher's restart on more hosts: a new size)
         state.recoveries = getattr(state, "recoveries", [])
+        if grow.joining():          # (spawned onto an added host: the running world shares its state)
+            grow.join(state)
+            return
+        resumed = resume(state) is not None     # (the launcher's restart on more hosts: a new size)
         from_node = node_resume.start(state, world(), resumed)
         if resumed or from_node is not None:
             state.on_reset()
@@ -142,7 +145,10 @@ class CommitRecovery(Recovery):
         return exc if isinstance(exc, WorldFailedError) else wrapped_world_failure(exc)
 
     def recover(self, state, failure: Exception) -> None:
-        _recover(state, failure)
+        from .grow import WorldGrew
+
+        if not isinstance(failure, WorldGrew):      # (grown in place: every rank already holds the state)
+            _recover(state, failure)
 
 
 _FAILURE_NAMES = re.compile(r"\b(WorldFailedError|WorldFailedInHorovod)\b")

@@ -87,8 +87,10 @@ class State:
         Ranks on a host that left end here, the others raise
         :class:`~hpctrain.elastic.hosts.HostsChanged` (:func:`hpctrain.elastic.run`
         re-forms the world without them, from this commit); when hosts were
-        added every rank writes the state and exits for the launcher's restart
-        on them.  Without a discovery script it does nothing.
+        added new ranks are spawned on them and merged in, and every rank raises
+        :class:`~hpctrain.elastic.grow.WorldGrew` (or, where the state cannot
+        grow in place, writes the state and exits for the launcher's restart on
+        them).  Without a discovery script it does nothing.
         """
         from . import hosts
 
@@ -131,6 +133,15 @@ class State:
         self._node = (folder, generation, where)
         for name, peers in self._peers.items():
             peers.node = (folder, where, name)
+
+    def spans_ranks(self) -> bool:
+        """Whether a value of the state is spread over the ranks (a sharded optimizer: each rank its chunks)."""
+        return any(_is_spread(getattr(self, name, None)) for name in getattr(self, "_names", ()))
+
+    def node_generation(self) -> Optional[int]:
+        """The generation the node-local commits are named by (None while commits stay in memory only)."""
+        node = getattr(self, "_node", None)
+        return None if node is None else node[1]
 
     def leave_node(self):
         """Keep commits in memory only from now on, once the node-local writes under way are done; return the

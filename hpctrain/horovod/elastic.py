@@ -111,6 +111,8 @@ class State(_CoreObjectState):
     """Horovod's elastic ``State``: ``commit()`` = ``save()`` + ``check_host_updates()``; ``restore()`` goes back
     to the last save; ``sync()`` gives every rank rank 0's state (through Horovod's broadcasts)."""
 
+    grows_in_place = False      # (added hosts restart the job: Horovod's reset re-initialises on all ranks)
+
     def __init__(self, **values: Any):
         self._track_hosts()
         super().__init__(**values)

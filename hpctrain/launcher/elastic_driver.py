@@ -141,6 +141,8 @@ class _Watch:
             posted = dict(self.posted)
             self.cooldown.leave_out(h for h, n in self.launched.items()
                                     if now.get(h, 0) < min(n, posted.get(h, 0)) and h in names)
+            for h, n in now.items():      # (ranks spawned into the running world count as started there)
+                self.launched[h] = max(self.launched.get(h, 0), n)
         if self.offered() != self.posted:
             self.post(self.offered())
 

@@ -24,6 +24,9 @@
   so the survivor deadlocks in the library (issue 67, point 6: 1 run in 6 of a
   rank killed inside a 64 MiB all-reduce across nodes; tests/test_multinode.py);
   plain sends cost the same bytes on the socket;
+* ``--prtemca state_base_recoverable 1`` in elastic mode: ranks spawned into the
+  running world (:mod:`hpctrain.elastic.grow`) may then fail or end without ending
+  the job (without it a spawned process that ends without ``MPI_Finalize`` ends it);
 * ``--with-ft ulfm`` for ranks on several hosts, where Open MPI has its
   fault-tolerance extension: a lost rank or node is then named by hpctrain
   (:mod:`hpctrain.comm.backends.mpi.failures`) before it ends the job, not left to
@@ -267,6 +270,7 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
             cmd += ["-x", "HPCTRAIN_ELASTIC=1", "-x", f"HPCTRAIN_ELASTIC_MIN_NP={min_np or 1}"]
             cmd += [] if "OMPI_MCA_coll" in env else ["--mca", "coll", "^han,cuda"]
             cmd += [] if "OMPI_MCA_btl_tcp_flags" in env else ["--mca", "btl_tcp_flags", TCP_FLAGS_WITHOUT_PUT]
+            cmd += ["--prtemca", "state_base_recoverable", "1"]
             cmd += _silence_detector(env) if _several_hosts(hosts, hostfile) else []
         for name, value in (exports or {}).items():
             cmd += ["-x", f"{name}={value}"]

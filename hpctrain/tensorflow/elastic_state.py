@@ -26,6 +26,10 @@ class KerasState(ObjectState):
     ``tf.Module`` (their ``variables``).  Cost of a commit: one copy of the variables.
     """
 
+    # (added hosts restart the job: a new rank's Keras optimizer has no variables before its first step, so it
+    # could not take rank 0's by a broadcast; hpctrain.elastic.grow spawns ranks only for states that can)
+    grows_in_place = False
+
     def __init__(self, model: Any = None, optimizer: Any = None, **values: Any):
         for name in _HELD:
             if name in values:

@@ -125,7 +125,8 @@ def init(backend: str = "auto") -> Communicator:
             write_trace_at_close(w, config.timeline, on_reform)      # (over each re-formed world too)
         _world = w
         reforms = w.life.failure_policy.reforms      # (elastic mode, as the policy chosen with the runtime says)
-        if reforms and w.rank == 0:       # (hpctrain launch --elastic looks for it: see run_elastic)
+        joining = settings.get("HPCTRAIN_ELASTIC_JOINING")    # (spawned into a running world: it speaks for them)
+        if reforms and w.rank == 0 and not joining:       # (hpctrain launch --elastic looks for it: run_elastic)
             sys.stdout.write(f"{ELASTIC_STARTED} {w.size} ranks; a failed rank leaves the others going on down to "
                              f"{settings.get('HPCTRAIN_ELASTIC_MIN_NP')}\n")
             sys.stdout.flush()
@@ -133,7 +134,7 @@ def init(backend: str = "auto") -> Communicator:
                 sys.stderr.write(f"hpctrain: warning: {HAN_NOT_FAULT_TOLERANT}\n")
             if w.topology.num_nodes > 1 and tcp_put_may_run(os.environ):
                 sys.stderr.write(f"hpctrain: warning: {TCP_PUT_MAY_DEADLOCK}\n")
-        if reforms:
+        if reforms and not joining:
             write_world(w)
         _install_excepthook(w)
         _install_atexit()       # (a world of one too: its timeline and on_close callbacks run at exit)
