@@ -9,8 +9,8 @@ same machine under a second name, as Horovod's own elastic tests do), and measur
   after the reset callback's ``resumed at step``);
 * ``lost steps``: the last step printed before the growth minus the step the larger world resumed from.
 
-Peers: ``hpctrain``, examples/elastic_train.py itself (the same model and training; ``hpctrain.elastic.run``:
-the world grows in place, new ranks spawned on the added host and merged in at a commit, the running ones
+Peers: ``hpctrain``, examples/elastic_train.py itself (the same model and training; ``hpctrain.elastic.run``
+with ``HPCTRAIN_ELASTIC_GROW=spawn``: the world grows in place, new ranks spawned on the added host and merged in at a commit, the running ones
 waiting meanwhile); ``hpctrain.horovod`` under ``hpctrain launch --elastic --host-discovery-script`` (Horovod's
 API: the ranks write the commit, the job restarts on both hosts and loads it: a process start and the imports,
 for every rank);
@@ -64,7 +64,8 @@ def one_run(peer: str, args) -> dict:
         script.write_text(f"#!/bin/sh\necho localhost:{args.ranks}\n"
                           f"[ -f {flag} ] && echo 127.0.0.1:{args.ranks}\nexit 0\n")
         script.chmod(0o755)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPCTRAIN_STALL_TIMEOUT_S="120")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPCTRAIN_STALL_TIMEOUT_S="120",
+                   HPCTRAIN_ELASTIC_GROW="spawn")        # (the hpctrain peer: in place; the others restart)
         proc = subprocess.Popen(command(peer, args, script), cwd=work, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         added_at = grown_at = before = resumed = None

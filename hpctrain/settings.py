@@ -170,10 +170,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "most ranks to grow to (0: as many as the hosts offer; set by `hpctrain launch --max-np`)", minimum=0),
     Setting("HPCTRAIN_ELASTIC_RESUME", "flag", False, "elastic mode: this job is the launcher's restart on more "
             "hosts; `hpctrain.elastic.run` first loads the commit written for it (set by the launcher)"),
-    Setting("HPCTRAIN_ELASTIC_GROW", "choice", "spawn", "elastic mode with a discovery script: how the world "
-            "grows onto added hosts; spawn: the new ranks are started with MPI_Comm_spawn and merged into the running "
-            "world (a state spread over the ranks grows by a restart); restart: every rank writes the commit and the "
-            "launcher starts the job again on all hosts", choices=("spawn", "restart")),
+    Setting("HPCTRAIN_ELASTIC_GROW", "choice", "restart", "elastic mode with a discovery script: how the world "
+            "grows onto added hosts; restart: every rank writes the commit and the launcher starts the job again on "
+            "all hosts; spawn: the new ranks are started with MPI_Comm_spawn and merged into the running world (a "
+            "state spread over the ranks still restarts; across nodes a joined rank that dies is not noticed yet: "
+            "the job then waits for HPCTRAIN_STALL_TIMEOUT_S)", choices=("spawn", "restart")),
     Setting("HPCTRAIN_ELASTIC_JOINING", "flag", False, "elastic mode: this process was spawned to join a running "
             "world, which it merges with at the start of `hpctrain.elastic.run` (set by the ranks that spawn it)"),
     Setting("HPCTRAIN_ELASTIC_RESETS_DONE", "int", 0, "elastic mode: resets of this job before the launcher's "

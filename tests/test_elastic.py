@@ -309,8 +309,9 @@ def test_peer_copies_go_to_another_node_and_a_damaged_one_is_refused():
 
 @pytest.mark.timeout(180)
 def test_added_hosts_grow_the_world_in_place_and_a_joined_rank_fails_like_any_other(tmp_path):
-    """A discovery script offers localhost:2, then, once step 12 is done, also 127.0.0.1:2 (the same machine under a
-    second name, as Horovod's elastic tests do): at the next commit the two ranks spawn two more there and merge
+    """HPCTRAIN_ELASTIC_GROW=spawn.  A discovery script offers localhost:2, then, once step 12 is done, also
+    127.0.0.1:2 (the same machine under a second name, as Horovod's elastic tests do): at the next commit the two
+    ranks spawn two more there and merge
     them in (MPI_Comm_spawn: the launcher starts the job once), the new ranks take rank 0's state and all four go
     on from that commit (no step lost or done twice).  At step 30 rank 3, a joined one, dies and the other three
     re-form; its host is then left out as after any failure (the other joined rank leaves at a commit, if the
@@ -326,7 +327,8 @@ def test_added_hosts_grow_the_world_in_place_and_a_joined_rank_fails_like_any_ot
     out = tmp_path / "final.safetensors"
     cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "--min-np", "2", "--host-discovery-script", str(script),
            *example_args(out), "--log-steps", "--step-sleep", "0.25", "--kill", "3:30"]
-    job = subprocess.Popen(cmd, cwd=tmp_path, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=60, HPCTRAIN_NODE_COMMITS=0),
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=60, HPCTRAIN_NODE_COMMITS=0,
+                                                           HPCTRAIN_ELASTIC_GROW="spawn"),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     try:

@@ -26,7 +26,8 @@ the epoch's unseen samples over the new size (:mod:`hpctrain.elastic.sampler`),
 and training goes on.  What holds the world communicator follows it:
 ``hpctrain.torch.DistributedOptimizer`` (made without ``comm=``) rebuilds its
 buckets on the new world (:func:`hpctrain.world.on_reform`).  When a host
-discovery script offers more slots, the world grows in place at a commit: new
+discovery script offers more slots (and ``HPCTRAIN_ELASTIC_GROW=spawn``), the
+world grows in place at a commit: new
 ranks are spawned on the added hosts and merged in (:mod:`hpctrain.elastic.grow`);
 their program runs from the top (:func:`joining` is True there until
 :func:`run` merges them) and the running ranks hand them the state.

@@ -1,7 +1,7 @@
 """Grow the world in place: start ranks on the added hosts with ``MPI_Comm_spawn`` and merge them into the world.
 
-When the launcher's hosts offer more slots (:mod:`hpctrain.elastic.hosts`), the
-ranks, at a commit:
+With ``HPCTRAIN_ELASTIC_GROW=spawn``, when the launcher's hosts offer more
+slots (:mod:`hpctrain.elastic.hosts`), the ranks, at a commit:
 
 1. spawn the new ranks (collective over the world, rank 0 the root;
    ``MPI_Comm_spawn`` with the hosts as ``host`` and ``PMIX_ADD_HOST``, so that
@@ -33,6 +33,11 @@ change that also removes ranks, and ``HPCTRAIN_ELASTIC_GROW=restart``.  Open MPI
 ``--prtemca state_base_recoverable 1`` (``hpctrain launch --elastic`` passes it):
 without it a spawned process that fails or exits without ``MPI_Finalize`` ends
 the whole job.
+
+Not the default yet: on two namespace nodes a joined rank killed on the added
+node was noticed by no other rank (Open MPI's runtime did not tell the first
+job's ranks of the spawned job's failure), and the job waited for
+``HPCTRAIN_STALL_TIMEOUT_S``; on one node it re-forms as any failure does.
 
 Cost: the new processes' start (the interpreter, imports, building the
 program's objects: the old ranks wait for it), one merge, the new world's

@@ -14,10 +14,11 @@ world's ranks (an allgather, only then):
   ones of the host go first), leaves: it ends as a failed rank and the others
   re-form without it, from the commit just made (no step lost);
 * when the hosts offer more slots than the ranks (up to ``--max-np``) and
-  none leaves, the world grows in place: the new ranks are spawned on the
-  added hosts and merged in (:mod:`hpctrain.elastic.grow`); a state spread
-  over the ranks (a sharded optimizer), a change that also removes ranks,
-  and ``HPCTRAIN_ELASTIC_GROW=restart`` grow by a restart instead: every rank writes the commit
+  none leaves, with ``HPCTRAIN_ELASTIC_GROW=spawn`` the world grows in place:
+  the new ranks are spawned on the added hosts and merged in
+  (:mod:`hpctrain.elastic.grow`); by default, and for a state spread over
+  the ranks (a sharded optimizer) or a change that also removes ranks, the
+  world grows by a restart: every rank writes the commit
   just made (:class:`~hpctrain.checkpoint.CheckpointManager`, into
   ``<control>/commit``), rank 0 marks ``<control>/restart.json`` and every
   rank exits; the launcher starts the job again on the offered hosts and
@@ -143,9 +144,10 @@ def check(state) -> bool:
 
 
 def in_place(state, comm) -> bool:
-    """Whether the world grows in place (:mod:`hpctrain.elastic.grow`) rather than by the launcher's restart: on the
-    MPI backend, for a state with no value spread over the ranks, unless HPCTRAIN_ELASTIC_GROW=restart (and not
-    under hpctrain.horovod's elastic API, whose reset starts its negotiation again on every rank)."""
+    """Whether the world grows in place (:mod:`hpctrain.elastic.grow`) rather than by the launcher's restart: with
+    HPCTRAIN_ELASTIC_GROW=spawn (not the default yet: across nodes a joined rank's death goes unnoticed), on the MPI
+    backend, for a state with no value spread over the ranks (and not under hpctrain.horovod's elastic API, whose
+    reset starts its negotiation again on every rank)."""
     return (settings.get("HPCTRAIN_ELASTIC_GROW") == "spawn" and comm.backend == "mpi"
             and getattr(state, "grows_in_place", True) and not getattr(state, "spans_ranks", lambda: True)())
 
