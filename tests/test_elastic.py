@@ -520,6 +520,11 @@ def test_discovered_hosts_are_parsed_and_planned_the_same_on_every_rank():
     assert plan([("a", 2), ("b", 1), ("c", 2)], world, max_np=3) == ([True, True, True, False, False], False)
     assert plan([("b", 3)], world, max_np=0) == ([False, False, True, True, True], False)
     assert plan([("a", 2), ("b", 3)], world, max_np=4) == ([True] * 5, False)
+    # what a growth in place spawns: the offered slots beyond the world's ranks, in the offered order, to max_np
+    from hpctrain.elastic.hosts import additions
+    assert additions([("a", 2), ("b", 3), ("c", 2)], world, max_np=0) == [("c", 2)]
+    assert additions([("a", 3), ("b", 3), ("c", 2)], world, max_np=7) == [("a", 1), ("c", 1)]
+    assert additions([("a", 2), ("b", 3)], world, max_np=0) == []
 
 
 def test_the_launcher_offers_the_scripts_hosts_less_those_where_a_rank_failed_until_they_return(tmp_path):

@@ -48,12 +48,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 from .. import settings
 from ..errors import WorldFailedError
 
-__all__ = ["WorldGrew", "joining", "spawn_ranks", "join_parent", "share_state", "additions"]
+__all__ = ["WorldGrew", "joining", "spawn_ranks", "join_parent", "share_state", "grow", "join"]
 
 # What the new ranks need from the old ranks' environment besides the MCA parameters Open MPI passes on.
 _FORWARDED = ("OMP_NUM_THREADS", "TF_CPP_MIN_LOG_LEVEL", "PYTHONPATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES")
@@ -69,24 +69,6 @@ def joining() -> bool:
 
 
 _JOINED: List[bool] = []
-
-
-def additions(offered: Sequence[Tuple[str, int]], hosts: Sequence[str], max_np: int) -> List[Tuple[str, int]]:
-    """The ``(host, new ranks)`` that fill the ``offered`` slots beyond the world's ranks (``hosts[r]``: rank r's
-    host), in the offered order, up to ``max_np`` ranks in all (0: no limit)."""
-    used = {}
-    for name in hosts:
-        used[name] = used.get(name, 0) + 1
-    room = (max_np - len(hosts)) if max_np else sum(int(s) for _, s in offered)
-    out = []
-    for name, slots in offered:
-        free = int(slots) - used.get(name, 0)
-        used[name] = used.get(name, 0) + max(free, 0)
-        take = min(max(free, 0), room)
-        if take > 0:
-            out.append((name, take))
-            room -= take
-    return out
 
 
 def spawn_ranks(comm, added: List[Tuple[str, int]]):

@@ -39,7 +39,7 @@ from ..errors import WorldFailedError
 from ..launcher_protocol import (COMMIT_DIR, ELASTIC_RESTARTING, HOSTS_FILE, RESETS_FILE, RESTART_FILE,
                                  control_dir, discovering, rank_host, read_json, write_json)
 
-__all__ = ["HostsChanged", "check", "resume", "resuming", "plan", "record_resets"]
+__all__ = ["HostsChanged", "check", "resume", "resuming", "plan", "additions", "record_resets"]
 
 
 
@@ -65,6 +65,24 @@ def plan(offered: Sequence[Tuple[str, int]], hosts: Sequence[str], max_np: int) 
     total = sum(slots.values())
     target = min(total, max_np) if max_np else total
     return stays, target > sum(stays)
+
+
+def additions(offered: Sequence[Tuple[str, int]], hosts: Sequence[str], max_np: int) -> List[Tuple[str, int]]:
+    """The ``(host, new ranks)`` that fill the ``offered`` slots beyond the world's ranks (``hosts[r]``: rank r's
+    host), in the offered order, up to ``max_np`` ranks in all (0: no limit)."""
+    used = {}
+    for name in hosts:
+        used[name] = used.get(name, 0) + 1
+    room = (max_np - len(hosts)) if max_np else sum(int(s) for _, s in offered)
+    out = []
+    for name, slots in offered:
+        free = int(slots) - used.get(name, 0)
+        used[name] = used.get(name, 0) + max(free, 0)
+        take = min(max(free, 0), room)
+        if take > 0:
+            out.append((name, take))
+            room -= take
+    return out
 
 
 class _News:
@@ -123,9 +141,7 @@ def check(state) -> bool:
     offered = [tuple(h) for h in doc["hosts"]]
     stays, grow = plan(offered, hosts, settings.get("HPCTRAIN_ELASTIC_MAX_NP"))
     if grow and all(stays) and in_place(state, comm):
-        from .grow import additions, grow as grow_in_place
-
-        grow_in_place(state, comm, additions(offered, hosts, settings.get("HPCTRAIN_ELASTIC_MAX_NP")))
+        state.grow_in_place(comm, additions(offered, hosts, settings.get("HPCTRAIN_ELASTIC_MAX_NP")))
     if grow:
         _restart(state, comm, doc, hosts)
     if not stays[comm.rank]:

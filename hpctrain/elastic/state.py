@@ -97,6 +97,13 @@ class State:
         if hosts.check(self):
             raise hosts.HostsChanged("hosts left the job (discovery script)")
 
+    def grow_in_place(self, comm, added) -> None:
+        """Spawn ranks on ``added`` ``(host, count)``, merge them into the world and share this state with them
+        (collective over the world; raises :class:`~hpctrain.elastic.grow.WorldGrew`: :mod:`hpctrain.elastic.grow`)."""
+        from .grow import grow
+
+        grow(self, comm, added)
+
     def restore(self, number: Optional[int] = None) -> None:
         """Go back to commit ``number`` (default: the newest).  Raises HpctrainError when it is not kept."""
         kept = self._commits.list()
