@@ -44,6 +44,10 @@ def main(argv=None) -> None:
             if (world().rank if is_initialized() else 0) == 0:
                 sys.stderr.write(f"hpctrain: error: {exc}\n")
                 sys.stderr.flush()
+            if is_initialized() and world().life.failure_policy.reforms:
+                from .comm.life.abort import leave_with_the_others
+
+                leave_with_the_others()
             sys.exit(1)
         if not isinstance(exc, KeyboardInterrupt):
             _leave_if_elastic(f"hpctrain.run: uncaught exception in {argv[0]}:\n{traceback.format_exc()}", 1)

@@ -301,6 +301,10 @@ def _install_excepthook(comm: Communicator, previous=None) -> None:
             if comm.rank == 0:
                 sys.stderr.write(f"hpctrain: error: {value}\n")
                 sys.stderr.flush()
+            if comm.life.failure_policy.reforms:        # (an exit goes unreported in elastic mode: see there)
+                from ..comm.life.abort import leave_with_the_others
+
+                leave_with_the_others()
             return
         if issubclass(kind, KeyboardInterrupt):
             _say_what_survives(comm)

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-__all__ = ["abort_job", "exit_after_failure", "fail_this_rank"]
+__all__ = ["abort_job", "exit_after_failure", "fail_this_rank", "leave_with_the_others"]
 
 _ABORT_GRACE_S = 10.0
 
@@ -48,6 +48,18 @@ def exit_after_failure(message: str, code: int = 1) -> None:
     except (OSError, ValueError):
         pass
     os._exit(code)
+
+
+def leave_with_the_others() -> None:
+    """Elastic mode: end this process at once, saying nothing, when every rank ends for the same error (one
+    rank said it).  An exit would go unreported to the others, who would wait for this rank to finish (rank 0
+    for the stall timeout, across nodes); a process that died is reported (see :func:`fail_this_rank`)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fail_this_rank(message: str, rank="?") -> None:
