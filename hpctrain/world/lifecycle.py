@@ -283,9 +283,10 @@ def _install_excepthook(comm: Communicator, previous=None) -> None:
     """Make an uncaught exception print its traceback and abort every rank.
 
     A :class:`~hpctrain.settings.SettingError`, a :class:`~hpctrain.errors.CheckpointError` or the call
-    check's :class:`~hpctrain.errors.CollectiveMismatchError` is the exception (``every_rank``): hpctrain raises it on every rank alike,
-    so it is one line on rank 0 and the ranks leave together (exit status 1)
-    instead of a traceback and an abort per rank.  A
+    check's :class:`~hpctrain.errors.CollectiveMismatchError` is the exception (``every_rank``): hpctrain
+    raises it on every rank alike, so it is one line on rank 0 and the ranks leave together (exit status 1;
+    in elastic mode each ends at once, as an exit there would go unreported) instead of a traceback and an
+    abort per rank.  A
     KeyboardInterrupt (Ctrl-C) makes rank 0 say what survives it (the
     ``on_interrupt`` notes: which checkpoint is committed); a world of one first
     shuts down, which commits a save in flight.  In a world of one nothing is
