@@ -57,7 +57,7 @@ def leave_with_the_others() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError):       # (a closed or broken stream: nothing more to say there)
             pass
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -72,9 +72,4 @@ def fail_this_rank(message: str, rank="?") -> None:
     """
     sys.stderr.write(f"{message.rstrip()}\nhpctrain: rank {rank} leaves the job as a failed rank; the others go on "
                      f"without it (elastic mode)\n")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    leave_with_the_others()
