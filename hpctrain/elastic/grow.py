@@ -117,11 +117,11 @@ def become_world(merged):
     """Make the merged MPI communicator the world (collective over it); the old world is stopped and kept."""
     from ..comm.backends.mpi import world_over
     from ..world.lifecycle import _replace_world, world
-    from .reform import _discard
+    from .reform import discard
 
     old = world()
     new = world_over(merged, old.config, "world", owns=True)
-    _discard(old)
+    discard(old)
     _replace_world(new)
     return new
 

@@ -9,7 +9,7 @@ survivor, then:
    (``MPI_Comm_shrink``: one fault-tolerant agreement, a few milliseconds;
    a rank that fails during it is left out too);
 2. stops the old world on this rank without talking to anyone (its lanes and
-   watchdog; its windows and communicators are kept, unfreed: :func:`_discard`);
+   watchdog; its windows and communicators are kept, unfreed: :func:`discard`);
 3. builds a new world communicator over the survivors (new ranks ``0..n-1`` in
    the old order: the lowest surviving rank is the new rank 0), with its own
    runtime, and makes it :func:`hpctrain.world`;
@@ -27,7 +27,7 @@ from typing import List, Sequence
 from .. import settings
 from ..errors import HpctrainError, WorldFailedError
 
-__all__ = ["reform", "Reformed", "WorldTooSmallError", "minority_side"]
+__all__ = ["reform", "Reformed", "WorldTooSmallError", "minority_side", "discard"]
 
 MAX_ATTEMPTS = 8         # shrinks in one re-forming when ranks keep failing while the new world is built
 FIRST_NEWS_S = 3.0      # how long a survivor waits for its library to name a failed process before it shrinks
@@ -88,7 +88,7 @@ def reform():
                 lost = sorted(set(lost) | set(gone))
                 lost_text = detector.describe(lost)
             info = Reformed(old.size, base.Get_size(), old.rank, base.Get_rank(), lost, lost_text, t1 - t0)
-            _discard(old)
+            discard(old)
         if heartbeats_on() and not policy.planned_leave and minority_side(old.size, gone):
             from ..world import fail_this_rank
 
@@ -140,7 +140,7 @@ def _gone(old_comm, new_comm, MPI) -> List[int]:
     return sorted(set(range(old_comm.Get_size())) - set(kept))
 
 
-def _discard(old) -> None:
+def discard(old) -> None:
     """Stop the old world on this rank (its runtime: lanes, watchdog) and keep its MPI objects unfreed.
 
     Freeing them is not safe: with Open MPI 5.0's ULFM, freeing a shared
