@@ -28,7 +28,8 @@ def test_ranks(test_file, n, rank_suites):
 
 
 # The million-value collectives of a variant: every dtype with sum, every op in float32 (a variant changes the
-# path, the same for each dtype and op; the default suite runs every pair at 1-4 ranks).
+# path, the same for each dtype and op; the default suite runs those at 1-4 ranks and each other pair at one of 2-4:
+# collective_inputs.skip_unless_large_pair_runs_here).
 LARGE_SUM_OR_FLOAT32 = "not 1000003 or sum or float32"
 
 

@@ -19,7 +19,8 @@ import hpctrain
 from hpctrain.collectives.ops import segment_bounds
 from hpctrain.tensors import BFLOAT16
 
-from collective_inputs import BIG, DTYPES, OPS, SIZES, algorithms, data, reference, rows_of, same_on_all_ranks, valid
+from collective_inputs import (BIG, DTYPES, OPS, SIZES, algorithms, data, reference, rows_of, same_on_all_ranks,
+                               skip_unless_large_pair_runs_here, valid)
 
 
 def test_world_shape(comm):
@@ -60,6 +61,7 @@ def test_nodes_have_their_own_shared_memory_and_tmp(comm):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_allreduce(comm, dtype, op, size):
+    skip_unless_large_pair_runs_here(size, dtype, op)
     n = comm.size
     count = {"0": 0, "1": 1, "n-1": n - 1}.get(size) if size != "1000003" else 1_000_003
     for alg in algorithms(comm, count):
@@ -155,6 +157,7 @@ def test_broadcast_64mib(comm):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reduce_scatter(comm, dtype, op, size):
+    skip_unless_large_pair_runs_here(size, dtype, op)
     n, r = comm.size, comm.rank
     rows = {"0": 0, "1": 1, "n-1": n - 1}.get(size) if size != "1000003" else 1_000_003 // 2
     for alg in algorithms(comm, rows * 2):
