@@ -33,8 +33,9 @@ so hpctrain's launcher starts it again on node1 and the ranks load the newest di
 processes).
 
 ``--fault silent`` cuts node2's link (its processes run on) and ``--fault frozen`` stops every process on it
-(SIGSTOP; its kernel still answers): nothing is closed, so only a timeout or a heartbeat tells.  hpctrain runs
-with heartbeats on (``HPCTRAIN_ELASTIC_SILENT_S``, ``--silent-s``; off by default) and re-forms in process;
+(SIGSTOP; its kernel still answers): nothing is closed, so only a timeout or a heartbeat tells.  hpctrain's heartbeat across nodes
+(``HPCTRAIN_ELASTIC_SILENT_S``, ``--silent-s``, default its default of 8 s) declares node2 lost and node1's ranks
+re-form in process;
 a peer that has not recovered within ``--timeout`` is ended and counted as not recovered.
 
     python benchmarks/elastic.py --ranks 4 --repeats 3 --out results/elastic
@@ -135,7 +136,7 @@ def one_run(peer: str, args, attempt: int = 0) -> dict:
         env = dict(args.nodes.env if node else os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    HPCTRAIN_STALL_TIMEOUT_S="120")
         if args.fault in ("silent", "frozen") and peer.startswith("hpctrain"):
-            env["HPCTRAIN_ELASTIC_SILENT_S"] = str(args.silent_s)     # (heartbeats: off by default)
+            env["HPCTRAIN_ELASTIC_SILENT_S"] = str(args.silent_s)     # (hpctrain's heartbeat across nodes)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")     # (torchrun --standalone: gloo on the loopback it rendezvouses on)
         first, *others = command(peer, args, work)
         helpers = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(work / f"other{i}.log", "w"),
@@ -252,8 +253,9 @@ def main() -> None:
                         "node2, cut its link (silent: its ranks run on), or SIGSTOP every process on it (frozen)")
     p.add_argument("--disk-every", type=int, default=20,
                    help="on nodes, hpctrain's disk checkpoints every this many steps (its commits: --commit-every)")
-    p.add_argument("--silent-s", type=float, default=4.0,
-                   help="silent and frozen nodes: HPCTRAIN_ELASTIC_SILENT_S for hpctrain (heartbeats, off by default)")
+    p.add_argument("--silent-s", type=float, default=8.0,
+                   help="silent and frozen nodes: HPCTRAIN_ELASTIC_SILENT_S for hpctrain (its heartbeat's timeout; "
+                        "8 s is its default)")
     p.add_argument("--victim", type=int, default=None, help="rank to kill (default: the last)")
     p.add_argument("--kill-step", type=int, default=30)
     p.add_argument("--commit-every", type=int, default=4)
@@ -312,7 +314,7 @@ def write_outputs(runs, args) -> None:
             "node": f"SIGKILL of {node2}, every process on it)",
             "silent": f"{node2}) cut off (its link down, its processes running)",
             "frozen": f"{node2}) frozen (SIGSTOP of every process on it)"}[args.fault]
-    heartbeats = (f"; hpctrain with heartbeats on (HPCTRAIN_ELASTIC_SILENT_S={args.silent_s:g}), a run that had not "
+    heartbeats = (f"; hpctrain's heartbeat timeout HPCTRAIN_ELASTIC_SILENT_S={args.silent_s:g} s, a run that had not "
                   f"recovered within {args.timeout:g} s was ended" if args.fault in ("silent", "frozen") else "")
     disk = f", hpctrain's disk checkpoints every {args.disk_every}" if args.fault != "rank" else ""
     lines = [f"Recovery from {lost} at step {args.kill_step}, commits or "

@@ -374,6 +374,70 @@ def test_a_rank_that_stalls_without_dying_ends_the_job_naming_it(tmp_path):
                      res.stdout), res.stdout[-3000:]
 
 
+def stopped_processes(marker: str):
+    """The pids of stopped processes (state T) whose command line has ``marker``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if state == "T" and marker in cmdline:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_node_gone_silent_is_declared_failed_by_the_heartbeat_and_ends_when_it_wakes(tmp_path):
+    """Three fake nodes of one rank (HPCTRAIN_RANKS_PER_NODE=1), heartbeat timeout 2 s: rank 2 stops itself at
+    step 10 (SIGSTOP: it closes nothing, so only a heartbeat tells; the namespace nodes of test_multinode.py do
+    this to a real node).  Ranks 0-1 hear nothing from its node for 2 s, declare it failed and go on in process
+    from their newest commit, naming it; woken after that (SIGCONT, as a node whose partition heals), rank 2
+    hears that it was declared failed and ends instead of coming back.  The final model equals the reference that
+    went from 3 to 2 ranks at that commit (to rounding: fake nodes sum across nodes in another order)."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "final.safetensors"
+    cmd = [str(BIN / "hpctrain"), "launch", "--elastic", "-n", "3"] + example_args(out) + [
+        "--stall", "2:10", "--step-sleep", "0.05", "--log-steps"]
+    env = base_env(HPCTRAIN_STALL_TIMEOUT_S=60, HPCTRAIN_RANKS_PER_NODE=1, HPCTRAIN_ELASTIC_SILENT_S=2)
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    lines, stalled_at, went_on, woken = [], None, None, []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if line.strip() == "step 10":
+                stalled_at = time.monotonic()
+            if "the world re-formed" in line and not woken:
+                woken = stopped_processes(str(out))
+                for pid in woken:
+                    os.kill(pid, signal.SIGCONT)
+            if woken and went_on is None and re.fullmatch(r"step \d+\n", line):
+                went_on = time.monotonic() - stalled_at
+        job.wait(timeout=30)
+    finally:
+        kill_tree(job)
+    log = "".join(lines)
+    assert job.returncode == 0, log[-4000:]
+    assert len(woken) == 1, (woken, log[-3000:])
+    assert re.search(r"hpctrain: world rank 2 on node \S+ failed; the world re-formed from 3 to 2 ranks", log), \
+        log[-3000:]
+    assert went_on is not None and went_on < 12, f"{went_on} s from the stall to the next step"
+    assert re.search(r"hpctrain: rank 2: node \S+ did not hear from node \S+ for 2 s \(HPCTRAIN_ELASTIC_SILENT_S\) "
+                     r"and the job went on without it; this rank ends", log), log[-3000:]
+    summary = json.loads(out.with_name(out.name + ".json").read_text())
+    assert summary["size"] == 2 and len(summary["resumed_at"]) == 1, summary
+    want, steps = reference(3, [(summary["resumed_at"][0], 2)])
+    got = load_file(str(out))
+    assert summary["steps"] == steps and sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14, err_msg=name)
+
+
 @pytest.mark.timeout(120)
 def test_ctrl_c_during_a_recovery_ends_the_job_and_every_rank(tmp_path):
     """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) while the survivors re-form ends

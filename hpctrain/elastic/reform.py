@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import List
 
 from .. import settings
+from ..comm.backends.mpi.heartbeat import minority_side
 from ..errors import HpctrainError, WorldFailedError
 
 __all__ = ["reform", "Reformed", "WorldTooSmallError", "minority_side", "discard"]
@@ -74,6 +75,7 @@ def reform():
     from mpi4py import MPI
 
     detector = old.life.failure_detector
+    silence_declared = heartbeats_on() or getattr(detector, "heartbeat", None) is not None
     lost = detector.settled(first_within=FIRST_NEWS_S) if detector is not None else []
     lost_text = detector.describe(lost) if detector is not None and lost else "no rank known"
     policy.world_failed(lost)           # (revokes the old communicators if this rank had not heard yet)
@@ -89,7 +91,7 @@ def reform():
                 lost_text = detector.describe(lost)
             info = Reformed(old.size, base.Get_size(), old.rank, base.Get_rank(), lost, lost_text, t1 - t0)
             discard(old)
-        if heartbeats_on() and not policy.planned_leave and minority_side(old.size, gone):
+        if silence_declared and not policy.planned_leave and minority_side(old.size, gone):
             from ..world import fail_this_rank
 
             share = "half of it, without rank 0" if 2 * base.Get_size() == old.size else "fewer than half of it"
@@ -118,20 +120,6 @@ def reform():
         exc.reformed = info
         raise
     return new, info
-
-
-def minority_side(size: int, gone: Sequence[int]) -> bool:
-    """Whether the ranks left of a world of ``size`` after losing ``gone`` must end: they may be a partition's lesser side.
-
-    With heartbeats (HPCTRAIN_ELASTIC_SILENT_S) a silent rank is declared
-    failed, so both sides of a network partition see the other fail and
-    would each go on (two trainings writing the same checkpoints).  Only one
-    side can hold more than half of the old ranks, or exactly half with old
-    rank 0 (where the launcher runs): that side goes on, the other ends.
-    Cost: none (the lost ranks are known from the shrink).
-    """
-    kept = size - len(set(gone))
-    return 2 * kept < size or (2 * kept == size and 0 in gone)
 
 
 def _gone(old_comm, new_comm, MPI) -> List[int]:

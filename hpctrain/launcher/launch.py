@@ -80,25 +80,6 @@ def find_mpirun() -> Optional[str]:
     return shutil.which("mpirun") or shutil.which("mpiexec")
 
 
-def _silence_detector(env: Mapping[str, str]) -> List[str]:
-    """mpirun's options for Open MPI's heartbeat failure detector (ULFM), timeout HPCTRAIN_ELASTIC_SILENT_S.
-
-    A node that freezes or is cut off closes no connection, so nothing tells
-    the survivors (PRRTE's keepalive waits minutes, or for ever when the
-    node's kernel still answers).  The detector makes each rank beat to its
-    neighbour in a ring every ``T / 4`` seconds from a thread of its own (a
-    rank busy in a long computation still beats) and declares one silent for
-    ``T`` failed: the survivors then re-form as after a crash.  The ranks of a
-    lost node are found one after another (about ``T`` each).  Cost: one small
-    message per rank every ``T / 4`` seconds.
-    """
-    silent = settings.get("HPCTRAIN_ELASTIC_SILENT_S", env)
-    if not silent:
-        return []
-    return ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
-            "--mca", "mpi_ft_detector_period", f"{silent / 4:g}", "--mca", "mpi_ft_detector_timeout", f"{silent:g}"]
-
-
 def _several_hosts(hosts: Optional[str], hostfile: Optional[str]) -> bool:
     """Whether ``-H`` / ``--hostfile`` name more than one host."""
     names = set()
@@ -271,7 +252,8 @@ def build_command(n: int, argv: List[str], env: Optional[Mapping[str, str]] = No
             cmd += [] if "OMPI_MCA_coll" in env else ["--mca", "coll", "^han,cuda"]
             cmd += [] if "OMPI_MCA_btl_tcp_flags" in env else ["--mca", "btl_tcp_flags", TCP_FLAGS_WITHOUT_PUT]
             cmd += ["--prtemca", "state_base_recoverable", "1"]
-            cmd += _silence_detector(env) if _several_hosts(hosts, hostfile) else []
+            silent = settings.get("HPCTRAIN_ELASTIC_SILENT_S", env)     # (the heartbeat across nodes: heartbeat.py)
+            cmd += ["-x", f"HPCTRAIN_ELASTIC_SILENT_S={silent:g}"]
         for name, value in (exports or {}).items():
             cmd += ["-x", f"{name}={value}"]
         if "OMP_NUM_THREADS" not in env:

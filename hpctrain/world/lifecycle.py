@@ -259,8 +259,9 @@ def han_may_run(env) -> bool:
 
 
 def heartbeats_on() -> bool:
-    """Whether Open MPI's heartbeat failure detector runs in this process (HPCTRAIN_ELASTIC_SILENT_S, set by
-    `hpctrain launch --elastic` across hosts): with it, Open MPI 5.0's ``MPI_Finalize`` does not return."""
+    """Whether Open MPI's own heartbeat failure detector runs in this process (``--mca mpi_ft_detector true``, a
+    user's choice; hpctrain's heartbeat is another: :mod:`hpctrain.comm.backends.mpi.heartbeat`): with it, Open
+    MPI 5.0's ``MPI_Finalize`` does not return."""
     return os.environ.get("OMPI_MCA_mpi_ft_detector", "").strip().lower() in ("1", "true", "yes", "on")
 
 

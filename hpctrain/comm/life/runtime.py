@@ -252,6 +252,8 @@ class Runtime:
         self.close_hooks.take_all()
         self.collectives.close(drain=True)
         self.receives.close(drain=False)
+        if self.failures is not None:
+            self.failures.discard()                 # (its heartbeat: the new world has its own)
         self.departures = self.failures = None      # (their communicators are left to the old world's end)
 
     def abort(self, message: str, code: int = 1) -> None:

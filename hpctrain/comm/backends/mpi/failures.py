@@ -11,7 +11,10 @@ failure notices) and ``MPI_Comm_get_failed``, both local calls.  The watchdog
 failed world ranks and their nodes, once no more failures came for a moment
 (:meth:`FailureDetector.settled`: a lost node's processes are reported one by one); so does the exception hook when an MPI
 call failed because of them.  Where the library lacks the extension (or the
-run was started without it) nothing is ever reported as failed.
+run was started without it) nothing is ever reported as failed.  In elastic
+mode across nodes the detector also owns the world's heartbeat
+(:mod:`~hpctrain.comm.backends.mpi.heartbeat`), which declares a silent node's
+ranks failed to the library.
 """
 from __future__ import annotations
 
@@ -31,10 +34,12 @@ class FailureDetector:
         comm: the MPI world communicator (duplicated here).
         hosts: every world rank's host name, in rank order.
         MPI: the ``mpi4py.MPI`` module.
+        heartbeat: the world's :class:`~hpctrain.comm.backends.mpi.heartbeat.Heartbeat`, or None.
     """
 
-    def __init__(self, comm, hosts: Sequence[str], MPI):
+    def __init__(self, comm, hosts: Sequence[str], MPI, heartbeat=None):
         self.hosts = list(hosts)
+        self.heartbeat = heartbeat
         self._MPI = MPI
         self._comm = comm.Dup()
         self._world = comm.Get_group()
@@ -85,8 +90,15 @@ class FailureDetector:
             by_host.setdefault(self.hosts[r] if 0 <= r < len(self.hosts) else "?", []).append(r)
         return "; ".join(f"world {format_ranks(rs)} on node {host}" for host, rs in by_host.items())
 
+    def discard(self) -> None:
+        """Stop the heartbeat without a word (the world re-forms; its communicator is left to the process's end)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
     def free(self) -> None:
-        """Release the communicator."""
+        """Stop the heartbeat, telling the other nodes the world ends, and release the communicator."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop(leaving=True)
         with self._lock:
             if self._comm is not None:
                 self._world.Free()

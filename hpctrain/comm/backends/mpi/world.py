@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import os
 
+from .... import settings
 from ....env import detect_launcher
 from ....errors import BackendUnavailableError
 from ...base import Communicator
-from ...life.abort import abort_job
+from ...life.abort import abort_job, fail_this_rank
 from ...life.departures import Departures
 from ...life.runtime import Config, Runtime
 from ..notices import MPINotices
 from .communicator import MPIBackend
 from .failures import FailureDetector
+from .heartbeat import Heartbeat, node_keys
 from .requests import failure_classes
 
 __all__ = ["init_world", "world_over"]
@@ -58,7 +60,8 @@ def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> 
     if comm.Get_size() > 1:
         notices = MPINotices(comm, MPI)
         departures = Departures(notices.rank, notices.size, notices.poll, notices.announce, notices.free)
-        failures = FailureDetector(comm, comm.allgather(MPI.Get_processor_name()), MPI)
+        hosts = comm.allgather(MPI.Get_processor_name())
+        failures = FailureDetector(comm, hosts, MPI, _heartbeat(comm, hosts, config, MPI))
     runtime = Runtime(config, comm.Get_rank(), abort_job, departures, failures,
                       is_failure=lambda exc: isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes)
     try:
@@ -66,3 +69,33 @@ def world_over(comm, config: Config, name: str = "world", owns: bool = True) -> 
     except BaseException:
         runtime.discard()       # (its watchdog must not outlive a world that was never made)
         raise
+
+
+def _heartbeat(comm, hosts, config: Config, MPI):
+    """The world's heartbeat (elastic mode, ranks on several nodes, HPCTRAIN_ELASTIC_SILENT_S > 0), or None.
+
+    Collective over ``comm`` in elastic mode across nodes: one all-gather, so that every rank decides alike
+    (rank 0's HPCTRAIN_ELASTIC_SILENT_S counts, and a rank whose library cannot declare failures turns the
+    heartbeat off for all, with one warning).
+    """
+    from .ulfm import Declarer
+
+    nodes = node_keys(hosts, settings.get("HPCTRAIN_RANKS_PER_NODE"))
+    if not config.elastic or len(set(nodes)) < 2:
+        return None
+    declarer = Declarer.load(MPI.COMM_WORLD.Get_rank())
+    views = comm.allgather((settings.get("HPCTRAIN_ELASTIC_SILENT_S"), declarer is not None))
+    silent, rank = views[0][0], comm.Get_rank()
+    if not silent:
+        return None
+    if not all(ok for _, ok in views):
+        if rank == 0:
+            import warnings
+
+            lacking = [r for r, (_, ok) in enumerate(views) if not ok]
+            warnings.warn(f"hpctrain: the heartbeat across nodes (HPCTRAIN_ELASTIC_SILENT_S) needs Open MPI 5 with "
+                          f"its fault-tolerance extension (ULFM), which ranks {lacking} lack; it is off, and a node "
+                          f"that goes silent stalls the job until HPCTRAIN_STALL_TIMEOUT_S", RuntimeWarning,
+                          stacklevel=2)
+        return None
+    return Heartbeat(comm, nodes, silent, declarer, lambda message: fail_this_rank(message, rank))
