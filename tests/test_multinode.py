@@ -233,7 +233,7 @@ def test_an_elastic_job_whose_node_goes_silent_goes_on_in_process_and_ends_by_it
     """A node that goes silent (2 nodes x 2 ranks, after step 10): node2 frozen (every process SIGSTOPped, its
     kernel still answering), or cut off (its link down, its ranks running on, the link up again 30 s later).
     Nothing is closed, so only a heartbeat tells: hpctrain's own (datagrams between the nodes' first ranks, off
-    MPI's connections; on by default in elastic mode across nodes, HPCTRAIN_ELASTIC_SILENT_S = 8 s) declares
+    MPI's connections; HPCTRAIN_ELASTIC_SILENT_S = 8 s) declares
     node2's ranks failed to Open MPI.  node1's ranks (half of the world, with rank 0)
     re-form in process from their newest commit (commits every 4 steps: no disk restart), naming node2 and both
     of its ranks at once, and the job ends by itself (the launcher does not wait for node2's daemon nor for an
@@ -248,7 +248,8 @@ def test_an_elastic_job_whose_node_goes_silent_goes_on_in_process_and_ends_by_it
     out = where / "final.safetensors"
     cmd = cluster.launcher("node1") + [str(BIN / "hpctrain"), "launch", "--elastic", "-n", "4", "-H",
                                        "node1:2,node2:2", *example_args(out), "--step-sleep", "0.1", "--log-steps"]
-    job = subprocess.Popen(cmd, cwd=where, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=120, **cluster.env),
+    job = subprocess.Popen(cmd, cwd=where, env=base_env(HPCTRAIN_STALL_TIMEOUT_S=120, HPCTRAIN_ELASTIC_SILENT_S=8,
+                                                        **cluster.env),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, went_on, finished, on_node2, seen = [], None, None, None, []
     try:

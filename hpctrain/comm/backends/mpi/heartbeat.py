@@ -185,7 +185,7 @@ class Heartbeat:
             if not self._stop.is_set():
                 raise
 
-    def _receive(self, heard: Dict[int, float]) -> None:
+    def _receive(self, heard: Dict[int, Optional[float]]) -> None:
         while True:
             try:
                 data = self._sock.recv(65536, socket.MSG_DONTWAIT)

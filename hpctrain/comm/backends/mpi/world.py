@@ -78,12 +78,13 @@ def _heartbeat(comm, hosts, config: Config, MPI):
     (rank 0's HPCTRAIN_ELASTIC_SILENT_S counts, and a rank whose library cannot declare failures turns the
     heartbeat off for all, with one warning).
     """
-    from .ulfm import Declarer
+    from .ulfm import Declarer, available
 
     nodes = node_keys(hosts, settings.get("HPCTRAIN_RANKS_PER_NODE"))
     if not config.elastic or len(set(nodes)) < 2:
         return None
-    declarer = Declarer.load(MPI.COMM_WORLD.Get_rank())
+    # (only where ULFM runs: declaring a failure to a library started without it would end the job)
+    declarer = Declarer.load(MPI.COMM_WORLD.Get_rank()) if available(comm, MPI) else None
     views = comm.allgather((settings.get("HPCTRAIN_ELASTIC_SILENT_S"), declarer is not None))
     silent, rank = views[0][0], comm.Get_rank()
     if not silent:
