@@ -34,7 +34,7 @@ processes).
 
 ``--fault silent`` cuts node2's link (its processes run on) and ``--fault frozen`` stops every process on it
 (SIGSTOP; its kernel still answers): nothing is closed, so only a timeout or a heartbeat tells.  hpctrain's heartbeat across nodes
-(``HPCTRAIN_ELASTIC_SILENT_S``, ``--silent-s``, 8 s here; off by default) declares node2 lost and node1's ranks
+(``HPCTRAIN_ELASTIC_SILENT_S``, ``--silent-s``, default its default of 8 s) declares node2 lost and node1's ranks
 re-form in process;
 a peer that has not recovered within ``--timeout`` is ended and counted as not recovered.
 
@@ -255,7 +255,7 @@ def main() -> None:
                    help="on nodes, hpctrain's disk checkpoints every this many steps (its commits: --commit-every)")
     p.add_argument("--silent-s", type=float, default=8.0,
                    help="silent and frozen nodes: HPCTRAIN_ELASTIC_SILENT_S for hpctrain (its heartbeat's timeout; "
-                        "off by default)")
+                        "8 s is its default)")
     p.add_argument("--victim", type=int, default=None, help="rank to kill (default: the last)")
     p.add_argument("--kill-step", type=int, default=30)
     p.add_argument("--commit-every", type=int, default=4)

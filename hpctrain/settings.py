@@ -180,12 +180,11 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("HPCTRAIN_ELASTIC_RESETS_DONE", "int", 0, "elastic mode: resets of this job before the launcher's "
             "last restart (on more hosts, or after a lost node; each restart counts one; set by the launcher), "
             "counted against HPCTRAIN_ELASTIC_RESET_LIMIT", minimum=0),
-    Setting("HPCTRAIN_ELASTIC_SILENT_S", "seconds", 0.0, "elastic mode across nodes: a node not heard from for "
+    Setting("HPCTRAIN_ELASTIC_SILENT_S", "seconds", 8.0, "elastic mode across nodes: a node not heard from for "
             "this long is declared failed and the others go on without it (hpctrain's heartbeat: a datagram from "
             "one rank of each node to the others every eighth of it, on a socket of its own, off MPI's "
-            "connections), so that a frozen or cut-off node costs seconds (8 is tested); rank 0's value counts; "
-            "0 (the default, for now: with it on, a node crash's restart resumed from another commit than expected "
-            "in a test), off: such a node then stalls the job until HPCTRAIN_STALL_TIMEOUT_S", minimum=0),
+            "connections), so that a frozen or cut-off node costs seconds; rank 0's value counts; 0: off, such a "
+            "node then stalls the job until HPCTRAIN_STALL_TIMEOUT_S", minimum=0),
     Setting("HPCTRAIN_NODE_COMMITS", "flag", True, "`hpctrain.elastic.run`: keep each commit also in a file of "
             "the node's memory (HPCTRAIN_NODE_COMMIT_DIR), so that the restart after a lost node, or a rerun of a "
             "job killed whole, goes on from the newest commit instead of the disk checkpoint; off: memory only"),

@@ -133,7 +133,8 @@ def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_ne
     step (to 1e-12: the sums before ran across nodes), and the job's node-local
     commits are gone at its end.  With fixed hosts (-H), and with a discovery script that still lists node2 (the
     launcher leaves it out) together with ZeRO-2 (the momentum is each rank's own chunk: node2's ranks' parts come
-    back from their copies on node1's rank 0, their buddy).  And the reset limit across that restart: rank 3 (node2) dies at step 4 and the
+    back from their copies on node1's rank 0, their buddy, unless node1's ranks re-formed and committed the resharded
+    state before Open MPI's runtime ended them).  And the reset limit across that restart: rank 3 (node2) dies at step 4 and the
     others re-form (reset 1), so with ``--reset-limit 1`` the restart after node2's loss would be reset 2: the
     launcher ends the job instead, saying so."""
     from safetensors.numpy import load_file
@@ -183,7 +184,10 @@ def test_an_elastic_job_that_loses_a_whole_node_goes_on_on_the_other_from_the_ne
     assert re.search(r"hpctrain launch: node node2 was lost with Open MPI's daemon on it, .*restarting the elastic "
                      r"job on node1:2 \(start 2\)", log), log[-4000:]
     assert "hpctrain: resumed from step 20" in log and "the elastic job finished with 2 ranks" in log, log[-4000:]
-    assert re.search(r"hpctrain: resumed from node-local commit \d+ \(made by 4 ranks", log), log[-4000:]
+    # (made by 4 ranks, node2's parts from their copies on node1; or by 2 when node1's ranks re-formed and committed
+    # the resharded state at once before Open MPI's runtime ended them, as they mostly do with the heartbeat on: a
+    # race, either is that step's state; tests/test_node_commits.py takes a lost rank's part from its copy for sure)
+    assert re.search(r"hpctrain: resumed from node-local commit \d+ \(made by [24] ranks", log), log[-4000:]
     assert resumed_after is not None and resumed_after < 20, f"{resumed_after:.1f} s from the loss of node2 to the resumed job"
     summary = json.loads(out.with_name(out.name + ".json").read_text())
     before = [int(m) for m in re.findall(r"^step (\d+)$", log[:log.index("node node2 was lost")], re.M)]
@@ -231,7 +235,7 @@ def test_a_rank_killed_inside_a_64mib_collective_across_nodes_re_forms_with_righ
 @pytest.mark.parametrize("fault", ["freeze", "cut"])
 def test_an_elastic_job_whose_node_goes_silent_goes_on_in_process_and_ends_by_itself(fault, cluster):
     """A node that goes silent (2 nodes x 2 ranks, after step 10): node2 frozen (every process SIGSTOPped, its
-    kernel still answering), or cut off (its link down, its ranks running on, the link up again 30 s later).
+    kernel still answering), or cut off (its link down, its ranks running on, the link up again 20 s later).
     Nothing is closed, so only a heartbeat tells: hpctrain's own (datagrams between the nodes' first ranks, off
     MPI's connections; HPCTRAIN_ELASTIC_SILENT_S = 8 s) declares
     node2's ranks failed to Open MPI.  node1's ranks (half of the world, with rank 0)
@@ -260,7 +264,7 @@ def test_an_elastic_job_whose_node_goes_silent_goes_on_in_process_and_ends_by_it
                 cluster.fault(fault, "node2")
                 fault_at = time.monotonic()
                 if fault == "cut":          # (during the partition, after both sides had time to re-form)
-                    probe = threading.Timer(22, lambda: seen.append(cluster.processes("node2", "elastic_train")))
+                    probe = threading.Timer(15, lambda: seen.append(cluster.processes("node2", "elastic_train")))
                     probe.start()
                 break
         reformed = False
@@ -275,7 +279,7 @@ def test_an_elastic_job_whose_node_goes_silent_goes_on_in_process_and_ends_by_it
         ended = time.monotonic() - finished if finished else None
         if fault == "cut":
             probe.join()
-            time.sleep(max(0.0, fault_at + 30 - time.monotonic()))
+            time.sleep(max(0.0, fault_at + 20 - time.monotonic()))
             cluster.fault("heal", "node2")
             time.sleep(3)
             on_node2 = seen + [cluster.processes("node2", "elastic_train")]
