@@ -14,9 +14,10 @@ demo: setup
 allreduce-demo: setup
 	$(PY) benchmarks/allreduce.py --ranks $(RANKS) --quick --out results/allreduce-demo
 
-# Every test; ends with the launches' times, the slowest tests and the total wall time (set-up included).
+# Every test; ends with the launches' times, the slowest tests and the total wall time (set-up included); every
+# test's time goes to results/test-times.xml (JUnit XML).
 test:
-	@start=$$(date +%s); bash scripts/setup.sh && $(SPEED) && $(PY) -m pytest tests --durations=25; rc=$$?; \
+	@start=$$(date +%s); bash scripts/setup.sh && $(SPEED) && $(PY) -m pytest tests --durations=25 --junitxml=results/test-times.xml; rc=$$?; \
 	echo "make test: total wall time $$(( $$(date +%s) - start )) s (set-up included), exit status $$rc"; $(SPEED); exit $$rc
 
 # How fast this machine runs Python (CONTRIBUTING, "The budget": read a CI figure against it).
