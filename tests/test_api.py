@@ -267,3 +267,47 @@ def test_the_c_kernel_was_built_and_refuses_bad_buffers():
     assert kernel.reduce(1, 5, out, 0) == 0 and out.tolist() == [3.5] * 8
     peer[1] = 6                                                    # another call's hash
     assert kernel.reduce(1, 5, out, 0) == 1
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_the_half_precision_sum_kernel_gives_numpys_bits_for_every_16_bit_value(kind):
+    """The C sums of float16 and bfloat16 (hpctrain/_half_kernel.c, built by the set-up) equal numpy's
+    loops bit for bit: each of the 65536 bit patterns against a shuffled partner and against each of the special
+    values (zeros, subnormals, the largest finite, inf, NaN only as NaN), in place too; bad buffers are refused;
+    and the casts from and to float32 equal numpy's ``astype``."""
+    from hpctrain import _half_kernel
+    from hpctrain.half import narrow, widen
+    from hpctrain.collectives.ops import pairwise
+    from hpctrain.tensors import BFLOAT16
+
+    dtype = np.dtype(np.float16) if kind == "float16" else BFLOAT16
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dtype)
+    special = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00,
+                        0x7F7F, 0xFF7F, 0x7F80, 0x0080, 0x007F, 0x3C00, 0x3F80], dtype=np.uint16).view(dtype)
+    partners = [np.random.default_rng(3).permutation(every)] + [np.full(every.size, s, dtype) for s in special]
+    add = pairwise("sum", dtype)
+    assert add is not np.add, "the kernel was not built"
+    for b in partners:
+        with np.errstate(over="ignore", invalid="ignore"):
+            want, got = np.add(every, b), np.empty_like(every)
+        add(every, b, out=got)
+        nan = np.isnan(want.astype(np.float32))
+        assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
+        assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+        inplace = every.copy()
+        add(inplace, b, out=inplace)
+        assert np.array_equal(inplace.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+    with pytest.raises(ValueError, match="same even number of bytes"):
+        _half_kernel.add(np.zeros(3, np.uint16), np.zeros(4, np.uint16), np.zeros(4, np.uint16), False)
+    # the casts (the fp16 and bf16 compressors): every 16-bit value to float32 and back, and float32 values
+    # around every rounding boundary, subnormal and overflowing ones among them, to the 16-bit type
+    wide, nan = widen(every), np.isnan(every.astype(np.float32))      # (a NaN stays a NaN, maybe quieted)
+    assert np.array_equal(np.isnan(wide), nan)
+    assert np.array_equal(wide.view(np.uint32)[~nan], every.astype(np.float32).view(np.uint32)[~nan])
+    wide = np.concatenate([every.astype(np.float32)[~nan][:, None]
+                           * np.float32([1, 1 + 2 ** -12, 1 - 2 ** -12, 1 + 2 ** -9, 1 + 2 ** -20])]).reshape(-1)
+    wide = np.concatenate([wide, np.random.default_rng(4).standard_normal(100_003).astype(np.float32) * 1e3,
+                           np.float32([65519.99, 65520, 2.0 ** -25, 2.0 ** -25 * 1.0001, 3e38, np.inf])])
+    with np.errstate(over="ignore"):
+        want = wide.astype(dtype)
+    assert np.array_equal(narrow(wide, dtype).view(np.uint16), want.view(np.uint16))

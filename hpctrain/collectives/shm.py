@@ -52,7 +52,7 @@ import numpy as np
 
 from .cost_model import LinkModel, hierarchical_cost
 from .flat import Flat
-from .ops import _UFUNCS, segment_bounds
+from .ops import divide, pairwise, segment_bounds
 from .registry import ONE_NODE, Algorithm, register
 from .ring import ring_allreduce
 
@@ -81,7 +81,7 @@ def _reduce_segment(inputs, own: int, own_block, lo: int, hi: int, out: np.ndarr
     The division (``avg``) happens block by block while the block is in cache:
     no pass of its own over the result.
     """
-    ufunc = _UFUNCS[op]
+    ufunc = pairwise(op, out.dtype)
     step = max(1, _BLOCK_BYTES // out.itemsize)
     for a in range(lo, hi, step):
         b = min(a + step, hi)
@@ -99,7 +99,7 @@ def _reduce_segment(inputs, own: int, own_block, lo: int, hi: int, out: np.ndarr
 
 def _divide(a: np.ndarray, divisor: int) -> None:
     """Divide ``a`` in place by ``divisor`` (the ``avg`` of :func:`hpctrain.collectives.ops.finish`, same bits)."""
-    np.divide(a, a.dtype.type(divisor), out=a)
+    divide(a, divisor, a)
 
 
 def _reduce_own(x: Flat, base: int, N: int, bounds, views, res: np.ndarray, op: str, sh, divisor: int = 1,
@@ -205,8 +205,8 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
         return
     bounds = segment_bounds(x.size, L)
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-    ufunc = _UFUNCS[op]
     dtype = out.arrays[0].dtype
+    ufunc = pairwise(op, dtype)
     step = max(1, block_bytes // dtype.itemsize)
     n = min(step, hi - lo)
     acc_block, peer_block, own_copy = (np.empty(n, dtype=dtype) for _ in range(3))
@@ -226,7 +226,7 @@ def shm_allreduce_direct(x: Flat, out: Flat, op: str, rank: int, peers, xm, bloc
                 ufunc(acc, src, out=t)
                 acc = t
         if divisor > 1:
-            np.divide(acc, dtype.type(divisor), out=t)      # (the bits of ops.finish)
+            divide(acc, divisor, t)                         # (the bits of ops.finish)
             acc = t
         out.write(a, b, acc)                                # every input block is read: in place is safe
         out_spans = out.spans(a, b)
@@ -246,7 +246,7 @@ def shm_allreduce_small(inputs: Sequence[np.ndarray], out: np.ndarray, op: str) 
     ranks: reads ``L N``, writes ``N``; no synchronisation.  ``inputs`` and
     ``out`` share one shape and dtype (the buffers fit a cache: no blocking).
     """
-    ufunc = _UFUNCS[op]
+    ufunc = pairwise(op, out.dtype)
     if len(inputs) == 1:
         np.copyto(out, inputs[0])
         return

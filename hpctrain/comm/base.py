@@ -127,7 +127,8 @@ class Communicator:
         """Return the element-wise reduction of ``x`` over all ranks.
 
         Formula: ``out = op(x_0, ..., x_{n-1})`` with op in sum, avg, min, max,
-        prod; float16/bfloat16 accumulate in float32.  ``algorithm``: "native"
+        prod; float16/bfloat16 stay 2 bytes a value between ranks, each pair added in float32 and rounded
+        (:mod:`hpctrain.collectives.ops`: at most ``n - 1`` roundings).  ``algorithm``: "native"
         (the backend's library call), "ring" (hpctrain's bandwidth-optimal ring,
         ``2 (n-1)/n`` of the bytes sent per rank), on the MPI backend "shm"
         (one node: peers reduce straight from each other's memory, see

@@ -1,12 +1,16 @@
 """Casting compressors: fp16 and bf16 halve the bytes of an fp32 all-reduce.
 
 ``payload = cast(x)``; ``x_hat = float32(payload)``.  Sums of payloads are
-payloads of sums (up to one rounding), so they travel in one all-reduce; the
-core accumulates half-precision sums in float32 and rounds once.  Error:
-relative ``2^-11`` per value for fp16 (values beyond 65504 overflow to inf,
-below ``6e-8`` flush to zero), ``2^-8`` for bf16 (fp32's range, so no
-overflow).  Memory: none beyond the payload.  Horovod's ``Compression.fp16``
-and DDP's ``fp16_compress_hook``/``bf16_compress_hook`` do the same.
+payloads of sums (up to a rounding per hop), so they travel in one
+all-reduce, 2 bytes a value on the wire: each hop adds a pair in float32 and
+rounds it once to the payload's type (:mod:`hpctrain.collectives.ops`, with
+its bound: ``n - 1`` roundings of at most ``u`` times the sum of the values'
+magnitudes; the casts run in C: :mod:`hpctrain.half`).  Error
+of the cast: relative ``u = 2^-11`` per value for fp16
+(values beyond 65504, or sums beyond it, overflow to inf; below ``6e-8``
+flush to zero), ``2^-8`` for bf16 (fp32's range, so no overflow).  Memory:
+none beyond the payload.  Horovod's ``Compression.fp16`` and DDP's
+``fp16_compress_hook``/``bf16_compress_hook`` do the same.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
+from ..half import narrow, widen
 from ..tensors import bfloat16
 from .base import Compressor, Slot
 
@@ -31,10 +36,10 @@ class _Cast(Compressor):
     policy_exempt = True        # a cast loses too little to keep biases and norms apart
 
     def compress(self, x: np.ndarray, slot: Slot) -> Tuple[List[np.ndarray], Any]:
-        return [x.astype(self.wire_dtype)], None
+        return [narrow(x, self.wire_dtype)], None
 
     def decompress(self, payload: Sequence[np.ndarray], ctx: Any, n: int) -> np.ndarray:
-        return np.asarray(payload[0]).astype(np.float32).reshape(n)
+        return widen(np.asarray(payload[0])).reshape(n)
 
 
 class FP16(_Cast):

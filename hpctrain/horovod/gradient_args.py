@@ -9,8 +9,10 @@ share these arguments:
   parameter deltas after a local step, :mod:`hpctrain.adasum_updates`; the
   gradient tape combines the gradients; compression none or fp16);
 * ``gradient_predivide_factor`` f: Horovod scales by 1/f before and f/n after
-  the sum to keep float16 sums in range; hpctrain accumulates float16 in
-  float32, so the result is the average either way and f is only checked;
+  the sum to keep float16 sums in range; hpctrain does not scale (f is only
+  checked): its float16 sums are float16 on the wire, each pair added in
+  float32 and rounded, so a partial sum beyond 65504 is inf, as in Horovod
+  with f = 1;
 * ``process_set``: members reduce over the set's negotiated communicator;
   a rank outside the set steps on its own gradients (as Horovod's does),
   over a world of one.

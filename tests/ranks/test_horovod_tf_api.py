@@ -34,7 +34,7 @@ def test_allreduce_ops_and_scale_factors(dtype, inputs):
     avg = hvd.allreduce(x).numpy()                  # Average is the default of hvd.allreduce
     if np.dtype(dtype).kind in "iu":
         np.testing.assert_array_equal(avg, np.trunc(stack.sum(0).astype(np.float64) / hvd.size()).astype(dtype))
-    else:      # float16 sums in float32: within one float16 rounding of the float64 mean
+    else:      # (whole numbers: float16 sums exact, the mean within one float16 rounding of the float64 one)
         np.testing.assert_allclose(avg, stack.astype(np.float64).mean(0), rtol=1e-3 if dtype == np.float16 else 1e-6)
     got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0).numpy()
     if np.dtype(dtype).kind == "f":

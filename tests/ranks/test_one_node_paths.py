@@ -25,7 +25,7 @@ def test_allreduce_inplace_writes_into_the_input(comm, algorithm):
     t = torch.full((4, 3), float(r + 1)).t()               # not contiguous: written back by copy
     assert comm.allreduce_async(t, op="avg", inplace=True, algorithm=algorithm).wait() is t
     assert torch.all(t == (n + 1) / 2)
-    h = torch.full((5,), float(r + 1), dtype=torch.float16)  # accumulated in float32, copied back
+    h = torch.full((5,), float(r + 1), dtype=torch.float16)  # summed as float16, copied back
     comm.allreduce(h, inplace=True, algorithm=algorithm)
     assert torch.all(h == n * (n + 1) / 2)
     if n > 1:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ...env import detect_launcher
 from ...errors import BackendUnavailableError, HpctrainError
+from ...tensors import is_bfloat16
 from ..life.abort import abort_job
 from ...collectives.ops import finish
 from ..base import Communicator, Topology
@@ -95,8 +96,8 @@ class HorovodBackend(Primitives):
         own cycle: one Horovod operation instead of a call check and the
         reduction.  For negotiated callers (hpctrain.horovod), which compare
         the ranks' requests themselves.  ``op``: sum, avg, min, max or prod;
-        float32/float64 and integer buffers (float16 goes through the lane,
-        which accumulates it in float32).  The result is written into ``arr``.
+        float32/float64 and integer buffers (float16 and bfloat16 go through
+        the lane).  The result is written into ``arr``.
         ``abandon``: see :meth:`_wait` (a caller that learns the other ranks
         will never start it).
         """
@@ -129,6 +130,8 @@ class HorovodBackend(Primitives):
         return judge(list(descs), self.name, call.seq, None if self.name == "world" else self.world_ranks)
 
     def allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
+        if is_bfloat16(acc.dtype):     # (Horovod 0.28 has no bfloat16 reduction: in float32, 4 bytes a value)
+            return self.allreduce_native(acc.astype(np.float32), op).astype(acc.dtype)
         return self._wait(self._hvd.allreduce_async(self._t(acc), op=self._ops[op], name=self._op_name("allreduce"),
                                                     process_set=self._ps)).numpy()
 

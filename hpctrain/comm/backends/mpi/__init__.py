@@ -8,6 +8,7 @@
 - ``mailbox_collectives.py``: the collectives whose inputs the call check carries;
 - ``direct.py``, ``cross_memory.py``: large one-node all-reduces by direct copies between processes;
 - ``requests.py``: non-blocking requests and the ring's point-to-point transport;
+- ``half_ops.py``: the MPI ops that reduce float16 and bfloat16 as 16-bit words (MPI has no such type);
 - ``ulfm.py``: MPI's fault-tolerance verbs (revoke, shrink, acknowledge, the failed ranks).
 
 The backend is imported on first use of its names, so that ``ulfm`` can be

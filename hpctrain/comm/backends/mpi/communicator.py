@@ -32,6 +32,7 @@ from ...base import Communicator, Handle, CarriedByCheck, Topology
 from ..primitives import Primitives
 from .mailbox import Mailbox
 from .mailbox_collectives import MailboxCollectives
+from .half_ops import HalfOps
 from . import ulfm
 from .node import NodeGroups, SharedArena, SharedBuffer, release_window, shared_window
 from ...life.runtime import Runtime
@@ -64,6 +65,7 @@ class MPIBackend(Primitives):
         topology = Topology(g.local_rank, g.local_size, g.node_rank, g.num_nodes)
         super().__init__(runtime, comm.Get_rank(), comm.Get_size(), name, world_ranks, topology)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+        self._half_ops = HalfOps(MPI)       # (float16 and bfloat16 through the library: half_ops.py)
         self._descs = np.zeros((self._size if self._rank == 0 else 1, DESC_BYTES), dtype=np.uint8)
         self._verdict = np.zeros(VERDICT_BYTES, dtype=np.uint8)
         self._ring = RingTransport(self._coll, self._waits)
@@ -152,8 +154,12 @@ class MPIBackend(Primitives):
 
     # -- buffer primitives -----------------------------------------------------
     def allreduce_native(self, acc: np.ndarray, op: str) -> np.ndarray:
-        self._coll.Allreduce(self._MPI.IN_PLACE, acc, op=self._ops[op])
+        self._coll.Allreduce(self._MPI.IN_PLACE, *self.library_args(acc, op))
         return acc
+
+    def library_args(self, buf: np.ndarray, op: str):
+        """``(buffer, MPI op)`` for the library's reduction of ``buf`` (16-bit floats: :mod:`.half_ops`)."""
+        return self._half_ops.args(buf, op, self._ops[op])
 
     def transport(self):
         return self._ring
@@ -237,7 +243,8 @@ class MPIBackend(Primitives):
 
     def reduce_scatter_native(self, acc: np.ndarray, counts: List[int], op: str) -> np.ndarray:
         out = np.empty(counts[self._rank], dtype=acc.dtype)
-        self._coll.Reduce_scatter(acc, out, counts, op=self._ops[op])
+        buf, mpi_op = self.library_args(acc, op)
+        self._coll.Reduce_scatter(buf, out.view(buf.dtype), counts, op=mpi_op)
         return out
 
     def alltoallv(self, raw: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:

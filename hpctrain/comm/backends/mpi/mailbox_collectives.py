@@ -130,7 +130,7 @@ class MailboxCollectives:
         """
         mb, acc = self._b._mailbox, self._carry_dtype(arr)
         if mb is not None and alg == "native":
-            return self._repeat_native(call, op)
+            return self._repeat_native(call, op, arr.dtype)
         if acc is None or alg not in ("shm", "hierarchical"):
             return None
         key_hash, desc = encoded(call)
@@ -147,16 +147,18 @@ class MailboxCollectives:
             shm_allreduce_small(mb.payloads(shape, acc), out, op)
         return exchange
 
-    def _repeat_native(self, call: Call, op: str):
+    def _repeat_native(self, call: Call, op: str, dtype: np.dtype):
         """The exchange of a repeated "native" all-reduce on one node: the call check through the mailbox (in C,
         no payload), then the library's in-place all-reduce.  Cost: one mailbox exchange and MPI_Allreduce."""
         mb, key_hash, desc = self._b._mailbox, *encoded(call)
-        coll, in_place, mpi_op, note = self._b._coll, self._b._MPI.IN_PLACE, self._b._ops[op], self._b._note_missing
+        coll, in_place, note = self._b._coll, self._b._MPI.IN_PLACE, self._b._note_missing
+        words, mpi_op = self._b.library_args(np.empty(0, dtype), op)   # (16-bit floats: as 16-bit words)
+        view = words.dtype if words.dtype != dtype else None
 
         def exchange(x: np.ndarray, out: np.ndarray, seq: int) -> None:
             if not mb.post(key_hash, desc, None, note):
                 raise CollectiveMismatchError(self._b._mismatch(seq), every_rank=True)
             if out is not x:
                 np.copyto(out, x)
-            coll.Allreduce(in_place, out, op=mpi_op)
+            coll.Allreduce(in_place, out if view is None else out.view(view), op=mpi_op)
         return exchange

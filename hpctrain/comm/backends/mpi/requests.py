@@ -127,14 +127,19 @@ class RingTransport:
         self._comm, self._waits = comm, waits
 
     def isend(self, buf: np.ndarray, dest: int):
-        return self._comm.Isend(buf, dest, TAG_RING)
+        return self._comm.Isend(_bytes_of(buf), dest, TAG_RING)
 
     def irecv(self, buf: np.ndarray, source: int):
-        return self._comm.Irecv(buf, source, TAG_RING)
+        return self._comm.Irecv(_bytes_of(buf), source, TAG_RING)
 
     def waitall(self, reqs) -> None:
         if reqs:
             self._waits.all(reqs)
+
+
+def _bytes_of(buf: np.ndarray) -> np.ndarray:
+    """``buf`` as MPI can take it: a dtype numpy has no buffer format for (ml_dtypes' bfloat16) as its bytes."""
+    return buf.view(np.uint16) if buf.dtype.kind == "V" and buf.dtype.itemsize == 2 else buf
 
 
 class RequestHandle(Handle):
