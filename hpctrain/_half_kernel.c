@@ -98,19 +98,29 @@ add_f16_f16c(const uint16_t *a, const uint16_t *b, uint16_t *out, Py_ssize_t n)
 #endif
 
 /* ---- bfloat16 ------------------------------------------------------------------------------------------- */
+static inline uint16_t
+float_to_bf16(float f)
+{
+    uint32_t s;
+    memcpy(&s, &f, 4);
+    uint32_t nan = (s & 0x7FFFFFFF) > 0x7F800000, rounded = (s + 0x7FFF + ((s >> 16) & 1)) >> 16;
+    return (uint16_t)(nan ? (s >> 16) | 0x40 : rounded);
+}
+
+static inline float
+bf16_to_float(uint16_t h)
+{
+    uint32_t x = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
 static void
 add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t xa = (uint32_t)a[i] << 16, xb = (uint32_t)b[i] << 16, s;
-        float fa, fb, fs;
-        memcpy(&fa, &xa, 4);
-        memcpy(&fb, &xb, 4);
-        fs = fa + fb;
-        memcpy(&s, &fs, 4);
-        uint32_t nan = (s & 0x7FFFFFFF) > 0x7F800000, rounded = (s + 0x7FFF + ((s >> 16) & 1)) >> 16;
-        out[i] = (uint16_t)(nan ? (s >> 16) | 0x40 : rounded);     /* (a select: the loop vectorises) */
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        out[i] = float_to_bf16(bf16_to_float(a[i]) + bf16_to_float(b[i]));
 }
 
 #ifdef HAVE_X86
@@ -146,15 +156,6 @@ add_bf16_avx2(const uint16_t *a, const uint16_t *b, uint16_t *out, Py_ssize_t n)
 /* ---- casts ---------------------------------------------------------------------------------------------- */
 enum { TO_F16 = 0, FROM_F16 = 1, TO_BF16 = 2, FROM_BF16 = 3 };
 
-static uint16_t
-float_to_bf16(float f)
-{
-    uint32_t s;
-    memcpy(&s, &f, 4);
-    uint32_t nan = (s & 0x7FFFFFFF) > 0x7F800000, rounded = (s + 0x7FFF + ((s >> 16) & 1)) >> 16;
-    return (uint16_t)(nan ? (s >> 16) | 0x40 : rounded);
-}
-
 static void
 convert_portable(const void *src, void *dst, Py_ssize_t n, int mode)
 {
@@ -166,8 +167,7 @@ convert_portable(const void *src, void *dst, Py_ssize_t n, int mode)
         } else if (mode == TO_BF16) {
             ((uint16_t *)dst)[i] = float_to_bf16(((const float *)src)[i]);
         } else {
-            uint32_t x = (uint32_t)((const uint16_t *)src)[i] << 16;
-            memcpy((float *)dst + i, &x, 4);
+            ((float *)dst)[i] = bf16_to_float(((const uint16_t *)src)[i]);
         }
     }
 }
